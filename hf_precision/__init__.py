@@ -1,0 +1,67 @@
+"""hf-precision: one precision policy for a whole (multimodal) model, enforced across training,
+evaluation, prediction and generation.
+
+>>> from hf_precision import PrecisionGuardCallback
+>>> callbacks = [PrecisionGuardCallback()]
+
+Importing this package imports no tracker (wandb) and touches no GPU.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .batch import PrecisionCollator, cast_batch
+from .dtype_map import DtypeMap, dtype_map
+from .enforce import EnforceReport, check_policy, enforce_policy
+from .errors import PrecisionError, PrecisionWarning
+from .groups import (
+    GroupRule,
+    ModuleGroups,
+    find_module_groups,
+    register_group,
+    register_group_rule,
+)
+from .hooks import install_guards, remove_guards
+from .policy import PrecisionPolicy
+
+if TYPE_CHECKING:
+    from .callback import PrecisionGuardCallback
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DtypeMap",
+    "EnforceReport",
+    "GroupRule",
+    "ModuleGroups",
+    "PrecisionCollator",
+    "PrecisionError",
+    "PrecisionGuardCallback",
+    "PrecisionGuardPlugin",
+    "PrecisionPolicy",
+    "PrecisionWarning",
+    "cast_batch",
+    "check_policy",
+    "dtype_map",
+    "enforce_policy",
+    "find_module_groups",
+    "install_guards",
+    "register_group",
+    "register_group_rule",
+    "remove_guards",
+]
+
+_LAZY = {
+    # transformers/accelerate are imported only when these are used
+    "PrecisionGuardCallback": ".callback",
+    "PrecisionGuardPlugin": ".accelerate_plugin",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'hf_precision' has no attribute {name!r}")

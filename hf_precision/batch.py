@@ -1,0 +1,155 @@
+"""Batch fixing: floating tensors built by collators, processors and eval scripts follow the
+policy; integer/bool tensors and labels are left alone.
+
+>>> import torch
+>>> from hf_precision import PrecisionCollator
+>>> collate = PrecisionCollator(policy="bf16")
+>>> batch = collate([{"pixel_values": torch.rand(3, 4, 4), "input_ids": torch.tensor([1, 2])}])
+>>> batch["pixel_values"].dtype, batch["input_ids"].dtype
+(torch.bfloat16, torch.int64)
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .dtypes import dtype_name, is_castable, narrows_range
+from .errors import PrecisionError, PrecisionWarning
+from .policy import PrecisionPolicy
+
+_MASK_HINTS = ("mask", "bias")
+
+
+def is_mask_key(key: str) -> bool:
+    """Float masks/additive biases hold ``finfo.min`` sentinels instead of data."""
+    key = key.lower()
+    return any(h in key for h in _MASK_HINTS)
+
+
+def cast_tensor(t: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None, *,
+                key: str = "", mode: str = "fix", where: str = "batch") -> torch.Tensor:
+    """Cast one floating tensor without creating ``inf``.
+
+    Mask sentinels (``finfo(src).min``, ``-inf``) become ``finfo(dst).min``; other values
+    beyond the target range raise in ``raise`` mode, or are clamped with a warning.
+    """
+    if not is_castable(t):
+        return t
+    same_dev = device is None or t.device == device
+    if t.dtype == dtype and same_dev:
+        return t
+    if mode == "raise":
+        raise PrecisionError(
+            f"{where}: {key or 'tensor'} is {dtype_name(t.dtype)} on {t.device}, the policy "
+            f"expects {dtype_name(dtype)}{'' if same_dev else f' on {device}'}.\n"
+            "Fix: cast it where it is built (collator/processor), wrap the collator in "
+            "PrecisionCollator, or use the guard in mode='fix'.")
+    out = t.to(device=device, dtype=dtype)
+    if narrows_range(t.dtype, dtype) and out.numel():
+        info = torch.finfo(dtype)
+        if is_mask_key(key):
+            out.clamp_(min=info.min, max=info.max)  # sentinels (and -inf) -> finfo(dst).min
+        elif bool(out.isinf().any()) and not bool(t.isinf().any()):
+            amax = float(t.detach().abs().amax())
+            warnings.warn(
+                f"{where}: {key or 'tensor'} has values up to {amax:g}, beyond the "
+                f"{dtype_name(dtype)} range (±{info.max:g}); clamped instead of becoming inf. "
+                "Fix: normalise the data, or use bf16.", PrecisionWarning, stacklevel=3)
+            out.clamp_(min=info.min, max=info.max)
+    return out
+
+
+def cast_batch(batch: Any, dtype: torch.dtype, *, key_dtypes: Mapping[str, torch.dtype] | None
+               = None, skip_keys: tuple[str, ...] = (), device: torch.device | None = None,
+               mode: str = "fix", where: str = "batch", _key: str = "") -> Any:
+    """Cast every floating tensor in a (nested) batch; containers keep their types.
+
+    ``key_dtypes`` gives per-key dtypes (e.g. ``pixel_values`` -> the vision encoder's dtype);
+    keys in ``skip_keys`` (labels) are returned unchanged.
+    """
+    if isinstance(batch, torch.Tensor):
+        target = (key_dtypes or {}).get(_key, dtype)
+        return cast_tensor(batch, target, device, key=_key, mode=mode, where=where)
+    if isinstance(batch, Mapping):
+        changed = {}
+        for k, v in batch.items():
+            if k in skip_keys:
+                continue
+            new = cast_batch(v, dtype, key_dtypes=key_dtypes, skip_keys=skip_keys,
+                             device=device, mode=mode, where=where, _key=str(k))
+            if new is not v:
+                changed[k] = new
+        if not changed:
+            return batch
+        if isinstance(batch, dict):
+            out = dict(batch) if type(batch) is dict else copy.copy(batch)
+            out.update(changed)
+            return out
+        # BatchFeature / BatchEncoding are UserDicts: copy keeps their extras (encodings).
+        out = copy.copy(batch)
+        out.data = dict(batch.data)  # type: ignore[attr-defined]
+        out.data.update(changed)  # type: ignore[attr-defined]
+        return out
+    if isinstance(batch, (list, tuple)):
+        items = [cast_batch(v, dtype, key_dtypes=key_dtypes, skip_keys=skip_keys, device=device,
+                            mode=mode, where=where, _key=_key) for v in batch]
+        if all(a is b for a, b in zip(items, batch, strict=True)):
+            return batch
+        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+            return type(batch)(*items)
+        return type(batch)(items)
+    return batch
+
+
+def key_dtypes_for(policy: PrecisionPolicy, group_dtypes: Mapping[str, torch.dtype] | None = None
+                   ) -> dict[str, torch.dtype]:
+    """Per-key targets: keys mapped to a group follow that group's (receiving) dtype."""
+    out = {}
+    for key, group in policy.batch_key_groups.items():
+        if group_dtypes and group in group_dtypes:
+            out[key] = group_dtypes[group]
+        else:
+            out[key] = policy.group_dtype(group)
+    return out
+
+
+class PrecisionCollator:
+    """Wrap any data collator so the batches it builds follow the policy.
+
+    >>> from transformers import default_data_collator
+    >>> collate = PrecisionCollator(default_data_collator, policy="fp16")
+    """
+
+    def __init__(self, collator: Callable[[Any], Any] | None = None,
+                 policy: PrecisionPolicy | str | None = None, *, model: nn.Module | None = None,
+                 device: torch.device | str | None = None) -> None:
+        if collator is None:
+            from transformers import default_data_collator
+
+            collator = default_data_collator
+        self.collator = collator
+        self.policy = PrecisionPolicy.resolve(policy, model)
+        group_dtypes = None
+        if model is not None:
+            from .hooks import receiving_dtypes
+
+            group_dtypes = receiving_dtypes(model)
+        self.key_dtypes = key_dtypes_for(self.policy, group_dtypes)
+        self.device = torch.device(device) if device is not None else None
+
+    def __call__(self, features: Any) -> Any:
+        batch = self.collator(features)
+        if not self.policy.cast_batch or self.policy.mode == "audit":
+            return batch
+        return cast_batch(batch, self.policy.compute_dtype, key_dtypes=self.key_dtypes,
+                          skip_keys=self.policy.batch_skip_keys, device=self.device,
+                          mode=self.policy.mode, where="PrecisionCollator")
+
+    def __repr__(self) -> str:
+        return f"PrecisionCollator({self.collator!r}, policy={self.policy.describe()!r})"

@@ -1,0 +1,316 @@
+"""Per-module dtype maps: what dtype and device every part of the model is in right now.
+
+A :class:`DtypeMap` reads metadata only (dtype, shape, device, ``requires_grad``): no tensor data,
+so it is cheap on a 70B model and works on the meta device.
+
+>>> from hf_precision import dtype_map
+>>> from hf_precision.tiny import tiny_llava
+>>> m = dtype_map(tiny_llava())
+>>> sorted(m.groups)
+['language_model', 'lm_head', 'projector', 'resampler', 'vision_encoder']
+>>> m.groups["vision_encoder"].dtypes
+('float32',)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .dtypes import dtype_name, is_quantized
+from .groups import OTHER, ModuleGroups, clean_name, find_module_groups, unwrap_model
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" or type(getattr(t, "data", None)).__name__ == "DTensor"
+
+
+@dataclass
+class ModuleRecord:
+    """The tensors one module owns directly (not its children's)."""
+
+    path: str
+    group: str
+    type: str
+    params: dict[str, int] = field(default_factory=dict)  # dtype -> numel
+    bytes: dict[str, int] = field(default_factory=dict)  # dtype -> bytes (params + buffers)
+    buffers: dict[str, int] = field(default_factory=dict)  # dtype -> numel
+    devices: list[str] = field(default_factory=list)
+    trainable: int = 0
+    quantized: int = 0
+    sharded: int = 0  # numel held as DTensor (FSDP2): the wrapper owns their dtype
+    tied: list[str] = field(default_factory=list)  # "name -> first owner"
+    kept_fp32: str | None = None
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return tuple(sorted(self.params))
+
+    def signature(self) -> tuple[Any, ...]:
+        return (self.group, tuple(sorted(self.params.items())),
+                tuple(sorted(self.buffers.items())), tuple(self.devices), self.trainable)
+
+
+@dataclass
+class GroupSummary:
+    """Totals for one group."""
+
+    group: str
+    numel: dict[str, int] = field(default_factory=dict)  # dtype -> parameter numel
+    bytes: dict[str, int] = field(default_factory=dict)  # dtype -> bytes (params + buffers)
+    devices: list[str] = field(default_factory=list)
+    trainable: int = 0
+    quantized: int = 0
+    modules: int = 0
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return tuple(sorted(self.numel))
+
+    @property
+    def mixed(self) -> bool:
+        """More than one floating parameter dtype in the group."""
+        return len([d for d in self.numel if d.startswith(("float", "bfloat"))]) > 1
+
+
+@dataclass
+class DtypeChange:
+    path: str
+    before: ModuleRecord | None
+    after: ModuleRecord | None
+
+    def describe(self) -> str:
+        def fmt(r: ModuleRecord | None) -> str:
+            if r is None:
+                return "(absent)"
+            dt = "/".join(r.dtypes) or "-"
+            return f"{dt} on {'/'.join(r.devices) or '-'}"
+
+        return f"{self.path}: {fmt(self.before)} -> {fmt(self.after)}"
+
+
+@dataclass
+class DtypeDiff:
+    """What changed between two maps (``before.diff(after)``)."""
+
+    changes: list[DtypeChange]
+
+    def __bool__(self) -> bool:
+        return bool(self.changes)
+
+    def __len__(self) -> int:
+        return len(self.changes)
+
+    def __iter__(self) -> Iterator[DtypeChange]:
+        return iter(self.changes)
+
+    def __str__(self) -> str:
+        if not self.changes:
+            return "no dtype/device changes"
+        return "\n".join(c.describe() for c in self.changes)
+
+    def to_rows(self) -> list[dict[str, Any]]:
+        return [{"path": c.path,
+                 "before": "/".join(c.before.dtypes) if c.before else "",
+                 "after": "/".join(c.after.dtypes) if c.after else "",
+                 "before_devices": "/".join(c.before.devices) if c.before else "",
+                 "after_devices": "/".join(c.after.devices) if c.after else ""}
+                for c in self.changes]
+
+
+@dataclass
+class DtypeMap:
+    """A snapshot of dtypes/devices per module and per group."""
+
+    records: dict[str, ModuleRecord]
+    groups: dict[str, GroupSummary]
+    rule: str = ""
+    model_type: str | None = None
+
+    # ------------------------------------------------------------------ queries
+    def __iter__(self) -> Iterator[ModuleRecord]:
+        return iter(self.records.values())
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def bytes_by_dtype(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for g in self.groups.values():
+            for d, b in g.bytes.items():
+                out[d] = out.get(d, 0) + b
+        return out
+
+    @property
+    def total_params(self) -> int:
+        return sum(sum(g.numel.values()) for g in self.groups.values())
+
+    def diff(self, other: DtypeMap) -> DtypeDiff:
+        """Modules whose dtypes, devices or trainable counts differ from ``self`` to ``other``."""
+        changes = []
+        for path in list(self.records) + [p for p in other.records if p not in self.records]:
+            a, b = self.records.get(path), other.records.get(path)
+            if a is None or b is None or a.signature() != b.signature():
+                changes.append(DtypeChange(path, a, b))
+        return DtypeDiff(changes)
+
+    def digest(self) -> str:
+        """A short hash of every record's dtypes/devices-kind: equal maps, equal digests (used to
+        compare ranks). Device indices are dropped so cuda:0 and cuda:1 compare equal."""
+        h = hashlib.sha256()
+        for path in sorted(self.records):
+            r = self.records[path]
+            devs = sorted({d.split(":")[0] for d in r.devices})
+            h.update(repr((path, sorted(r.params.items()), sorted(r.buffers.items()),
+                           devs, r.trainable)).encode())
+        return h.hexdigest()[:16]
+
+    # ------------------------------------------------------------------ output
+    def module_rows(self) -> list[dict[str, Any]]:
+        """One row per module (for tables): path, group, type, dtypes, devices, numel, bytes,
+        trainable, quantized, kept_fp32."""
+        return [{"path": r.path, "group": r.group, "type": r.type,
+                 "dtypes": "/".join(r.dtypes) or "-",
+                 "buffer_dtypes": "/".join(sorted(r.buffers)) or "-",
+                 "devices": "/".join(r.devices) or "-",
+                 "numel": sum(r.params.values()), "bytes": sum(r.bytes.values()),
+                 "trainable": r.trainable, "quantized": r.quantized,
+                 "kept_fp32": r.kept_fp32 or ""} for r in self.records.values()]
+
+    def group_rows(self) -> list[dict[str, Any]]:
+        return [{"group": g.group, "dtypes": "/".join(g.dtypes) or "-",
+                 "devices": "/".join(g.devices) or "-", "numel": sum(g.numel.values()),
+                 "bytes": sum(g.bytes.values()), "trainable": g.trainable,
+                 "quantized": g.quantized, "modules": g.modules,
+                 **{f"numel/{d}": n for d, n in sorted(g.numel.items())}}
+                for g in self.groups.values()]
+
+    def table(self) -> str:
+        """A plain-text per-group table."""
+        head = f"{'group':<15} {'dtypes':<26} {'devices':<12} {'params':>12} {'trainable':>10}"
+        lines = [head, "-" * len(head)]
+        for g in self.groups.values():
+            dts = ", ".join(f"{d}:{n}" for d, n in sorted(g.numel.items())) or "-"
+            lines.append(f"{g.group:<15} {dts:<26} {'/'.join(g.devices) or '-':<12} "
+                         f"{sum(g.numel.values()):>12,} {g.trainable:>10,}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rule": self.rule, "model_type": self.model_type,
+                "groups": {k: asdict(v) for k, v in self.groups.items()},
+                "records": {k: asdict(v) for k, v in self.records.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DtypeMap:
+        return cls(records={k: ModuleRecord(**v) for k, v in data["records"].items()},
+                   groups={k: GroupSummary(**v) for k, v in data["groups"].items()},
+                   rule=data.get("rule", ""), model_type=data.get("model_type"))
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+
+def _add(d: dict[str, int], key: str, n: int) -> None:
+    d[key] = d.get(key, 0) + n
+
+
+def dtype_map(model: nn.Module, groups: ModuleGroups | None = None, *,
+              policy: Any = None) -> DtypeMap:
+    """Snapshot the dtypes/devices of every module that owns parameters or buffers.
+
+    ``groups`` defaults to :func:`find_module_groups`; with a ``policy`` the records say why a
+    module was kept in fp32.
+    """
+    root, _ = unwrap_model(model)
+    if groups is None:
+        groups = find_module_groups(root)
+    model_keep = tuple(getattr(root, "_keep_in_fp32_modules", None) or ())
+    records: dict[str, ModuleRecord] = {}
+    summaries: dict[str, GroupSummary] = {}
+    seen: dict[int, str] = {}
+    group_at: dict[str, str] = {}
+    lookup = groups._lookup
+    for raw, mod in root.named_modules(remove_duplicate=False):
+        path = clean_name(raw) if "_orig_mod" in raw or "wrapped_module" in raw else raw
+        # Pre-order walk: a module's group is its own entry or its parent's (O(1) per module).
+        parent = path.rsplit(".", 1)[0] if "." in path else ""
+        group = lookup.get(path) or (group_at.get(parent, OTHER) if path else lookup.get("", OTHER))
+        group_at[path] = group
+        mparams, mbufs = mod._parameters, mod._buffers
+        if not mparams and not mbufs:
+            continue
+        rec: ModuleRecord | None = None
+        for pname, p in mparams.items():
+            if p is None:
+                continue
+            full = f"{path}.{pname}" if path else pname
+            pgroup = lookup.get(full, group)
+            if id(p) in seen:
+                if rec is None:
+                    rec = ModuleRecord(path, pgroup, type(mod).__name__)
+                rec.tied.append(f"{pname} -> {seen[id(p)]}")
+                continue
+            seen[id(p)] = full
+            if rec is None:
+                rec = ModuleRecord(path, pgroup, type(mod).__name__)
+            dt, n = dtype_name(p.dtype), p.numel()
+            nbytes = n * p.element_size()
+            _add(rec.params, dt, n)
+            _add(rec.bytes, dt, nbytes)
+            dev = str(p.device)
+            if dev not in rec.devices:
+                rec.devices.append(dev)
+            if p.requires_grad:
+                rec.trainable += n
+            if is_quantized(p):
+                rec.quantized += n
+            if _is_dtensor(p):
+                rec.sharded += n
+            summary = summaries.get(pgroup)
+            if summary is None:
+                summary = summaries[pgroup] = GroupSummary(pgroup)
+            _add(summary.numel, dt, n)
+            _add(summary.bytes, dt, nbytes)
+            if dev not in summary.devices:
+                summary.devices.append(dev)
+            if p.requires_grad:
+                summary.trainable += n
+            if is_quantized(p):
+                summary.quantized += n
+            if policy is not None and rec.kept_fp32 is None:
+                rec.kept_fp32 = policy.keep_fp32_reason(full, is_buffer=False,
+                                                         model_patterns=model_keep)
+        for bname, b in mbufs.items():
+            if b is None:
+                continue
+            if rec is None:
+                rec = ModuleRecord(path, group, type(mod).__name__)
+            dt = dtype_name(b.dtype)
+            _add(rec.buffers, dt, b.numel())
+            _add(rec.bytes, dt, b.numel() * b.element_size())
+            summary = summaries.get(group)
+            if summary is None:
+                summary = summaries[group] = GroupSummary(group)
+            _add(summary.bytes, dt, b.numel() * b.element_size())
+            if policy is not None and rec.kept_fp32 is None and b.is_floating_point():
+                full = f"{path}.{bname}" if path else bname
+                rec.kept_fp32 = policy.keep_fp32_reason(full, is_buffer=True,
+                                                         model_patterns=model_keep)
+        if rec is not None:
+            if path in records:  # a module registered under two names: keep the first
+                continue
+            records[path] = rec
+            summaries.setdefault(rec.group, GroupSummary(rec.group)).modules += 1
+    order = {g: i for i, g in enumerate(groups.names + (OTHER,))}
+    summaries = dict(sorted(summaries.items(), key=lambda kv: order.get(kv[0], len(order))))
+    return DtypeMap(records, summaries, groups.rule, groups.model_type)

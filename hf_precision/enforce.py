@@ -1,0 +1,293 @@
+"""``enforce_policy``: the one function in hf-precision that changes a model.
+
+It casts parameters and buffers group by group, in place: each ``nn.Parameter`` keeps its
+identity (``param.data`` is replaced), so optimizer references stay valid and tied weights stay
+tied. Quantized storage, integer buffers and FSDP2-sharded parameters are never cast. Before a
+downcast to fp16 it checks the value range, so nothing silently becomes ``inf``.
+
+>>> import torch
+>>> from hf_precision import enforce_policy, PrecisionPolicy
+>>> from hf_precision.tiny import tiny_llava
+>>> model = tiny_llava()
+>>> model.model.vision_tower.to(torch.float16)  # doctest: +ELLIPSIS
+CLIPVisionModel(...)
+>>> report = enforce_policy(model, PrecisionPolicy.from_preset("bf16-true"))
+>>> {p.dtype for p in model.parameters()}
+{torch.bfloat16}
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .dtypes import dtype_name, is_castable, narrows_range
+from .errors import PrecisionError, PrecisionWarning
+from .groups import OTHER, ModuleGroups, find_module_groups, unwrap_model
+from .policy import PrecisionPolicy
+
+_MAX_LISTED = 12
+
+
+@dataclass
+class Change:
+    """One tensor the policy wants changed (applied or not, see :attr:`EnforceReport.applied`)."""
+
+    name: str
+    kind: str  # "param" | "buffer"
+    group: str
+    before: str
+    after: str
+    reason: str
+    device_before: str = ""
+    device_after: str = ""
+
+    def describe(self) -> str:
+        dev = (f", {self.device_before} -> {self.device_after}"
+               if self.device_after and self.device_after != self.device_before else "")
+        return f"{self.name} [{self.group}]: {self.before} -> {self.after}{dev} ({self.reason})"
+
+
+@dataclass
+class EnforceReport:
+    """What :func:`enforce_policy` changed (or, in ``audit`` mode, would change)."""
+
+    policy: PrecisionPolicy
+    groups: ModuleGroups
+    applied: bool
+    changes: list[Change] = field(default_factory=list)
+    kept_fp32: list[tuple[str, str]] = field(default_factory=list)
+    overflow: list[tuple[str, float]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    group_dtypes: dict[str, set[torch.dtype]] = field(default_factory=dict)
+    device: torch.device | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.changes)
+
+    def __iter__(self) -> Iterator[Change]:
+        return iter(self.changes)
+
+    @property
+    def mixed_groups(self) -> tuple[str, ...]:
+        """Groups whose floating parameters end up in more than one dtype (leaf guards go there)."""
+        return tuple(g for g, d in self.group_dtypes.items() if len(d) > 1)
+
+    def summary(self) -> str:
+        verb = "cast" if self.applied else "would cast"
+        lines = [f"enforce_policy[{self.policy.describe()}]: {verb} {len(self.changes)} tensor(s)"]
+        lines += ["  " + c.describe() for c in self.changes[:_MAX_LISTED]]
+        if len(self.changes) > _MAX_LISTED:
+            lines.append(f"  ... and {len(self.changes) - _MAX_LISTED} more")
+        for name, value in self.overflow:
+            lines.append(f"  kept {name}: max |value| {value:g} exceeds fp16 range")
+        for name, why in self.skipped[:_MAX_LISTED]:
+            lines.append(f"  skipped {name}: {why}")
+        return "\n".join(lines)
+
+    __str__ = summary
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy.to_dict(), "applied": self.applied,
+                "changes": [c.__dict__ for c in self.changes],
+                "kept_fp32": self.kept_fp32, "overflow": self.overflow, "skipped": self.skipped,
+                "mixed_groups": list(self.mixed_groups), "rule": self.groups.rule}
+
+
+def _is_sharded(p: torch.Tensor) -> bool:
+    return type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor"
+
+
+def model_device(root: nn.Module, groups: ModuleGroups) -> torch.device | None:
+    """Where the model lives: the language model's device, else the majority device."""
+    counts: dict[torch.device, int] = {}
+    for mod in groups.modules("language_model") or [root]:
+        for p in mod.parameters():
+            if p.device.type != "meta":
+                counts[p.device] = counts.get(p.device, 0) + p.numel()
+    if not counts:
+        for p in root.parameters():
+            if p.device.type != "meta":
+                counts[p.device] = counts.get(p.device, 0) + p.numel()
+    return max(counts, key=lambda d: counts[d]) if counts else None
+
+
+def _walk(root: nn.Module, groups: ModuleGroups) -> Iterator[tuple[str, str, nn.Module]]:
+    """(path, group, module) in pre-order, the group derived from the parent in O(1)."""
+    group_at: dict[str, str] = {}
+    lookup = groups._lookup
+    for path, mod in root.named_modules():
+        parent = path.rsplit(".", 1)[0] if "." in path else ""
+        group = lookup.get(path) or (group_at.get(parent, OTHER) if path else lookup.get("", OTHER))
+        group_at[path] = group
+        yield path, group, mod
+
+
+def _cast_optimizer_state(optimizer: Any, p: torch.Tensor, dtype: torch.dtype,
+                          device: torch.device) -> None:
+    state = getattr(optimizer, "state", {}).get(p)
+    if not state:
+        return
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and key != "step" \
+                and value.shape == p.shape:
+            state[key] = value.to(device=device, dtype=dtype)
+
+
+def enforce_policy(model: nn.Module, policy: PrecisionPolicy | str | None = None, *,
+                   groups: ModuleGroups | None = None, optimizer: Any = None,
+                   mode: str | None = None) -> EnforceReport:
+    """Bring ``model`` to ``policy`` in place and return what changed.
+
+    ``mode`` overrides ``policy.mode``: ``"audit"`` changes nothing and reports what would
+    change; ``"fix"`` casts; ``"raise"`` raises :class:`PrecisionError` listing the violations.
+    Pass the ``optimizer`` when it already holds state, so its moment tensors follow.
+    """
+    root, _ = unwrap_model(model)
+    policy = PrecisionPolicy.resolve(policy, root)
+    mode = policy.mode if mode is None else mode
+    if mode not in ("audit", "fix", "raise"):
+        raise PrecisionError(f"enforce_policy(mode={mode!r}): allowed modes audit, fix, raise.")
+    if groups is None:
+        groups = find_module_groups(root)
+    model_keep = tuple(getattr(root, "_keep_in_fp32_modules", None) or ())
+    device_mapped = bool(getattr(root, "hf_device_map", None))
+    device = model_device(root, groups) if policy.move_devices and not device_mapped else None
+    report = EnforceReport(policy, groups, applied=False, device=device)
+
+    # name -> every alias of a tied parameter, to keep the tie and warn on conflicting targets
+    aliases: dict[int, list[tuple[str, str]]] = {}
+    todo: list[tuple[nn.Module, str, torch.Tensor, Change, torch.dtype, torch.device]] = []
+    meta: list[str] = []
+    for path, group, mod in _walk(root, groups):
+        for pname, p in mod._parameters.items():
+            if p is None:
+                continue
+            full = f"{path}.{pname}" if path else pname
+            pgroup = groups._lookup.get(full, group)
+            seen = aliases.setdefault(id(p), [])
+            seen.append((full, pgroup))
+            if len(seen) > 1:
+                first_name, first_group = seen[0]
+                want, _ = policy.target_dtype(full, pgroup, trainable=p.requires_grad,
+                                              model_patterns=model_keep)
+                have, _ = policy.target_dtype(first_name, first_group, trainable=p.requires_grad,
+                                              model_patterns=model_keep)
+                if want != have:
+                    report.warnings.append(
+                        f"{full} is tied to {first_name}: policy wants {dtype_name(want)} for "
+                        f"the first and {dtype_name(have)} for the second; both keep "
+                        f"{dtype_name(have)} so the tie holds.")
+                continue
+            _plan_one(report, todo, meta, mod, pname, p, full, pgroup, "param", policy,
+                      model_keep, device, mode)
+        for bname, b in mod._buffers.items():
+            if b is None or not is_castable(b):
+                continue
+            full = f"{path}.{bname}" if path else bname
+            _plan_one(report, todo, meta, mod, bname, b, full, group, "buffer", policy,
+                      model_keep, device, mode)
+
+    if meta and device is not None:
+        msg = (f"enforce_policy: {len(meta)} tensor(s) are on the meta device while the model "
+               f"is on {device} (weights never loaded), e.g. {', '.join(meta[:3])}.\n"
+               "Fix: load the weights (from_pretrained / load_state_dict(assign=True)) before "
+               "training; the guard cannot move tensors that hold no data.")
+        if mode == "audit":
+            report.warnings.append(msg)
+        else:
+            raise PrecisionError(msg)
+    if mode == "fix":  # audits repeat every step: they report, they do not warn
+        for w in report.warnings:
+            warnings.warn(w, PrecisionWarning, stacklevel=2)
+    if mode == "raise" and (report.changes or report.overflow):
+        lines = [c.describe() for c in report.changes[:_MAX_LISTED]]
+        more = len(report.changes) - _MAX_LISTED
+        lines += [f"... and {more} more"] if more > 0 else []
+        lines += [f"{n}: max |value| {v:g} exceeds fp16 range" for n, v in report.overflow]
+        raise PrecisionError(
+            f"enforce_policy(mode='raise'): the model violates policy {policy.describe()}:\n  "
+            + "\n  ".join(lines)
+            + "\nFix: use mode='fix' to let the guard cast them, or load the model in the "
+            "policy's dtypes (from_pretrained(..., dtype=...)).")
+    if mode == "fix":
+        with torch.no_grad():
+            for mod, key, t, change, dtype, dev in todo:
+                _apply(mod, key, t, change.kind, dtype, dev, optimizer)
+        report.applied = True
+    return report
+
+
+def _plan_one(report: EnforceReport, todo: list, meta: list[str], mod: nn.Module, key: str,
+              t: torch.Tensor, full: str, group: str, kind: str, policy: PrecisionPolicy,
+              model_keep: tuple[str, ...], device: torch.device | None, mode: str) -> None:
+    if not is_castable(t):
+        if t.is_floating_point() or kind == "param":
+            report.skipped.append((full, f"quantized storage ({dtype_name(t.dtype)})"))
+        return
+    trainable = kind == "param" and t.requires_grad
+    target, reason = policy.target_dtype(full, group, trainable=trainable,
+                                         is_buffer=kind == "buffer", model_patterns=model_keep)
+    if reason.startswith(("keep_fp32", "model._keep", "rotary")):
+        report.kept_fp32.append((full, reason))
+    if _is_sharded(t):
+        report.skipped.append((full, f"sharded by FSDP2 ({dtype_name(t.dtype)}); not cast"))
+        if kind == "param":
+            report.group_dtypes.setdefault(group, set()).add(t.dtype)
+        return
+    dev = t.device
+    target_dev = dev
+    if device is not None and dev != device:
+        if dev.type == "meta":
+            meta.append(full)
+        else:
+            target_dev = device
+    final = target
+    if target != t.dtype and narrows_range(t.dtype, target) and dev.type != "meta":
+        amax = float(t.detach().abs().amax()) if t.numel() else 0.0
+        if amax > torch.finfo(target).max:
+            report.overflow.append((full, amax))
+            if mode != "raise":
+                report.warnings.append(
+                    f"{full} [{group}]: max |value| {amax:g} exceeds the {dtype_name(target)} "
+                    f"range (±{torch.finfo(target).max:g}); kept in {dtype_name(t.dtype)} instead "
+                    f"of becoming inf. Fix: keep_fp32=[{full!r}] to say so explicitly, or use "
+                    "bf16, whose range matches fp32.")
+            final = t.dtype
+    if kind == "param":
+        report.group_dtypes.setdefault(group, set()).add(final)
+    if final == t.dtype and target_dev == dev:
+        return
+    change = Change(full, kind, group, dtype_name(t.dtype), dtype_name(final), reason,
+                    str(dev), str(target_dev))
+    report.changes.append(change)
+    todo.append((mod, key, t, change, final, target_dev))
+
+
+def _apply(mod: nn.Module, key: str, t: torch.Tensor, kind: str, dtype: torch.dtype,
+           device: torch.device, optimizer: Any) -> None:
+    if kind == "buffer":
+        mod._buffers[key] = t.to(device=device, dtype=dtype)
+        return
+    grad = t.grad
+    if grad is not None:
+        t.grad = None
+    # Replacing .data keeps the Parameter object: optimizer param_groups and tied modules
+    # still point at it.
+    t.data = t.data.to(device=device, dtype=dtype)
+    if grad is not None:
+        t.grad = grad.to(device=device, dtype=dtype)
+    if optimizer is not None:
+        _cast_optimizer_state(optimizer, t, dtype, device)
+
+
+def check_policy(model: nn.Module, policy: PrecisionPolicy | str | None = None, *,
+                 groups: ModuleGroups | None = None) -> EnforceReport:
+    """What :func:`enforce_policy` would change; changes nothing (``mode="audit"``)."""
+    return enforce_policy(model, policy, groups=groups, mode="audit")

@@ -1,0 +1,30 @@
+"""Errors and warnings raised by hf-precision.
+
+Every message names the module (or call), the dtypes seen and the fix, so that a user can act on
+it without reading a traceback. Warnings use :class:`PrecisionWarning` so they can be filtered::
+
+    import warnings
+    from hf_precision import PrecisionWarning
+    warnings.filterwarnings("ignore", category=PrecisionWarning)
+"""
+
+from __future__ import annotations
+
+
+class PrecisionError(ValueError, RuntimeError):
+    """A dtype/device problem the guard cannot or may not fix.
+
+    It subclasses both ``ValueError`` (bad policy values) and ``RuntimeError`` (what PyTorch
+    raises for dtype mismatches), so existing ``except`` clauses keep working.
+
+    >>> from hf_precision import PrecisionPolicy, PrecisionError
+    >>> try:
+    ...     PrecisionPolicy.from_preset("bf61")
+    ... except PrecisionError as err:
+    ...     print(str(err).splitlines()[0])
+    PrecisionPolicy.from_preset('bf61'): unknown preset 'bf61'.
+    """
+
+
+class PrecisionWarning(UserWarning):
+    """Something was fixed or left alone and the user should know about it."""

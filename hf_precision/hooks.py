@@ -1,0 +1,293 @@
+"""Guards: forward pre-hooks that make inputs follow the receiving module's dtype and device.
+
+Module hooks fire on every path — training forward, evaluation, ``generate()`` (which encodes
+images through ``get_image_features`` outside the top-level forward), ``PeftModel.generate`` and
+callbacks calling submodules — which is why the guard uses them rather than wrapping ``forward``.
+
+Three kinds, all removable and idempotent (installing twice adds nothing):
+
+* **batch** — on the model itself: batch keys (``pixel_values``, float masks, ``latents`` …)
+  follow the policy (labels untouched);
+* **boundary** — on each group's root (vision encoder, resampler, projector, language model,
+  LM head): floating inputs follow the group's receiving dtype/device;
+* **leaf** — on every module with its own weights inside groups that mix dtypes (or everywhere
+  with ``leaf_guards="on"``): inputs follow that module's weight dtype. This covers fp32 norm
+  upcasts and tensors built inside ``forward`` (MiniCPM-V's numpy sin-cos table).
+
+Targets are computed at install time; the per-call cost is a dtype comparison.
+
+>>> from hf_precision import enforce_policy
+>>> from hf_precision.hooks import install_guards
+>>> from hf_precision.tiny import tiny_llava
+>>> model = tiny_llava()
+>>> handle = install_guards(model, "bf16-true", enforce_policy(model, "bf16-true"))
+>>> handle.remove()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .batch import cast_batch, cast_tensor, key_dtypes_for
+from .dtypes import dtype_name, is_castable, majority_dtype
+from .errors import PrecisionError
+from .groups import OTHER, ModuleGroups, find_module_groups, unwrap_model
+from .policy import PrecisionPolicy
+
+_ATTR = "_hf_precision_guard"
+#: Leaves whose inputs are integer ids: a hook there would only cost time.
+_SKIP_LEAVES: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
+
+
+@dataclass(slots=True)
+class _GuardState:
+    kind: str  # "batch" | "boundary" | "leaf"
+    path: str
+    dtype: torch.dtype
+    device: torch.device | None
+    mode: str
+    handle: Any = None
+    # batch hooks only
+    key_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    skip_keys: tuple[str, ...] = ()
+
+
+def _fix_error(st: _GuardState, module: nn.Module, what: str, t: torch.Tensor) -> PrecisionError:
+    dev = f" on {st.device}" if st.device is not None else ""
+    return PrecisionError(
+        f"{st.path or '<model>'} ({type(module).__name__}) received {what} as "
+        f"{dtype_name(t.dtype)} on {t.device}, but its weights are {dtype_name(st.dtype)}{dev} "
+        f"[{st.kind} guard, mode='raise'].\n"
+        "Fix: cast the tensor where it is made, or use PrecisionGuardCallback(mode='fix') "
+        "to let the guard cast it."
+    )
+
+
+def _cast_value(st: _GuardState, module: nn.Module, value: Any, key: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        wrong_dtype = value.dtype != st.dtype and value.is_floating_point() and is_castable(value)
+        wrong_device = st.device is not None and value.device != st.device
+        if not (wrong_dtype or wrong_device):
+            return value
+        if st.mode == "raise":
+            raise _fix_error(st, module, key, value)
+        if wrong_dtype:
+            return cast_tensor(value, st.dtype, st.device, key=key, where=st.path)
+        return value.to(st.device)  # ids and masks follow the receiver's device too
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+        items = [_cast_value(st, module, v, key) for v in value]
+        if any(a is not b for a, b in zip(items, value, strict=True)):
+            return type(value)(items)
+    return value
+
+
+def _guard_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    st: _GuardState | None = module.__dict__.get(_ATTR)
+    if st is None:
+        return None
+    if st.kind == "batch":
+        if st.mode == "audit":
+            return None
+        new_kwargs = cast_batch(kwargs, st.dtype, key_dtypes=st.key_dtypes,
+                                skip_keys=st.skip_keys, device=st.device, mode=st.mode,
+                                where=f"batch -> {type(module).__name__}")
+        new_args = tuple(_cast_value(st, module, a, f"input {i}") for i, a in enumerate(args))
+        if new_kwargs is kwargs and all(a is b for a, b in zip(new_args, args, strict=True)):
+            return None
+        return new_args, new_kwargs
+    dtype, device = st.dtype, st.device
+    # Hot path: one dtype comparison per tensor argument, nothing allocated.
+    hit = False
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if (a.dtype != dtype and a.is_floating_point()) or (
+                    device is not None and a.device != device):
+                hit = True
+                break
+        elif isinstance(a, (list, tuple)):
+            hit = True
+            break
+    if not hit and kwargs:
+        for v in kwargs.values():
+            if isinstance(v, torch.Tensor) and (
+                    (v.dtype != dtype and v.is_floating_point())
+                    or (device is not None and v.device != device)):
+                hit = True
+                break
+    if not hit or st.mode == "audit":
+        return None
+    new_args = tuple(_cast_value(st, module, a, f"input {i}") for i, a in enumerate(args))
+    new_kwargs = {k: _cast_value(st, module, v, k) for k, v in kwargs.items()}
+    return new_args, new_kwargs
+
+
+def _install(module: nn.Module, st: _GuardState) -> bool:
+    """Install or update the hook of one module; True when a new hook was added."""
+    old: _GuardState | None = module.__dict__.get(_ATTR)
+    if old is not None:
+        st.handle = old.handle
+        module.__dict__[_ATTR] = st
+        return False
+    st.handle = module.register_forward_pre_hook(_guard_hook, with_kwargs=True)
+    module.__dict__[_ATTR] = st
+    return True
+
+
+def _uninstall(module: nn.Module) -> None:
+    st: _GuardState | None = module.__dict__.pop(_ATTR, None)
+    if st is not None and st.handle is not None:
+        st.handle.remove()
+
+
+@dataclass
+class GuardHandle:
+    """The guards installed on a model; :meth:`remove` takes them all off."""
+
+    root: nn.Module
+    batch: list[str] = field(default_factory=list)
+    boundary: list[str] = field(default_factory=list)
+    leaf: list[str] = field(default_factory=list)
+    added: int = 0
+
+    @property
+    def count(self) -> int:
+        return len(self.batch) + len(self.boundary) + len(self.leaf)
+
+    def remove(self) -> None:
+        remove_guards(self.root)
+
+    def __repr__(self) -> str:
+        return (f"GuardHandle(batch={len(self.batch)}, boundary={len(self.boundary)}, "
+                f"leaf={len(self.leaf)})")
+
+
+def remove_guards(model: nn.Module) -> int:
+    """Remove every hf-precision hook from ``model``; returns how many were removed."""
+    root, _ = unwrap_model(model)
+    n = 0
+    for mod in root.modules():
+        if _ATTR in mod.__dict__:
+            _uninstall(mod)
+            n += 1
+    return n
+
+
+def installed_guards(model: nn.Module) -> int:
+    """How many modules carry an hf-precision hook."""
+    root, _ = unwrap_model(model)
+    return sum(1 for m in root.modules() if _ATTR in m.__dict__)
+
+
+def _own_weight(mod: nn.Module) -> torch.Tensor | None:
+    for p in mod._parameters.values():
+        if p is not None and is_castable(p):
+            return p
+    return None
+
+
+def _receiving(mod: nn.Module) -> tuple[torch.dtype | None, torch.device | None]:
+    frozen, every, devices = [], [], {}
+    for p in mod.parameters():
+        if not is_castable(p):
+            continue
+        every.append((p.dtype, p.numel()))
+        if not p.requires_grad:
+            frozen.append((p.dtype, p.numel()))
+        devices[p.device] = devices.get(p.device, 0) + p.numel()
+    dtype = majority_dtype(frozen) or majority_dtype(every)
+    device = max(devices, key=lambda d: devices[d]) if devices else None
+    if device is not None and device.type == "meta":
+        device = None
+    return dtype, device
+
+
+def receiving_dtypes(model: nn.Module, groups: ModuleGroups | None = None
+                     ) -> dict[str, torch.dtype]:
+    """Per group, the dtype its entry receives (majority of its frozen weights)."""
+    root, _ = unwrap_model(model)
+    groups = groups or find_module_groups(root)
+    out = {}
+    for group in groups.names:
+        for mod in groups.modules(group):
+            dtype, _ = _receiving(mod)
+            if dtype is not None:
+                out[group] = dtype
+                break
+    return out
+
+
+def install_guards(model: nn.Module, policy: PrecisionPolicy | str | None = None,
+                   report: Any = None, *, groups: ModuleGroups | None = None,
+                   leaf_groups: tuple[str, ...] | None = None) -> GuardHandle:
+    """Install (or update, idempotently) the batch, boundary and leaf guards.
+
+    ``report`` (an :class:`~hf_precision.enforce.EnforceReport`) tells which groups mix dtypes;
+    leaf guards go there when ``policy.leaf_guards == "auto"``.
+    """
+    root, _ = unwrap_model(model)
+    policy = PrecisionPolicy.resolve(policy, root)
+    if groups is None:
+        groups = report.groups if report is not None else find_module_groups(root)
+    move = policy.move_devices and not getattr(root, "hf_device_map", None)
+    handle = GuardHandle(root)
+    wanted: set[int] = set()
+
+    def put(mod: nn.Module, st: _GuardState, bucket: list[str]) -> None:
+        wanted.add(id(mod))
+        handle.added += _install(mod, st)
+        bucket.append(st.path)
+
+    recv = receiving_dtypes(root, groups)
+    root_dtype, root_device = _receiving(root)
+    if policy.cast_batch:
+        put(root, _GuardState("batch", "", policy.compute_dtype, root_device if move else None,
+                              policy.mode, key_dtypes=key_dtypes_for(policy, recv),
+                              skip_keys=policy.batch_skip_keys), handle.batch)
+    if policy.boundary_guards:
+        for group in groups.names:
+            for path, mod in zip(groups.paths.get(group, ()), groups.modules(group), strict=True):
+                if mod is root:
+                    continue
+                dtype, device = _receiving(mod)
+                if dtype is not None:
+                    put(mod, _GuardState("boundary", path, dtype, device if move else None,
+                                         policy.mode), handle.boundary)
+    if leaf_groups is None:
+        if policy.leaf_guards == "on":
+            leaf_groups = groups.names + (OTHER,)
+        elif policy.leaf_guards == "auto" and report is not None:
+            leaf_groups = tuple(report.mixed_groups)
+        else:
+            leaf_groups = ()
+    if leaf_groups:
+        from .enforce import _walk
+
+        for path, group, mod in _walk(root, groups):
+            if group not in leaf_groups or id(mod) in wanted or isinstance(mod, _SKIP_LEAVES):
+                continue
+            w = _own_weight(mod)
+            if w is None:
+                continue
+            dev = w.device if move and w.device.type != "meta" else None
+            put(mod, _GuardState("leaf", path, w.dtype, dev, policy.mode), handle.leaf)
+    for mod in root.modules():  # guards no longer wanted (e.g. a group stopped mixing dtypes)
+        if _ATTR in mod.__dict__ and id(mod) not in wanted:
+            _uninstall(mod)
+    return handle
+
+
+def guard_targets(model: nn.Module) -> Mapping[str, tuple[str, str]]:
+    """``path -> (kind, dtype)`` of every installed guard (for reports and tests)."""
+    root, _ = unwrap_model(model)
+    out = {}
+    for path, mod in root.named_modules():
+        st = mod.__dict__.get(_ATTR)
+        if st is not None:
+            out[path] = (st.kind, dtype_name(st.dtype))
+    return out

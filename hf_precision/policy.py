@@ -1,0 +1,374 @@
+"""The precision policy: one object that says which dtype every part of the model is in.
+
+>>> from hf_precision import PrecisionPolicy
+>>> policy = PrecisionPolicy.from_preset("bf16", group_dtypes={"vision_encoder": "fp32"})
+>>> policy.compute_dtype, policy.trainable_dtype
+(torch.bfloat16, torch.float32)
+>>> PrecisionPolicy.from_json(policy.to_json()) == policy
+True
+
+Precedence for one parameter (first that applies):
+
+1. keep-in-fp32 (``keep_fp32`` patterns, the model's ``_keep_in_fp32_modules``, rotary
+   ``inv_freq`` buffers) -> float32;
+2. trainable parameter -> ``trainable_dtype`` (fp32 under mixed presets: the optimizer and the
+   fp16 GradScaler need fp32 weights and gradients);
+3. its group has an override in ``group_dtypes`` -> that dtype;
+4. otherwise -> ``frozen_dtype``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import re
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .dtypes import dtype_name, majority_dtype, parse_dtype
+from .errors import PrecisionError, PrecisionWarning
+from .groups import group_names
+
+POLICY_VERSION = 1
+MODES = ("audit", "fix", "raise")
+LEAF_GUARDS = ("auto", "on", "off")
+
+#: preset -> (compute, frozen, trainable)
+PRESETS: dict[str, tuple[torch.dtype, torch.dtype, torch.dtype]] = {
+    "bf16": (torch.bfloat16, torch.bfloat16, torch.float32),
+    "bf16-true": (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    "fp16": (torch.float16, torch.float16, torch.float32),
+    "fp16-true": (torch.float16, torch.float16, torch.float16),
+    "fp32": (torch.float32, torch.float32, torch.float32),
+}
+PRESET_HELP = {
+    "bf16": "frozen weights bf16, trainable weights fp32, compute bf16 (Trainer bf16=True)",
+    "bf16-true": "everything bf16, trainable weights too (pure bf16 training/inference)",
+    "fp16": "frozen weights fp16, trainable weights fp32 for the GradScaler (Trainer fp16=True)",
+    "fp16-true": "everything fp16 (inference only: the GradScaler cannot unscale fp16 grads)",
+    "fp32": "everything fp32",
+}
+_PRESET_ALIASES = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "float32": "fp32",
+                   "bfloat16": "bf16-true", "float16": "fp16-true", "16-mixed": "fp16",
+                   "bf16-mixed-fp32": "bf16"}
+
+#: Buffers that always stay fp32 (rotary frequencies lose positions when rounded).
+DEFAULT_KEEP_FP32_BUFFERS: tuple[str, ...] = ("re:(^|\\.)(original_)?inv_freq$",)
+#: Batch keys never cast (targets are compared, not computed with).
+DEFAULT_SKIP_KEYS: tuple[str, ...] = ("labels", "label", "label_ids", "targets", "target")
+#: Batch keys that follow a group's dtype rather than the compute dtype.
+DEFAULT_KEY_GROUPS: dict[str, str] = {
+    "pixel_values": "vision_encoder",
+    "pixel_values_videos": "vision_encoder",
+    "images": "vision_encoder",
+    "image": "vision_encoder",
+}
+
+
+def _parse_mapping(value: Mapping[str, Any] | None, *, call: str) -> dict[str, torch.dtype]:
+    out: dict[str, torch.dtype] = {}
+    known = group_names()
+    for group, dt in (value or {}).items():
+        if group not in known:
+            close = difflib.get_close_matches(group, known, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise PrecisionError(
+                f"{call}: unknown group {group!r}.{hint}\nAllowed: {', '.join(known)}.\n"
+                "Fix: use one of these, or hf_precision.groups.register_group(name) first."
+            )
+        out[group] = parse_dtype(dt, call=f"{call}[{group!r}]")
+    return out
+
+
+def _choice(value: str, allowed: Iterable[str], *, call: str, what: str) -> str:
+    allowed = tuple(allowed)
+    if value in allowed:
+        return value
+    close = difflib.get_close_matches(str(value), allowed, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise PrecisionError(
+        f"{call}: unknown {what} {value!r}.{hint}\nAllowed: {', '.join(allowed)}.\n"
+        f"Fix: pass one of these."
+    )
+
+
+def match_pattern(pattern: str, name: str) -> bool:
+    """Does a keep-fp32 pattern select ``name`` (a parameter, buffer or module path)?
+
+    Precedence is fixed: ``re:<regex>`` is a regex searched in the name; otherwise the pattern
+    matches the exact name, a module path prefix (``model.vision_tower`` selects everything
+    under it), or one whole path component (transformers' ``_keep_in_fp32_modules`` style,
+    ``"wo"`` selects ``encoder.block.0.layer.1.DenseReluDense.wo.weight``).
+    """
+    if pattern.startswith("re:"):
+        return re.search(pattern[3:], name) is not None
+    if name == pattern or name.startswith(pattern + "."):
+        return True
+    return ("." + pattern + ".") in ("." + name + ".")
+
+
+@dataclass
+class PrecisionPolicy:
+    """One precision policy for the whole model, its batches and its eval/generate paths.
+
+    Build one from a preset (:meth:`from_preset`), from ``TrainingArguments``
+    (:meth:`from_training_args`) or an ``Accelerator`` (:meth:`from_accelerator`).
+    """
+
+    compute_dtype: torch.dtype = field(
+        default=torch.bfloat16, metadata={"help": "dtype activations and batches run in"})
+    frozen_dtype: torch.dtype | None = field(
+        default=None, metadata={"help": "dtype of frozen weights (None: compute_dtype)"})
+    trainable_dtype: torch.dtype | None = field(
+        default=torch.float32,
+        metadata={"help": "dtype of trainable weights (None: same as frozen weights)"})
+    group_dtypes: dict[str, torch.dtype] = field(
+        default_factory=dict, metadata={"help": "per-group override of the frozen dtype"})
+    keep_fp32: tuple[str, ...] = field(
+        default=(), metadata={"help": "patterns (exact, path prefix, component, 're:' regex) "
+                                      "of parameters/buffers that stay fp32"})
+    honour_model_keep_fp32: bool = field(
+        default=True, metadata={"help": "keep model._keep_in_fp32_modules in fp32"})
+    mode: str = field(default="fix", metadata={"help": "audit | fix | raise"})
+    move_devices: bool = field(
+        default=True, metadata={"help": "move groups/inputs to the receiving module's device"})
+    leaf_guards: str = field(
+        default="auto", metadata={"help": "auto (in groups that mix dtypes) | on | off"})
+    boundary_guards: bool = field(default=True, metadata={"help": "hooks at group entries"})
+    cast_batch: bool = field(default=True, metadata={"help": "cast floating batch tensors"})
+    batch_skip_keys: tuple[str, ...] = field(
+        default=DEFAULT_SKIP_KEYS, metadata={"help": "batch keys never cast"})
+    batch_key_groups: dict[str, str] = field(
+        default_factory=lambda: dict(DEFAULT_KEY_GROUPS),
+        metadata={"help": "batch key -> group whose dtype it follows"})
+    full_eval_dtype: torch.dtype | None = field(
+        default=None, metadata={"help": "dtype Trainer's *_full_eval casts the model to"})
+    name: str | None = field(default=None, metadata={"help": "preset this policy came from"})
+
+    def __post_init__(self) -> None:
+        call = "PrecisionPolicy(...)" if self.name is None else f"PrecisionPolicy[{self.name}]"
+        self.compute_dtype = parse_dtype(self.compute_dtype, call=f"{call}.compute_dtype")
+        self.frozen_dtype = parse_dtype(
+            self.compute_dtype if self.frozen_dtype is None else self.frozen_dtype,
+            call=f"{call}.frozen_dtype")
+        if self.trainable_dtype is not None:
+            self.trainable_dtype = parse_dtype(self.trainable_dtype, call=f"{call}.trainable_dtype")
+        if self.full_eval_dtype is not None:
+            self.full_eval_dtype = parse_dtype(self.full_eval_dtype, call=f"{call}.full_eval_dtype")
+        self.group_dtypes = _parse_mapping(self.group_dtypes, call=f"{call}.group_dtypes")
+        if isinstance(self.keep_fp32, str):
+            self.keep_fp32 = (self.keep_fp32,)
+        self.keep_fp32 = tuple(self.keep_fp32)
+        for pat in self.keep_fp32:
+            if pat.startswith("re:"):
+                try:
+                    re.compile(pat[3:])
+                except re.error as err:
+                    raise PrecisionError(
+                        f"{call}.keep_fp32: bad regex {pat!r}: {err}. Fix: escape it or drop "
+                        "the 're:' prefix for a plain path.") from err
+        self.mode = _choice(self.mode, MODES, call=f"{call}.mode", what="mode")
+        self.leaf_guards = _choice(self.leaf_guards, LEAF_GUARDS, call=f"{call}.leaf_guards",
+                                   what="leaf_guards value")
+        self.batch_skip_keys = tuple(self.batch_skip_keys)
+        known = group_names()
+        for key, group in self.batch_key_groups.items():
+            _choice(group, known, call=f"{call}.batch_key_groups[{key!r}]", what="group")
+        if self.compute_dtype == torch.float16 and self.trainable_dtype == torch.float16:
+            # Legal for inference; training would hit the GradScaler error. Said where it matters
+            # (from_training_args), not here, so fp16-true inference stays quiet.
+            pass
+
+    # ---------------------------------------------------------------- constructors
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> PrecisionPolicy:
+        """A named preset, optionally with field overrides.
+
+        Presets: ``bf16``, ``bf16-true``, ``fp16``, ``fp16-true``, ``fp32``
+        (see :data:`PRESET_HELP`).
+        """
+        key = _PRESET_ALIASES.get(str(name).lower(), str(name).lower())
+        if key not in PRESETS:
+            close = difflib.get_close_matches(str(name), list(PRESETS), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            listing = "\n".join(f"  {k:<10} {v}" for k, v in PRESET_HELP.items())
+            raise PrecisionError(
+                f"PrecisionPolicy.from_preset({name!r}): unknown preset {name!r}.{hint}\n"
+                f"Allowed:\n{listing}\nFix: pass one of these names, or build "
+                "PrecisionPolicy(compute_dtype=..., frozen_dtype=..., trainable_dtype=...)."
+            )
+        compute, frozen, trainable = PRESETS[key]
+        known = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(overrides) - known)
+        if bad:
+            raise PrecisionError(
+                f"PrecisionPolicy.from_preset({name!r}, {', '.join(f'{b}=...' for b in bad)}): "
+                f"unknown field(s) {bad}.\nAllowed: {', '.join(sorted(known))}.")
+        kwargs: dict[str, Any] = dict(compute_dtype=compute, frozen_dtype=frozen,
+                                      trainable_dtype=trainable, name=key)
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    @classmethod
+    def resolve(cls, value: PrecisionPolicy | str | Mapping[str, Any] | None,
+                model: nn.Module | None = None) -> PrecisionPolicy:
+        """Accept a policy, a preset name, a dict (JSON form) or ``None`` (infer from model)."""
+        if isinstance(value, PrecisionPolicy):
+            return value
+        if isinstance(value, str):
+            return cls.from_preset(value)
+        if isinstance(value, Mapping):
+            return cls.from_dict(value)
+        if value is None:
+            return cls.from_model(model) if model is not None else cls.from_preset("fp32")
+        raise PrecisionError(
+            f"PrecisionPolicy.resolve({value!r}): expected a PrecisionPolicy, a preset name "
+            f"({', '.join(PRESETS)}), a dict or None.")
+
+    @classmethod
+    def from_model(cls, model: nn.Module, **overrides: Any) -> PrecisionPolicy:
+        """No mixed-precision flag: the dtype most weights were loaded in, applied to all."""
+        from .groups import unwrap_model
+
+        root, _ = unwrap_model(model)
+        from .dtypes import is_castable
+
+        dt = majority_dtype((p.dtype, p.numel()) for p in root.parameters() if is_castable(p))
+        if dt is None or dt == torch.float32:
+            return cls.from_preset("fp32", **overrides)
+        return cls.from_preset(f"{'bf16' if dt == torch.bfloat16 else 'fp16'}-true", **overrides)
+
+    @classmethod
+    def from_training_args(cls, args: Any, model: nn.Module | None = None,
+                           **overrides: Any) -> PrecisionPolicy:
+        """Infer from ``TrainingArguments``: ``bf16=True`` -> ``bf16`` (frozen bf16, trainable
+        fp32); ``fp16=True`` -> ``fp16`` (frozen fp16, trainable fp32); no flag -> the dtype the
+        model was mostly loaded in, applied to every group."""
+        if getattr(args, "bf16", False) and getattr(args, "fp16", False):
+            raise PrecisionError(
+                "PrecisionPolicy.from_training_args(args): bf16=True and fp16=True together. "
+                "Fix: choose one.")
+        if getattr(args, "bf16", False):
+            policy = cls.from_preset("bf16", **overrides)
+        elif getattr(args, "fp16", False):
+            policy = cls.from_preset("fp16", **overrides)
+        elif model is not None:
+            policy = cls.from_model(model, **overrides)
+        else:
+            policy = cls.from_preset("fp32", **overrides)
+        if getattr(args, "bf16_full_eval", False):
+            policy.full_eval_dtype = torch.bfloat16
+        elif getattr(args, "fp16_full_eval", False):
+            policy.full_eval_dtype = torch.float16
+        return policy
+
+    @classmethod
+    def from_accelerator(cls, accelerator: Any, model: nn.Module | None = None,
+                         **overrides: Any) -> PrecisionPolicy:
+        """Infer from ``accelerator.mixed_precision`` (``"bf16"``, ``"fp16"``, ``"no"``/``"fp8"``)."""
+        mp = str(getattr(accelerator, "mixed_precision", "no") or "no")
+        if mp == "bf16":
+            return cls.from_preset("bf16", **overrides)
+        if mp == "fp16":
+            return cls.from_preset("fp16", **overrides)
+        if mp == "fp8":
+            warnings.warn(
+                "PrecisionPolicy.from_accelerator: mixed_precision='fp8' is handled by its own "
+                "recipe; the guard uses the 'bf16' policy around it.", PrecisionWarning,
+                stacklevel=2)
+            return cls.from_preset("bf16", **overrides)
+        if model is not None:
+            return cls.from_model(model, **overrides)
+        return cls.from_preset("fp32", **overrides)
+
+    # ---------------------------------------------------------------- queries
+
+    @property
+    def is_mixed(self) -> bool:
+        """Trainable weights are kept in another dtype than frozen ones."""
+        return self.trainable_dtype is not None and self.trainable_dtype != self.frozen_dtype
+
+    def group_dtype(self, group: str) -> torch.dtype:
+        """dtype of the frozen weights of ``group``."""
+        return self.group_dtypes.get(group, self.frozen_dtype)  # type: ignore[return-value]
+
+    def keep_fp32_reason(self, name: str, *, is_buffer: bool,
+                         model_patterns: Iterable[str] = ()) -> str | None:
+        """Why ``name`` must stay fp32, or ``None``."""
+        if is_buffer:
+            for pat in DEFAULT_KEEP_FP32_BUFFERS:
+                if match_pattern(pat, name):
+                    return "rotary inv_freq buffer"
+        for pat in self.keep_fp32:
+            if match_pattern(pat, name):
+                return f"keep_fp32 {pat!r}"
+        if self.honour_model_keep_fp32:
+            for pat in model_patterns:
+                if match_pattern(pat, name):
+                    return f"model._keep_in_fp32_modules {pat!r}"
+        return None
+
+    def target_dtype(self, name: str, group: str, *, trainable: bool, is_buffer: bool = False,
+                     model_patterns: Iterable[str] = ()) -> tuple[torch.dtype, str]:
+        """The dtype the policy wants for one parameter/buffer, and the rule that decided."""
+        reason = self.keep_fp32_reason(name, is_buffer=is_buffer, model_patterns=model_patterns)
+        if reason is not None:
+            return torch.float32, reason
+        if trainable and self.trainable_dtype is not None:
+            return self.trainable_dtype, "trainable"
+        if group in self.group_dtypes:
+            return self.group_dtypes[group], f"group_dtypes[{group!r}]"
+        return self.frozen_dtype, "frozen"  # type: ignore[return-value]
+
+    # ---------------------------------------------------------------- JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        def enc(v: Any) -> Any:
+            if isinstance(v, torch.dtype):
+                return dtype_name(v)
+            if isinstance(v, dict):
+                return {k: enc(x) for k, x in v.items()}
+            if isinstance(v, tuple):
+                return list(v)
+            return v
+
+        out = {f.name: enc(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        out["version"] = POLICY_VERSION
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PrecisionPolicy:
+        data = dict(data)
+        version = data.pop("version", POLICY_VERSION)
+        if version != POLICY_VERSION:
+            raise PrecisionError(
+                f"PrecisionPolicy.from_dict(version={version!r}): this hf-precision reads policy "
+                f"version {POLICY_VERSION}. Fix: upgrade hf-precision or re-save the policy.")
+        known = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(data) - known)
+        if bad:
+            raise PrecisionError(
+                f"PrecisionPolicy.from_dict(...): unknown field(s) {bad}.\n"
+                f"Allowed: {', '.join(sorted(known))}.")
+        return cls(**data)
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), indent=kwargs.pop("indent", 2), **kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> PrecisionPolicy:
+        return cls.from_dict(json.loads(text))
+
+    def describe(self) -> str:
+        """One line for logs: ``bf16 (frozen bfloat16, trainable float32, compute bfloat16)``."""
+        train = dtype_name(self.trainable_dtype) if self.trainable_dtype else "as frozen"
+        extra = "".join(f", {g}={dtype_name(d)}" for g, d in self.group_dtypes.items())
+        return (f"{self.name or 'custom'} (frozen {dtype_name(self.frozen_dtype)}, trainable "  # type: ignore[arg-type]
+                f"{train}, compute {dtype_name(self.compute_dtype)}{extra}; mode={self.mode})")

@@ -1,0 +1,396 @@
+"""Tiny native transformers models built offline from configs (random init, < 100k params).
+
+Nothing is downloaded: every model is built from a config with ``torch.manual_seed(seed)``, so
+tests, recipes and benchmarks get the real module layout of each architecture (paths, groups,
+``_keep_in_fp32_modules``, ``generate()`` pre-encoding images) at no cost.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import LlavaProcessor, PreTrainedConfig, PreTrainedModel
+
+# Shared tiny text-model kwargs (DESIGN.md "Tiny offline models"); ids follow the tiny tokenizer.
+PAD_ID, BOS_ID, EOS_ID, UNK_ID, IMAGE_TOKEN_ID = 0, 1, 2, 3, 255
+TXT: dict[str, int] = dict(
+    vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2,
+)
+_IDS: dict[str, int] = dict(pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+_VIT: dict[str, int] = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+)
+_CLIP_VIT: dict[str, Any] = dict(model_type="clip_vision_model", image_size=30, patch_size=6, **_VIT)
+# Qwen2-VL special ids (the real ones are beyond a 256 vocab).
+QWEN_IMAGE, QWEN_VIDEO, QWEN_VISION_START, QWEN_VISION_END = 250, 251, 252, 253
+_TEXT_LEN = 6  # text tokens per row after the image placeholders
+
+
+def _llava() -> PreTrainedConfig:
+    from transformers import LlavaConfig
+
+    return LlavaConfig(
+        vision_config=dict(_CLIP_VIT), text_config=dict(model_type="llama", **TXT, **_IDS),
+        image_token_index=IMAGE_TOKEN_ID,
+    )
+
+
+def _llava_next() -> PreTrainedConfig:
+    from transformers import LlavaNextConfig
+
+    # One pinpoint equal to the tile size: anyres gives base tile + 1 tile per image.
+    return LlavaNextConfig(
+        vision_config=dict(_CLIP_VIT), text_config=dict(model_type="llama", **TXT, **_IDS),
+        image_token_index=IMAGE_TOKEN_ID, image_grid_pinpoints=[[30, 30]],
+    )
+
+
+def _idefics2() -> PreTrainedConfig:
+    from transformers import Idefics2Config
+
+    return Idefics2Config(
+        vision_config=dict(image_size=32, patch_size=8, **_VIT),
+        perceiver_config=dict(
+            hidden_size=32, resampler_n_latents=4, resampler_depth=1, resampler_n_heads=2,
+            resampler_head_dim=8, num_key_value_heads=1,
+        ),
+        text_config=dict(model_type="mistral", **TXT, **_IDS), image_token_id=IMAGE_TOKEN_ID,
+    )
+
+
+def _idefics3() -> PreTrainedConfig:
+    from transformers import Idefics3Config
+
+    return Idefics3Config(
+        vision_config=dict(image_size=32, patch_size=8, **_VIT),
+        text_config=dict(model_type="llama", **TXT, **_IDS), image_token_id=IMAGE_TOKEN_ID,
+        scale_factor=2, pad_token_id=PAD_ID,
+    )
+
+
+def _qwen2_vl() -> PreTrainedConfig:
+    from transformers import Qwen2VLConfig
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    return Qwen2VLConfig(
+        vision_config=dict(
+            depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=4,
+            spatial_merge_size=2, temporal_patch_size=2,
+        ),
+        text_config=dict(**TXT, **_IDS, rope_parameters=rope), image_token_id=QWEN_IMAGE,
+        video_token_id=QWEN_VIDEO, vision_start_token_id=QWEN_VISION_START,
+        vision_end_token_id=QWEN_VISION_END,
+    )
+
+
+def _paligemma() -> PreTrainedConfig:
+    from transformers import PaliGemmaConfig
+
+    return PaliGemmaConfig(
+        vision_config=dict(
+            model_type="siglip_vision_model", image_size=32, patch_size=8, projection_dim=32, **_VIT,
+        ),
+        text_config=dict(model_type="gemma", head_dim=8, **TXT, **_IDS),
+        image_token_index=IMAGE_TOKEN_ID, projection_dim=32,
+    )
+
+
+def _minicpmv4_6() -> PreTrainedConfig:
+    from transformers import MiniCPMV4_6Config
+
+    # LM is the real default family (qwen3_5_text: one gated-delta linear-attention layer + one
+    # full-attention layer). insert_layer_id=0 puts the window merger after the first ViT layer.
+    text = dict(
+        model_type="qwen3_5_text", **TXT, **_IDS, head_dim=8, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        layer_types=["linear_attention", "full_attention"],
+    )
+    # Vision width 16: the two 2x2 mergers hold (4*width)^2-sized linears.
+    vision = dict(
+        image_size=32, patch_size=4, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2,
+    )
+    return MiniCPMV4_6Config(
+        vision_config=vision, text_config=text,
+        insert_layer_id=0, image_size=32, image_token_id=IMAGE_TOKEN_ID,
+    )
+
+
+def _blip2() -> PreTrainedConfig:
+    from transformers import Blip2Config
+
+    return Blip2Config(
+        vision_config=dict(image_size=30, patch_size=6, **_VIT),
+        qformer_config=dict(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+            encoder_hidden_size=32, vocab_size=256, max_position_embeddings=64,
+        ),
+        text_config=dict(
+            model_type="opt", vocab_size=256, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+            num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=64, **_IDS,
+        ),
+        num_query_tokens=4, image_token_index=IMAGE_TOKEN_ID, image_text_hidden_size=32,
+    )
+
+
+def _kosmos2() -> PreTrainedConfig:
+    from transformers import Kosmos2Config
+
+    return Kosmos2Config(
+        text_config=dict(
+            vocab_size=256, embed_dim=32, layers=2, ffn_dim=64, attention_heads=4,
+            max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+        ),
+        vision_config=dict(image_size=30, patch_size=6, **_VIT), latent_query_num=4,
+    )
+
+
+def _llama() -> PreTrainedConfig:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**TXT, **_IDS, max_position_embeddings=64)
+
+
+TINY_CONFIGS: dict[str, Callable[[], PreTrainedConfig]] = {
+    "llava": _llava, "llava_next": _llava_next, "idefics2": _idefics2, "idefics3": _idefics3,
+    "qwen2_vl": _qwen2_vl, "paligemma": _paligemma, "minicpmv4_6": _minicpmv4_6,
+    "blip-2": _blip2, "kosmos-2": _kosmos2, "llama": _llama,
+}
+_MODEL_CLASSES: dict[str, str] = {
+    "llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
+    "idefics2": "Idefics2ForConditionalGeneration",
+    "idefics3": "Idefics3ForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration", "paligemma": "PaliGemmaForConditionalGeneration",
+    "minicpmv4_6": "MiniCPMV4_6ForConditionalGeneration",
+    "blip-2": "Blip2ForConditionalGeneration", "kosmos-2": "Kosmos2ForConditionalGeneration",
+    "llama": "LlamaForCausalLM",
+}
+_ALIASES = {"blip_2": "blip-2", "blip2": "blip-2", "kosmos2": "kosmos-2", "text_llama": "llama"}
+
+
+def _canonical(model_type: str) -> str:
+    key = _ALIASES.get(model_type, model_type)
+    if key not in TINY_CONFIGS:
+        raise KeyError(f"no tiny model for {model_type!r}; known: {sorted(TINY_CONFIGS)}")
+    return key
+
+
+def tiny_config(model_type: str) -> PreTrainedConfig:
+    """A fresh tiny config for ``model_type`` (``blip_2``/``kosmos2`` aliases accepted)."""
+    return TINY_CONFIGS[_canonical(model_type)]()
+
+
+def build_tiny(
+    model_type: str, dtype: torch.dtype | None = None, seed: int = 0
+) -> PreTrainedModel:
+    """Build the tiny model in fp32 (eval mode), then ``.to(dtype)`` if given."""
+    import transformers
+
+    key = _canonical(model_type)
+    config = TINY_CONFIGS[key]()
+    torch.manual_seed(seed)
+    model: PreTrainedModel = getattr(transformers, _MODEL_CLASSES[key])(config)
+    model.eval()
+    return model.to(dtype) if dtype is not None else model
+
+
+def tiny_llava(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
+    return build_tiny("llava", dtype, seed)
+
+
+def tiny_llava_next(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
+    return build_tiny("llava_next", dtype, seed)
+
+
+def tiny_idefics2(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
+    return build_tiny("idefics2", dtype, seed)
+
+
+def tiny_idefics3(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
+    return build_tiny("idefics3", dtype, seed)
+
+
+def tiny_qwen2_vl(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
+    return build_tiny("qwen2_vl", dtype, seed)
+
+
+def tiny_paligemma(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
+    return build_tiny("paligemma", dtype, seed)
+
+
+def tiny_minicpmv4_6(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
+    return build_tiny("minicpmv4_6", dtype, seed)
+
+
+def tiny_blip2(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
+    return build_tiny("blip-2", dtype, seed)
+
+
+def tiny_kosmos2(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
+    return build_tiny("kosmos-2", dtype, seed)
+
+
+def tiny_text_llama(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
+    return build_tiny("llama", dtype, seed)
+
+
+def num_image_tokens(config: PreTrainedConfig) -> int:
+    """Placeholder tokens one image expands to in the tiny configs (what a processor inserts)."""
+    mt = config.model_type
+    if mt == "llava":  # 5x5 patches; "default" strategy drops CLS
+        return 25
+    if mt == "llava_next":  # base tile 25 + one 5x5 tile with a newline per row
+        return 25 + 5 * 6
+    if mt == "idefics2":
+        return int(config.perceiver_config.resampler_n_latents)
+    if mt == "idefics3":
+        side = config.vision_config.image_size // config.vision_config.patch_size
+        return int(side**2 // config.scale_factor**2)
+    if mt == "qwen2_vl":  # grid (1, 4, 4) merged 2x2
+        return 4
+    if mt == "paligemma":
+        return int((config.vision_config.image_size // config.vision_config.patch_size) ** 2)
+    if mt == "minicpmv4_6":  # 8x8 patches, 2x2 window merger then 2x2 merger
+        return 4
+    if mt == "blip-2":
+        return int(config.num_query_tokens)
+    if mt == "kosmos-2":
+        return int(config.latent_query_num)
+    if mt == "llama":
+        return 0
+    raise KeyError(f"no tiny batch recipe for model_type {mt!r}")
+
+
+def tiny_batch(
+    model: Any, batch_size: int = 2, seed: int = 0, with_labels: bool = True
+) -> dict[str, torch.Tensor]:
+    """A valid fp32 forward batch for a tiny model (or its config): one image per row.
+
+    Rows are ``[prefix] + image placeholders + [suffix] + text``; ``labels`` copy ``input_ids``
+    with the image placeholders set to -100. Floating tensors are fp32 on purpose: that is what
+    collators and processors produce (root-cause class A).
+    """
+    cfg = getattr(model, "config", model)
+    mt = cfg.model_type
+    g = torch.Generator().manual_seed(seed)
+    b, n_img = batch_size, num_image_tokens(cfg)
+    text = torch.randint(4, 200, (b, _TEXT_LEN), generator=g)
+    img_id = {"qwen2_vl": QWEN_IMAGE, "kosmos-2": 4}.get(mt, IMAGE_TOKEN_ID)
+    prefix: list[int] = [BOS_ID]
+    suffix: list[int] = []
+    if mt == "qwen2_vl":
+        prefix, suffix = [QWEN_VISION_START], [QWEN_VISION_END]
+    elif mt == "kosmos-2":  # <s> <image> latents </image>; ids are arbitrary in the tiny vocab
+        prefix, suffix = [0, 5], [6]
+    head = torch.tensor(prefix + [img_id] * n_img + suffix).expand(b, -1)
+    input_ids = torch.cat([head, text], dim=1) if n_img else torch.cat([head[:, :1], text], 1)
+    is_img = torch.zeros_like(input_ids, dtype=torch.bool)
+    if n_img:
+        is_img[:, len(prefix) : len(prefix) + n_img] = True
+    batch: dict[str, torch.Tensor] = {
+        "input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+    }
+
+    def pixels(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float32)
+
+    if mt in ("llava", "blip-2", "kosmos-2"):
+        batch["pixel_values"] = pixels(b, 3, 30, 30)
+    elif mt == "llava_next":
+        batch["pixel_values"] = pixels(b, 2, 3, 30, 30)  # (B, tiles, C, H, W)
+        batch["image_sizes"] = torch.tensor([[30, 30]] * b)
+    elif mt in ("idefics2", "idefics3"):
+        batch["pixel_values"] = pixels(b, 1, 3, 32, 32)  # (B, images, C, H, W)
+        batch["pixel_attention_mask"] = torch.ones(b, 1, 32, 32, dtype=torch.bool)
+    elif mt == "qwen2_vl":
+        batch["pixel_values"] = pixels(b * 16, 3 * 2 * 4 * 4)  # flattened patches
+        batch["image_grid_thw"] = torch.tensor([[1, 4, 4]] * b)
+        batch["mm_token_type_ids"] = is_img.long()  # text 0, image 1 (drives M-RoPE)
+    elif mt == "paligemma":
+        batch["pixel_values"] = pixels(b, 3, 32, 32)
+        # prefix (image + bos + first half of the text) is bidirectional, the rest is the suffix
+        tt = torch.ones_like(input_ids)
+        tt[:, : len(prefix) + n_img + _TEXT_LEN // 2] = 0
+        batch["token_type_ids"] = tt
+    elif mt == "minicpmv4_6":
+        # NaViT packing: all images' 4x4 patches side by side in one (1, C, P, L*P) row.
+        batch["pixel_values"] = pixels(1, 3, 4, b * 64 * 4)
+        batch["target_sizes"] = torch.tensor([[8, 8]] * b, dtype=torch.int32)
+    if mt == "kosmos-2":
+        batch["image_embeds_position_mask"] = is_img.long()
+    if with_labels:
+        batch["labels"] = input_ids.masked_fill(is_img, -100)
+    return batch
+
+
+# Words of the synthetic captioning/VQA data; the tokenizer covers them plus chat-template words.
+TINY_WORDS: tuple[str, ...] = (
+    "user", "assistant", "system", ":", ".", ",", "?", "!", "a", "an", "the", "is", "are", "it",
+    "this", "that", "what", "which", "where", "how", "many", "in", "on", "of", "and", "with",
+    "image", "picture", "photo", "describe", "shows", "there", "color", "shape", "size", "red",
+    "green", "blue", "yellow", "black", "white", "orange", "purple", "gray", "square", "circle",
+    "triangle", "line", "dot", "small", "large", "big", "left", "right", "top", "bottom",
+    "center", "one", "two", "three", "four", "five", "yes", "no", "background", "object",
+    "objects", "caption", "answer", "question", "see", "do", "you",
+)
+_SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }} : "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<image> {% else %}{{ item['text'] }} {% endif %}"
+    "{% endfor %}{% endif %}{% if message['role'] == 'assistant' %}</s>{% endif %} "
+    "{% endfor %}{% if add_generation_prompt %}assistant : {% endif %}"
+)
+
+
+def _tiny_tokenizer() -> Any:
+    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(_SPECIALS + TINY_WORDS)}
+    for i in range(len(vocab), IMAGE_TOKEN_ID):  # fill up to 255 so <image> gets the model's id
+        vocab[f"<extra_{i}>"] = i
+    vocab["<image>"] = IMAGE_TOKEN_ID
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    # Specials are matched before pre-tokenization, so "<image><image>" splits correctly.
+    tok.add_special_tokens([AddedToken(t, special=True) for t in (*_SPECIALS, "<image>")])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", BOS_ID)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+        unk_token="<unk>", extra_special_tokens={"image_token": "<image>"},
+    )
+
+
+def tiny_llava_processor(tmpdir: str | None = None) -> LlavaProcessor:
+    """An offline ``LlavaProcessor`` matching :func:`tiny_llava` (30x30 images, 25 tokens).
+
+    With ``tmpdir`` it is saved there and reloaded with ``from_pretrained`` (round-trip check);
+    without it, a throwaway directory is used for the same round trip.
+    """
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": 30}, crop_size={"height": 30, "width": 30},
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor, tokenizer=_tiny_tokenizer(), patch_size=6,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE,
+    )
+    if tmpdir is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            processor.save_pretrained(tmp)
+            return LlavaProcessor.from_pretrained(tmp, local_files_only=True)
+    processor.save_pretrained(tmpdir)
+    return LlavaProcessor.from_pretrained(tmpdir, local_files_only=True)
