@@ -95,6 +95,7 @@ class PrecisionGuardCallback(TrainerCallback):
         self.last_report: EnforceReport | None = None
         self.events: list[tuple[str, int]] = []  # (event, number of changes) for inspection
         self._stash: dict[str, torch.Tensor] = {}
+        self.restored = 0  # tensors given back their exact values after a *_full_eval cast
         self._reporter: Any = None
         self._root: nn.Module | None = None
 
@@ -267,6 +268,7 @@ class PrecisionGuardCallback(TrainerCallback):
         if not self._setup(args, model):
             return
         restored = self._restore_stash(model)
+        self.restored += restored
         if restored:
             logger.info("hf-precision: restored %d tensor(s) rounded by *_full_eval", restored)
         self._verify(model, event, args, state, kwargs)

@@ -1,0 +1,50 @@
+# hf-precision: `make demo` and `make test` work from a fresh clone (they set up .venv first).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export WANDB_MODE ?= offline
+export WANDB_SILENT ?= true
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup demo test test-fast lint typecheck bench gpu-test nightly clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build
+	$(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(BIN)/python recipes/lora_llava.py --config recipes/configs/llava/tiny.yaml --report_to wandb
+
+test: setup
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -x -m "not slow and not multiprocess"
+
+lint: setup
+	$(BIN)/ruff check hf_precision tests recipes benchmarks
+	$(BIN)/ruff format --check hf_precision tests recipes benchmarks
+
+typecheck: setup
+	$(BIN)/mypy
+
+bench: setup
+	$(BIN)/python -m benchmarks
+
+gpu-test: setup
+	$(BIN)/python -m pytest -m gpu -q
+
+nightly: setup
+	HF_PRECISION_PROPERTY_EXAMPLES=1000 $(BIN)/python -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

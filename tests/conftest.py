@@ -1,0 +1,61 @@
+"""Shared fixtures: offline environment, tiny models and a real Trainer factory."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `make gpu-test` on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+class ListDataset(torch.utils.data.Dataset):
+    """Rows of a batch dict as a map-style dataset (Trainer needs ``__len__``)."""
+
+    def __init__(self, batch: dict[str, torch.Tensor], repeat: int = 1) -> None:
+        n = next(iter(batch.values())).shape[0]
+        self.rows = [{k: v[i] for k, v in batch.items()} for _ in range(repeat) for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.rows[i]
+
+
+@pytest.fixture
+def make_trainer(tmp_path: Any) -> Callable[..., Any]:
+    """``make_trainer(model, batch, callbacks=[...], **training_args) -> Trainer`` on CPU."""
+    from transformers import Trainer, TrainingArguments
+
+    def factory(model: torch.nn.Module, batch: dict[str, torch.Tensor], *,
+                callbacks: list[Any] | None = None, repeat: int = 2, **kw: Any) -> Any:
+        defaults: dict[str, Any] = dict(
+            output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=2,
+            per_device_train_batch_size=2, per_device_eval_batch_size=2, logging_steps=1,
+            save_strategy="no", remove_unused_columns=False, disable_tqdm=True,
+            dataloader_num_workers=0, learning_rate=1e-3, seed=0)
+        defaults.update(kw)
+        args = TrainingArguments(**defaults)
+        data = ListDataset(batch, repeat)
+        return Trainer(model=model, args=args, train_dataset=data, eval_dataset=data,
+                       callbacks=callbacks or [])
+
+    return factory

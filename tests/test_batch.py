@@ -1,0 +1,78 @@
+import pytest
+import torch
+from transformers import BatchFeature, default_data_collator
+
+from hf_precision import PrecisionCollator, PrecisionError, PrecisionPolicy, PrecisionWarning
+from hf_precision.batch import cast_batch, cast_tensor
+from hf_precision.tiny import tiny_llava
+
+
+def test_floating_cast_ints_bools_labels_untouched():
+    batch = {"pixel_values": torch.rand(2, 3), "input_ids": torch.ones(2, 3, dtype=torch.long),
+             "mask": torch.ones(2, dtype=torch.bool), "labels": torch.rand(2)}
+    out = cast_batch(batch, torch.bfloat16, skip_keys=("labels",))
+    assert out["pixel_values"].dtype == torch.bfloat16
+    assert out["input_ids"] is batch["input_ids"]
+    assert out["mask"] is batch["mask"]
+    assert out["labels"] is batch["labels"]
+
+
+def test_nested_containers_keep_types():
+    feat = BatchFeature({"pixel_values": torch.rand(1, 3), "ids": torch.ones(1, dtype=torch.long)})
+    batch = {"a": [torch.rand(2), torch.rand(2)], "b": (torch.rand(1),), "c": feat,
+             "d": {"latents": torch.rand(2)}}
+    out = cast_batch(batch, torch.float16)
+    assert isinstance(out["a"], list) and out["a"][0].dtype == torch.float16
+    assert isinstance(out["b"], tuple) and out["b"][0].dtype == torch.float16
+    assert type(out["c"]) is BatchFeature and out["c"]["pixel_values"].dtype == torch.float16
+    assert out["d"]["latents"].dtype == torch.float16
+    assert feat["pixel_values"].dtype == torch.float32  # input not mutated
+
+
+def test_unchanged_batch_is_returned_as_is():
+    batch = {"x": torch.rand(2, dtype=torch.bfloat16)}
+    assert cast_batch(batch, torch.bfloat16) is batch
+
+
+@pytest.mark.parametrize("dst", [torch.float16, torch.bfloat16])
+def test_mask_sentinels_remapped_not_inf(dst):
+    src_min = torch.finfo(torch.float32).min
+    mask = torch.tensor([[0.0, src_min], [float("-inf"), 0.0]])
+    out = cast_tensor(mask, dst, key="attention_mask")
+    assert not torch.isinf(out).any()
+    assert out[0, 1].item() == torch.finfo(dst).min
+    assert out[1, 0].item() == torch.finfo(dst).min
+    scores = torch.zeros(2, 2, dtype=dst) + out
+    assert not torch.isnan(torch.softmax(scores.float(), -1)).any()
+
+
+def test_value_overflow_clamped_with_warning_or_raises():
+    t = torch.tensor([1.0, 70000.0])
+    with pytest.warns(PrecisionWarning, match="70000.*clamped"):
+        out = cast_tensor(t, torch.float16, key="latents")
+    assert out[1].item() == torch.finfo(torch.float16).max
+    with pytest.raises(PrecisionError, match="latents is float32"):
+        cast_tensor(t, torch.float16, key="latents", mode="raise")
+
+
+def test_collator_wraps_default_and_follows_group_dtype():
+    model = tiny_llava()
+    model.model.vision_tower.to(torch.float32)
+    model.model.language_model.to(torch.bfloat16)
+    collate = PrecisionCollator(default_data_collator, PrecisionPolicy.from_preset("bf16"),
+                                model=model)
+    feats = [{"pixel_values": torch.rand(3, 4, 4), "input_ids": torch.tensor([1, 2]),
+              "labels": torch.tensor([1, 2])} for _ in range(2)]
+    batch = collate(feats)
+    # pixel_values follow the vision encoder (fp32 here), not the compute dtype
+    assert batch["pixel_values"].dtype == torch.float32
+    assert batch["input_ids"].dtype == torch.long
+    plain = PrecisionCollator(policy="bf16")(feats)
+    assert plain["pixel_values"].dtype == torch.bfloat16
+    assert "bf16" in repr(plain) or "PrecisionCollator" in repr(PrecisionCollator(policy="bf16"))
+
+
+def test_collator_audit_mode_changes_nothing():
+    feats = [{"pixel_values": torch.rand(3)}]
+    out = PrecisionCollator(policy=PrecisionPolicy.from_preset("bf16", mode="audit"))(feats)
+    assert out["pixel_values"].dtype == torch.float32

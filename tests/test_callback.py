@@ -1,0 +1,130 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from hf_precision import PrecisionError, PrecisionGuardCallback
+from hf_precision.hooks import installed_guards
+from hf_precision.tiny import tiny_batch, tiny_llava
+
+LM_ATTN = r".*language_model.*\.(q_proj|v_proj)"
+
+
+def _split_lora_llava():
+    """A realistic load: vision tower fp16, the rest fp32, LoRA on the LM attention."""
+    model = tiny_llava()
+    model.model.vision_tower.to(torch.float16)
+    return get_peft_model(model, LoraConfig(r=4, target_modules=LM_ATTN))
+
+
+def _dtypes(params):
+    return {p.dtype for p in params}
+
+
+def test_bf16_flag_infers_mixed_policy_and_trains(make_trainer):
+    model = _split_lora_llava()
+    cb = PrecisionGuardCallback()
+    trainer = make_trainer(model, tiny_batch(model.base_model.model), callbacks=[cb], bf16=True,
+                           eval_strategy="steps", eval_steps=1)
+    # cast at on_init_end, before the optimizer exists
+    assert cb.policy is not None and cb.policy.name == "bf16"
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert _dtypes(frozen) == {torch.bfloat16}
+    assert _dtypes(trainable) == {torch.float32}
+    result = trainer.train()
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    events = [e for e, _ in cb.events]
+    assert events[:2] == ["on_init_end", "on_train_begin"]
+    assert "before_evaluate" in events and "on_evaluate" in events
+    assert all(n == 0 for e, n in cb.events[1:])  # no drift after the first cast
+    assert _dtypes(p for p in model.parameters() if p.requires_grad) == {torch.float32}
+    metrics = trainer.evaluate()
+    assert "eval_loss" in metrics
+    files = sorted(Path(trainer.args.output_dir, "precision").glob("*.json"))
+    assert files, "a JSON dtype map per event"
+    data = json.loads(files[0].read_text())
+    assert data["event"] == "on_init_end"
+    assert data["policy"]["name"] == "bf16"
+
+
+def test_no_flag_uses_loaded_dtype_coherently(make_trainer):
+    model = tiny_llava(dtype=torch.bfloat16)
+    model.model.multi_modal_projector.to(torch.float32)  # the odd one out
+    cb = PrecisionGuardCallback(report=False)
+    make_trainer(model, tiny_batch(model), callbacks=[cb])
+    assert cb.policy is not None and cb.policy.name == "bf16-true"
+    assert _dtypes(model.parameters()) == {torch.bfloat16}
+
+
+def test_add_callback_after_construction_enforces_at_train_begin(make_trainer):
+    model = _split_lora_llava()
+    trainer = make_trainer(model, tiny_batch(model.base_model.model), bf16=True)
+    cb = PrecisionGuardCallback(report=False)
+    trainer.add_callback(cb)
+    assert torch.float16 in _dtypes(model.parameters())  # nothing happened yet
+    trainer.train()
+    assert cb.events[0][0] == "on_train_begin" and cb.events[0][1] > 0
+    assert _dtypes(p for p in model.parameters() if not p.requires_grad) == {torch.bfloat16}
+    # the optimizer still holds the model's parameters (identity kept by the repair)
+    opt_params = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    assert {id(p) for p in model.parameters() if p.requires_grad} <= opt_params
+
+
+def test_full_eval_cast_is_undone_bit_exactly(make_trainer):
+    model = _split_lora_llava()
+    cb = PrecisionGuardCallback(report=False)
+    trainer = make_trainer(model, tiny_batch(model.base_model.model), callbacks=[cb], bf16=True,
+                           bf16_full_eval=True)
+    lora = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in lora.values())
+    trainer.evaluate()  # transformers casts the whole model to bf16 in place, never back
+    assert cb.events[-1][0] == "on_evaluate" and cb.restored > 0
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.dtype == torch.float32
+            assert torch.equal(p.detach(), lora[n]), f"{n} lost precision"
+    rot = model.base_model.model.model.language_model.rotary_emb
+    assert rot.inv_freq.dtype == torch.float32
+    trainer.train()
+    assert _dtypes(p for p in model.parameters() if p.requires_grad) == {torch.float32}
+
+
+def test_audit_mode_changes_nothing_but_reports(make_trainer):
+    model = tiny_llava()
+    model.model.vision_tower.to(torch.float16)
+    cb = PrecisionGuardCallback("bf16-true", mode="audit", report=False)
+    make_trainer(model, tiny_batch(model), callbacks=[cb])
+    assert cb.last_report is not None and cb.last_report.changes
+    assert not cb.last_report.applied
+    assert torch.float32 in _dtypes(model.parameters())
+
+
+def test_raise_mode_stops_at_construction(make_trainer):
+    model = tiny_llava()
+    model.model.vision_tower.to(torch.float16)
+    with pytest.raises(PrecisionError, match="(?s)violates policy.*model.vision_tower"):
+        make_trainer(model, tiny_batch(model), callbacks=[PrecisionGuardCallback(
+            "fp32", mode="raise", report=False)])
+
+
+def test_bad_arguments_fail_early():
+    with pytest.raises(PrecisionError, match="unknown preset"):
+        PrecisionGuardCallback("bf61")
+    with pytest.raises(PrecisionError, match="unknown mode"):
+        PrecisionGuardCallback(mode="loud")
+
+
+def test_hooks_do_not_accumulate_over_evaluations(make_trainer):
+    model = _split_lora_llava()
+    cb = PrecisionGuardCallback(report=False)
+    trainer = make_trainer(model, tiny_batch(model.base_model.model), callbacks=[cb], bf16=True,
+                           max_steps=4, eval_strategy="steps", eval_steps=1)
+    n = installed_guards(model)
+    trainer.train()
+    assert installed_guards(model) == n
+    hooks = sum(len(m._forward_pre_hooks) for m in model.modules())
+    trainer.evaluate()
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == hooks

@@ -1,0 +1,106 @@
+import pytest
+import torch
+
+from hf_precision import PrecisionError, PrecisionPolicy, enforce_policy, install_guards
+from hf_precision.hooks import _guard_hook, guard_targets, installed_guards, remove_guards
+from hf_precision.tiny import tiny_batch, tiny_llava
+
+
+def _guarded(preset="bf16-true", **kw):
+    model = tiny_llava()
+    policy = PrecisionPolicy.from_preset(preset, **kw)
+    report = enforce_policy(model, policy)
+    return model, policy, install_guards(model, policy, report)
+
+
+def test_install_is_idempotent_and_removable():
+    model, policy, handle = _guarded()
+    n = installed_guards(model)
+    assert n == handle.count == 5  # batch + 4 group boundaries
+    hooks_before = sum(len(m._forward_pre_hooks) for m in model.modules())
+    again = install_guards(model, policy, enforce_policy(model, policy))
+    assert again.added == 0
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == hooks_before
+    assert remove_guards(model) == n
+    assert installed_guards(model) == 0
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 0
+
+
+def test_batch_and_generate_paths_cast_fp32_inputs():
+    model, _, _ = _guarded()
+    batch = tiny_batch(model)
+    assert batch["pixel_values"].dtype == torch.float32
+    out = model(**batch)
+    assert out.logits.dtype == torch.bfloat16
+    out.loss.backward()
+    gen_in = {k: v for k, v in batch.items() if k != "labels"}
+    # generate() encodes images through get_image_features outside the top-level forward
+    seq = model.generate(**gen_in, max_new_tokens=2, do_sample=False)
+    assert seq.shape[1] == batch["input_ids"].shape[1] + 2
+    feats = model.model.get_image_features(pixel_values=batch["pixel_values"])
+    assert feats is not None
+
+
+def test_without_guard_a_component_split_fails():
+    model = tiny_llava()
+    model.model.vision_tower.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="same dtype|should be the same"):
+        model(**tiny_batch(model))
+
+
+def test_hot_path_returns_none_when_nothing_to_cast():
+    model, _, _ = _guarded()
+    lin = model.model.multi_modal_projector
+    x = torch.rand(2, 32, dtype=torch.bfloat16)
+    assert _guard_hook(lin, (x,), {}) is None
+    new_args, _ = _guard_hook(lin, (x.float(),), {})
+    assert new_args[0].dtype == torch.bfloat16
+
+
+def test_raise_mode_names_module_dtypes_and_fix():
+    model, _, _ = _guarded(mode="fix")
+    policy = PrecisionPolicy.from_preset("bf16-true", mode="raise")
+    install_guards(model, policy, enforce_policy(model, policy))
+    with pytest.raises(PrecisionError) as err:
+        model.model.multi_modal_projector(torch.rand(2, 32))
+    text = str(err.value)
+    assert "model.multi_modal_projector" in text and "float32" in text and "bfloat16" in text
+    assert "Fix:" in text
+
+
+def test_leaf_guards_in_mixed_group_fix_fp32_norm_leak():
+    # class C: an fp32 norm inside a bf16 LM feeds fp32 activations into bf16 linears
+    model = tiny_llava()
+    policy = PrecisionPolicy.from_preset("bf16-true", keep_fp32=["re:input_layernorm"])
+    report = enforce_policy(model, policy)
+    assert "language_model" in report.mixed_groups
+    handle = install_guards(model, policy, report)
+    assert handle.leaf, "leaf guards go where dtypes mix"
+    kinds = guard_targets(model)
+    assert kinds["model.language_model.layers.0.input_layernorm"] == ("leaf", "float32")
+    assert kinds["model.language_model.layers.0.self_attn.q_proj"] == ("leaf", "bfloat16")
+    out = model(**tiny_batch(model))
+    assert torch.isfinite(out.loss)
+    # without leaf guards the same model fails
+    remove_guards(model)
+    install_guards(model, policy, report, leaf_groups=())
+    with pytest.raises(RuntimeError, match="same dtype"):
+        model(**tiny_batch(model))
+
+
+def test_leaf_guards_follow_re_enforcement():
+    model, policy, handle = _guarded(leaf_guards="on")
+    assert handle.leaf
+    off = PrecisionPolicy.from_preset("bf16-true", leaf_guards="off")
+    handle2 = install_guards(model, off, enforce_policy(model, off))
+    assert not handle2.leaf
+    assert installed_guards(model) == handle2.count
+
+
+def test_audit_mode_hooks_change_nothing():
+    model = tiny_llava()
+    model.model.vision_tower.to(torch.bfloat16)
+    policy = PrecisionPolicy.from_preset("bf16-true", mode="audit")
+    install_guards(model, policy, enforce_policy(model, policy))
+    with pytest.raises(RuntimeError, match="same dtype|should be the same"):
+        model(**tiny_batch(model))

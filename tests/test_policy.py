@@ -1,0 +1,129 @@
+import json
+
+import pytest
+import torch
+from transformers import TrainingArguments
+
+from hf_precision import PrecisionError, PrecisionPolicy
+from hf_precision.policy import PRESETS, match_pattern
+from hf_precision.tiny import tiny_llava
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_round_trip_json(name):
+    policy = PrecisionPolicy.from_preset(name, group_dtypes={"vision_encoder": "fp32"},
+                                         keep_fp32=["re:norm$"])
+    data = json.loads(policy.to_json())
+    assert data["version"] == 1
+    assert data["group_dtypes"] == {"vision_encoder": "float32"}
+    again = PrecisionPolicy.from_json(policy.to_json())
+    assert again == policy
+    assert again.compute_dtype == PRESETS[name][0]
+
+
+def test_preset_values():
+    bf16 = PrecisionPolicy.from_preset("bf16")
+    assert (bf16.compute_dtype, bf16.frozen_dtype, bf16.trainable_dtype) == (
+        torch.bfloat16, torch.bfloat16, torch.float32)
+    assert bf16.is_mixed
+    assert not PrecisionPolicy.from_preset("bf16-true").is_mixed
+    fp16 = PrecisionPolicy.from_preset("fp16")
+    assert fp16.trainable_dtype == torch.float32  # the GradScaler needs fp32 grads
+
+
+def test_unknown_preset_lists_allowed_and_suggests():
+    with pytest.raises(PrecisionError) as err:
+        PrecisionPolicy.from_preset("bf61")
+    text = str(err.value)
+    assert text.startswith("PrecisionPolicy.from_preset('bf61'): unknown preset 'bf61'.")
+    assert "Did you mean 'bf16'" in text
+    for name in PRESETS:
+        assert name in text
+
+
+def test_unknown_group_and_mode_and_field():
+    with pytest.raises(PrecisionError, match="(?s)unknown group 'vision_encodr'.*Did you mean "
+                                             "'vision_encoder'"):
+        PrecisionPolicy.from_preset("bf16", group_dtypes={"vision_encodr": "fp32"})
+    with pytest.raises(PrecisionError, match="(?s)unknown mode 'fixx'.*audit, fix, raise"):
+        PrecisionPolicy(mode="fixx")
+    with pytest.raises(PrecisionError, match="unknown field"):
+        PrecisionPolicy.from_preset("bf16", comput_dtype="bf16")
+    with pytest.raises(PrecisionError, match="unknown dtype 'bfloat61'"):
+        PrecisionPolicy(group_dtypes={"projector": "bfloat61"})
+    with pytest.raises(PrecisionError, match="bad regex"):
+        PrecisionPolicy(keep_fp32=["re:(["])
+
+
+def test_from_dict_rejects_other_version():
+    data = PrecisionPolicy.from_preset("bf16").to_dict()
+    data["version"] = 99
+    with pytest.raises(PrecisionError, match="policy version 1"):
+        PrecisionPolicy.from_dict(data)
+
+
+def test_from_training_args(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), bf16=True, use_cpu=True, report_to=[])
+    assert PrecisionPolicy.from_training_args(args).name == "bf16"
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                             bf16_full_eval=True)
+    policy = PrecisionPolicy.from_training_args(args, tiny_llava(dtype=torch.bfloat16))
+    assert policy.name == "bf16-true"  # no flag: the dtype the model was loaded in
+    assert policy.full_eval_dtype == torch.bfloat16
+    model = tiny_llava()
+    model.model.vision_tower.to(torch.float16)  # the majority (LM) stays fp32
+    assert PrecisionPolicy.from_training_args(
+        TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]), model
+    ).name == "fp32"
+
+
+def test_from_accelerator():
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    acc = Accelerator(cpu=True, mixed_precision="bf16")
+    assert PrecisionPolicy.from_accelerator(acc).name == "bf16"
+    AcceleratorState._reset_state(True)  # the state is a process-wide singleton
+    acc_no = Accelerator(cpu=True)
+    assert PrecisionPolicy.from_accelerator(acc_no, tiny_llava(dtype=torch.float16)).name == \
+        "fp16-true"
+    AcceleratorState._reset_state(True)
+
+
+def test_target_dtype_precedence():
+    policy = PrecisionPolicy.from_preset("bf16", group_dtypes={"vision_encoder": "fp32"},
+                                         keep_fp32=["model.language_model.norm"])
+    # keep-fp32 beats everything
+    assert policy.target_dtype("model.language_model.norm.weight", "language_model",
+                               trainable=True)[0] == torch.float32
+    # trainable beats the group override
+    assert policy.target_dtype("lm_head.weight", "lm_head", trainable=True) == (
+        torch.float32, "trainable")
+    assert policy.target_dtype("x.weight", "vision_encoder", trainable=False) == (
+        torch.float32, "group_dtypes['vision_encoder']")
+    assert policy.target_dtype("x.weight", "projector", trainable=False) == (
+        torch.bfloat16, "frozen")
+    # rotary inv_freq buffers stay fp32 by default
+    assert policy.target_dtype("model.language_model.rotary_emb.inv_freq", "language_model",
+                               trainable=False, is_buffer=True)[0] == torch.float32
+    # the model's own _keep_in_fp32_modules (component match, transformers style)
+    assert policy.target_dtype("encoder.block.0.wo.weight", "language_model", trainable=False,
+                               model_patterns=["wo"])[0] == torch.float32
+
+
+def test_match_pattern_precedence():
+    assert match_pattern("model.vision_tower", "model.vision_tower.encoder.weight")
+    assert not match_pattern("model.vision", "model.vision_tower.encoder.weight")
+    assert match_pattern("wo", "a.wo.weight")
+    assert match_pattern("re:norm\\.weight$", "x.post_norm.weight")
+    assert not match_pattern("norm", "x.post_norm.weight")
+
+
+def test_resolve():
+    assert PrecisionPolicy.resolve("fp16").name == "fp16"
+    p = PrecisionPolicy.from_preset("fp32")
+    assert PrecisionPolicy.resolve(p) is p
+    assert PrecisionPolicy.resolve(p.to_dict()) == p
+    with pytest.raises(PrecisionError, match="expected a PrecisionPolicy"):
+        PrecisionPolicy.resolve(3.0)  # type: ignore[arg-type]
