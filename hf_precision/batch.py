@@ -88,6 +88,7 @@ def cast_batch(batch: Any, dtype: torch.dtype, *, key_dtypes: Mapping[str, torch
         if not changed:
             return batch
         if isinstance(batch, dict):
+            out: Any
             out = dict(batch) if type(batch) is dict else copy.copy(batch)
             out.update(changed)
             return out

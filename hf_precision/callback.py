@@ -194,7 +194,8 @@ class PrecisionGuardCallback(TrainerCallback):
         if policy is None or policy.full_eval_dtype is None:
             return
         root, _ = unwrap_model(model)
-        stash, total = {}, 0
+        stash: dict[str, torch.Tensor] = {}
+        total = 0
         for name, p in root.named_parameters():
             if p.requires_grad and p.dtype != policy.full_eval_dtype and p.is_floating_point():
                 stash[name] = p
@@ -217,7 +218,7 @@ class PrecisionGuardCallback(TrainerCallback):
         if not self._stash:
             return 0
         root, _ = unwrap_model(model)
-        tensors = dict(root.named_parameters())
+        tensors: dict[str, torch.Tensor] = dict(root.named_parameters())
         tensors.update(dict(root.named_buffers()))
         n = 0
         with torch.no_grad():
@@ -255,7 +256,8 @@ class PrecisionGuardCallback(TrainerCallback):
         if kwargs.get("model") is not None:
             self._after_eval(kwargs["model"], "on_evaluate", args, state, kwargs)
 
-    def on_predict(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_predict(self, args: Any, state: Any, control: Any, metrics: Any = None,
+                   **kwargs: Any) -> None:
         if kwargs.get("model") is not None:
             self._after_eval(kwargs["model"], "on_predict", args, state, kwargs)
 

@@ -7,7 +7,7 @@ so it is cheap on a 70B model and works on the meta device.
 >>> from hf_precision.tiny import tiny_llava
 >>> m = dtype_map(tiny_llava())
 >>> sorted(m.groups)
-['language_model', 'lm_head', 'projector', 'resampler', 'vision_encoder']
+['language_model', 'lm_head', 'projector', 'vision_encoder']
 >>> m.groups["vision_encoder"].dtypes
 ('float32',)
 """
@@ -311,6 +311,6 @@ def dtype_map(model: nn.Module, groups: ModuleGroups | None = None, *,
                 continue
             records[path] = rec
             summaries.setdefault(rec.group, GroupSummary(rec.group)).modules += 1
-    order = {g: i for i, g in enumerate(groups.names + (OTHER,))}
+    order = {g: i for i, g in enumerate((*groups.names, OTHER))}
     summaries = dict(sorted(summaries.items(), key=lambda kv: order.get(kv[0], len(order))))
     return DtypeMap(records, summaries, groups.rule, groups.model_type)

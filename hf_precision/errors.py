@@ -22,7 +22,7 @@ class PrecisionError(ValueError, RuntimeError):
     ...     PrecisionPolicy.from_preset("bf61")
     ... except PrecisionError as err:
     ...     print(str(err).splitlines()[0])
-    PrecisionPolicy.from_preset('bf61'): unknown preset 'bf61'.
+    PrecisionPolicy.from_preset('bf61'): unknown preset 'bf61'. Did you mean 'bf16'?
     """
 
 

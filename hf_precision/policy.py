@@ -272,7 +272,7 @@ class PrecisionPolicy:
     @classmethod
     def from_accelerator(cls, accelerator: Any, model: nn.Module | None = None,
                          **overrides: Any) -> PrecisionPolicy:
-        """Infer from ``accelerator.mixed_precision`` (``"bf16"``, ``"fp16"``, ``"no"``/``"fp8"``)."""
+        """Infer from ``accelerator.mixed_precision`` (``bf16``, ``fp16``, ``no``, ``fp8``)."""
         mp = str(getattr(accelerator, "mixed_precision", "no") or "no")
         if mp == "bf16":
             return cls.from_preset("bf16", **overrides)
@@ -370,5 +370,6 @@ class PrecisionPolicy:
         """One line for logs: ``bf16 (frozen bfloat16, trainable float32, compute bfloat16)``."""
         train = dtype_name(self.trainable_dtype) if self.trainable_dtype else "as frozen"
         extra = "".join(f", {g}={dtype_name(d)}" for g, d in self.group_dtypes.items())
-        return (f"{self.name or 'custom'} (frozen {dtype_name(self.frozen_dtype)}, trainable "  # type: ignore[arg-type]
+        frozen = dtype_name(self.frozen_dtype)  # type: ignore[arg-type]
+        return (f"{self.name or 'custom'} (frozen {frozen}, trainable "
                 f"{train}, compute {dtype_name(self.compute_dtype)}{extra}; mode={self.mode})")

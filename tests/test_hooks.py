@@ -89,7 +89,7 @@ def test_leaf_guards_in_mixed_group_fix_fp32_norm_leak():
 
 
 def test_leaf_guards_follow_re_enforcement():
-    model, policy, handle = _guarded(leaf_guards="on")
+    model, _, handle = _guarded(leaf_guards="on")
     assert handle.leaf
     off = PrecisionPolicy.from_preset("bf16-true", leaf_guards="off")
     handle2 = install_guards(model, off, enforce_policy(model, off))
