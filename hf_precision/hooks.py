@@ -191,14 +191,19 @@ def _own_weight(mod: nn.Module) -> torch.Tensor | None:
     return None
 
 
-def _receiving(mod: nn.Module) -> tuple[torch.dtype | None, torch.device | None]:
-    frozen, every, devices = [], [], {}
+def _receiving(mod: nn.Module, compute: Mapping[int, torch.dtype] | None = None
+               ) -> tuple[torch.dtype | None, torch.device | None]:
+    frozen: list[tuple[torch.dtype, int]] = []
+    every: list[tuple[torch.dtype, int]] = []
+    devices: dict[torch.device, int] = {}
     for p in mod.parameters():
         if not is_castable(p):
             continue
-        every.append((p.dtype, p.numel()))
+        # FSDP computes in its MixedPrecisionPolicy.param_dtype, not the storage dtype
+        dt = compute.get(id(p), p.dtype) if compute else p.dtype
+        every.append((dt, p.numel()))
         if not p.requires_grad:
-            frozen.append((p.dtype, p.numel()))
+            frozen.append((dt, p.numel()))
         devices[p.device] = devices.get(p.device, 0) + p.numel()
     dtype = majority_dtype(frozen) or majority_dtype(every)
     device = max(devices, key=lambda d: devices[d]) if devices else None
@@ -207,19 +212,37 @@ def _receiving(mod: nn.Module) -> tuple[torch.dtype | None, torch.device | None]
     return dtype, device
 
 
-def receiving_dtypes(model: nn.Module, groups: ModuleGroups | None = None
-                     ) -> dict[str, torch.dtype]:
+def receiving_dtypes(model: nn.Module, groups: ModuleGroups | None = None, *,
+                     compute: Mapping[int, torch.dtype] | None = None) -> dict[str, torch.dtype]:
     """Per group, the dtype its entry receives (majority of its frozen weights)."""
     root, _ = unwrap_model(model)
     groups = groups or find_module_groups(root)
     out = {}
     for group in groups.names:
         for mod in groups.modules(group):
-            dtype, _ = _receiving(mod)
+            dtype, _ = _receiving(mod, compute)
             if dtype is not None:
                 out[group] = dtype
                 break
     return out
+
+
+def _put_entry(mod: nn.Module, path: str, policy: PrecisionPolicy,
+               compute: Mapping[int, torch.dtype], move: bool, put: Any,
+               handle: GuardHandle) -> None:
+    """Guard the first weighted leaf of a group too: remote code often bypasses the group's own
+    forward (MiniCPM-V / OmniLMM call ``vpm.forward_features(...)``), so only hooks below the
+    group root see its input."""
+    for sub_path, sub in mod.named_modules():
+        if sub is mod or isinstance(sub, _SKIP_LEAVES):
+            continue
+        w = _own_weight(sub)
+        if w is None:
+            continue
+        dev = w.device if move and w.device.type != "meta" else None
+        put(sub, _GuardState("entry", f"{path}.{sub_path}", compute.get(id(w), w.dtype), dev,
+                             policy.mode), handle.boundary)
+        return
 
 
 def install_guards(model: nn.Module, policy: PrecisionPolicy | str | None = None,
@@ -243,8 +266,11 @@ def install_guards(model: nn.Module, policy: PrecisionPolicy | str | None = None
         handle.added += _install(mod, st)
         bucket.append(st.path)
 
-    recv = receiving_dtypes(root, groups)
-    root_dtype, root_device = _receiving(root)
+    from .distributed import wrapper_compute_dtypes
+
+    compute = wrapper_compute_dtypes(model)  # empty unless FSDP mixed precision casts params
+    recv = receiving_dtypes(root, groups, compute=compute)
+    _, root_device = _receiving(root, compute)
     if policy.cast_batch:
         put(root, _GuardState("batch", "", policy.compute_dtype, root_device if move else None,
                               policy.mode, key_dtypes=key_dtypes_for(policy, recv),
@@ -254,13 +280,14 @@ def install_guards(model: nn.Module, policy: PrecisionPolicy | str | None = None
             for path, mod in zip(groups.paths.get(group, ()), groups.modules(group), strict=True):
                 if mod is root:
                     continue
-                dtype, device = _receiving(mod)
+                dtype, device = _receiving(mod, compute)
                 if dtype is not None:
                     put(mod, _GuardState("boundary", path, dtype, device if move else None,
                                          policy.mode), handle.boundary)
+                _put_entry(mod, path, policy, compute, move, put, handle)
     if leaf_groups is None:
         if policy.leaf_guards == "on":
-            leaf_groups = groups.names + (OTHER,)
+            leaf_groups = (*groups.names, OTHER)
         elif policy.leaf_guards == "auto" and report is not None:
             leaf_groups = tuple(report.mixed_groups)
         else:
@@ -275,7 +302,8 @@ def install_guards(model: nn.Module, policy: PrecisionPolicy | str | None = None
             if w is None:
                 continue
             dev = w.device if move and w.device.type != "meta" else None
-            put(mod, _GuardState("leaf", path, w.dtype, dev, policy.mode), handle.leaf)
+            put(mod, _GuardState("leaf", path, compute.get(id(w), w.dtype), dev, policy.mode),
+                handle.leaf)
     for mod in root.modules():  # guards no longer wanted (e.g. a group stopped mixing dtypes)
         if _ATTR in mod.__dict__ and id(mod) not in wanted:
             _uninstall(mod)

@@ -16,7 +16,10 @@ def _guarded(preset="bf16-true", **kw):
 def test_install_is_idempotent_and_removable():
     model, policy, handle = _guarded()
     n = installed_guards(model)
-    assert n == handle.count == 5  # batch + 4 group boundaries
+    # batch + 4 group boundaries + the first weighted leaf of 3 groups (lm_head is a leaf)
+    assert n == handle.count == 8
+    kinds = sorted(kind for kind, _ in guard_targets(model).values())
+    assert kinds == ["batch"] + ["boundary"] * 4 + ["entry"] * 3
     hooks_before = sum(len(m._forward_pre_hooks) for m in model.modules())
     again = install_guards(model, policy, enforce_policy(model, policy))
     assert again.added == 0
@@ -78,7 +81,7 @@ def test_leaf_guards_in_mixed_group_fix_fp32_norm_leak():
     assert handle.leaf, "leaf guards go where dtypes mix"
     kinds = guard_targets(model)
     assert kinds["model.language_model.layers.0.input_layernorm"] == ("leaf", "float32")
-    assert kinds["model.language_model.layers.0.self_attn.q_proj"] == ("leaf", "bfloat16")
+    assert kinds["model.language_model.layers.1.self_attn.q_proj"] == ("leaf", "bfloat16")
     out = model(**tiny_batch(model))
     assert torch.isfinite(out.loss)
     # without leaf guards the same model fails

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         InternVLTiny,
         MiniCPMV2Tiny,
         OmniLMMTiny,
+        RemoteVLM,
         Resampler,
         XComposerTiny,
         get_2d_sincos_pos_embed,
@@ -53,33 +54,81 @@ if TYPE_CHECKING:
         tiny_text_llama,
     )
 
-_EXPORTS: dict[str, str] = {
-    **dict.fromkeys(
-        (
-            "TINY_CONFIGS", "build_tiny", "num_image_tokens", "tiny_batch", "tiny_blip2",
-            "tiny_config", "tiny_idefics2", "tiny_idefics3", "tiny_kosmos2", "tiny_llava",
-            "tiny_llava_next", "tiny_llava_processor", "tiny_minicpmv4_6", "tiny_paligemma",
-            "tiny_qwen2_vl", "tiny_text_llama",
-        ),
-        "vlm",
+_MODULES: dict[str, tuple[str, ...]] = {
+    "vlm": (
+        "TINY_CONFIGS",
+        "build_tiny",
+        "num_image_tokens",
+        "tiny_batch",
+        "tiny_blip2",
+        "tiny_config",
+        "tiny_idefics2",
+        "tiny_idefics3",
+        "tiny_kosmos2",
+        "tiny_llava",
+        "tiny_llava_next",
+        "tiny_llava_processor",
+        "tiny_minicpmv4_6",
+        "tiny_paligemma",
+        "tiny_qwen2_vl",
+        "tiny_text_llama",
     ),
-    **dict.fromkeys(
-        (
-            "CONV_DTYPE_ERROR", "MATMUL_DTYPE_ERROR", "REMOTE_LAYOUTS", "InternVLTiny",
-            "MiniCPMV2Tiny", "OmniLMMTiny", "Resampler", "XComposerTiny",
-            "get_2d_sincos_pos_embed", "remote_batch",
-        ),
-        "remote_layouts",
+    "remote_layouts": (
+        "CONV_DTYPE_ERROR",
+        "MATMUL_DTYPE_ERROR",
+        "REMOTE_LAYOUTS",
+        "InternVLTiny",
+        "MiniCPMV2Tiny",
+        "OmniLMMTiny",
+        "RemoteVLM",
+        "Resampler",
+        "XComposerTiny",
+        "get_2d_sincos_pos_embed",
+        "remote_batch",
     ),
-    **dict.fromkeys(
-        (
-            "OneTrainerTiny", "collate_onetrainer", "get_timestep_embedding", "onetrainer_batch",
-            "onetrainer_examples",
-        ),
-        "diffusion",
+    "diffusion": (
+        "OneTrainerTiny",
+        "collate_onetrainer",
+        "get_timestep_embedding",
+        "onetrainer_batch",
+        "onetrainer_examples",
     ),
 }
-__all__ = sorted(_EXPORTS)
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
+__all__ = [
+    "CONV_DTYPE_ERROR",
+    "MATMUL_DTYPE_ERROR",
+    "REMOTE_LAYOUTS",
+    "TINY_CONFIGS",
+    "InternVLTiny",
+    "MiniCPMV2Tiny",
+    "OmniLMMTiny",
+    "OneTrainerTiny",
+    "RemoteVLM",
+    "Resampler",
+    "XComposerTiny",
+    "build_tiny",
+    "collate_onetrainer",
+    "get_2d_sincos_pos_embed",
+    "get_timestep_embedding",
+    "num_image_tokens",
+    "onetrainer_batch",
+    "onetrainer_examples",
+    "remote_batch",
+    "tiny_batch",
+    "tiny_blip2",
+    "tiny_config",
+    "tiny_idefics2",
+    "tiny_idefics3",
+    "tiny_kosmos2",
+    "tiny_llava",
+    "tiny_llava_next",
+    "tiny_llava_processor",
+    "tiny_minicpmv4_6",
+    "tiny_paligemma",
+    "tiny_qwen2_vl",
+    "tiny_text_llama",
+]
 
 
 def __getattr__(name: str) -> Any:

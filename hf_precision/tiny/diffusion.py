@@ -31,9 +31,11 @@ def get_timestep_embedding(
 ) -> torch.Tensor:
     """diffusers-style sinusoidal embedding; always fp32 whatever the model dtype."""
     half = embedding_dim // 2
-    exponent = -math.log(max_period) * torch.arange(
-        half, dtype=torch.float32, device=timesteps.device
-    ) / half
+    exponent = (
+        -math.log(max_period)
+        * torch.arange(half, dtype=torch.float32, device=timesteps.device)
+        / half
+    )
     emb = timesteps[:, None].float() * torch.exp(exponent)[None, :]
     return torch.cat([torch.sin(emb), torch.cos(emb)], dim=-1)
 
@@ -49,9 +51,7 @@ class OneTrainerTiny(nn.Module):
     one residual block with a time projection, ``conv_out``. Predicts the noise; MSE loss
     against ``target`` when given (computed in fp32)."""
 
-    def __init__(
-        self, dtype: torch.dtype | None = None, seed: int = 0, channels: int = 16
-    ) -> None:
+    def __init__(self, dtype: torch.dtype | None = None, seed: int = 0, channels: int = 16) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.channels = channels
@@ -72,7 +72,10 @@ class OneTrainerTiny(nn.Module):
         return self.conv_in.weight.dtype
 
     def forward(
-        self, latents: torch.Tensor, timesteps: torch.Tensor, latent_mask: torch.Tensor,
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        latent_mask: torch.Tensor,
         target: torch.Tensor | None = None,
     ) -> DenoiserOutput:
         # As diffusers, time embedding before conv_in; unlike diffusers, no cast to the dtype.

@@ -1,4 +1,4 @@
-"""Tiny plain-torch copies of remote-code VLM layouts (their real checkpoints need trust_remote_code).
+"""Tiny plain-torch copies of remote-code VLM layouts (real checkpoints need trust_remote_code).
 
 Each model keeps the attribute names of the real code (so group discovery sees the real paths)
 and the real code's dtype handling, bugs included, so the precision failures users report can be
@@ -12,6 +12,11 @@ reproduced offline. Errors observed on CPU with torch 2.13 (the same texts as on
   ``Input type (float) and bias type (c10::BFloat16) should be the same``
 - ``nn.MultiheadAttention`` with an fp32 key and bf16 weights (MiniCPM-V 2.x resampler):
   ``mat1 and mat2 must have the same dtype, but got Float and BFloat16``
+
+On CUDA (H100, torch 2.11) the XComposer linear patch embedding reads
+``expected mat1 and mat2 to have the same dtype, but got: float != c10::BFloat16`` and CPU pixels
+into a CUDA model (``.type(dtype)`` keeps the device) read ``Input type (torch.FloatTensor) and
+weight type (torch.cuda.FloatTensor) should be the same or input should be a MKLDNN tensor ...``.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Either CPU wording of a matmul dtype mismatch (biased vs bias-free linear), for pytest.raises.
+# Any wording of a matmul dtype mismatch (biased / bias-free linear, CPU / CUDA): pytest.raises.
 MATMUL_DTYPE_ERROR = (
-    r"(mat1 and mat2 must have the same dtype|expected m1 and m2 to have the same dtype)"
+    r"(mat1 and mat2 must have the same dtype"
+    r"|expected (m1 and m2|mat1 and mat2) to have the same dtype)"
 )
 CONV_DTYPE_ERROR = r"Input type \(float\) and bias type \(c10::(BFloat16|Half)\) should be the same"
 IMAGE_TOKEN_ID = 255
@@ -69,7 +75,9 @@ class Block(nn.Module):
         self.heads = heads
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, c = x.shape
@@ -83,13 +91,20 @@ class TinyViT(nn.Module):
     """timm-like ViT: patch embed (conv, or linear over flattened patches), pos_embed, blocks."""
 
     def __init__(
-        self, image_size: int, patch_size: int, width: int = 16, depth: int = 1, heads: int = 2,
-        linear_patch: bool = False, cls_token: bool = False,
+        self,
+        image_size: int,
+        patch_size: int,
+        width: int = 16,
+        depth: int = 1,
+        heads: int = 2,
+        linear_patch: bool = False,
+        cls_token: bool = False,
     ) -> None:
         super().__init__()
         self.patch_size, self.linear_patch = patch_size, linear_patch
         self.patch_embed: nn.Module = (
-            nn.Linear(3 * patch_size**2, width) if linear_patch
+            nn.Linear(3 * patch_size**2, width)
+            if linear_patch
             else nn.Conv2d(3, width, patch_size, stride=patch_size)
         )
         self.num_prefix_tokens = int(cls_token)
@@ -155,16 +170,16 @@ class Resampler(nn.Module):
         return self.ln_post(out.permute(1, 0, 2)) @ self.proj
 
 
-def _tiny_llama() -> nn.Module:
-    from .vlm import tiny_config
+def _tiny_llama() -> Any:
+    """The tiny ``LlamaForCausalLM`` of :mod:`.vlm` (typed ``Any``: used duck-typed)."""
+    from .vlm import build_tiny
 
-    import transformers
-
-    return transformers.LlamaForCausalLM(tiny_config("llama"))
+    return build_tiny("llama")
 
 
-class _RemoteVLM(nn.Module):
-    """Shared forward / greedy generate; subclasses define the vision path and the LM calls."""
+class RemoteVLM(nn.Module):
+    """Base of the remote layouts: shared forward and greedy generate; subclasses define the
+    vision path (``encode_images``) and the LM calls."""
 
     config: RemoteConfig
 
@@ -185,7 +200,9 @@ class _RemoteVLM(nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    def get_vllm_embedding(self, input_ids: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
+    def get_vllm_embedding(
+        self, input_ids: torch.Tensor, pixel_values: torch.Tensor
+    ) -> torch.Tensor:
         """Token embeddings with the image placeholders replaced by the image features."""
         embeds = self.get_input_embeddings()(input_ids)
         images = self.encode_images(pixel_values)
@@ -194,8 +211,11 @@ class _RemoteVLM(nn.Module):
         return embeds.masked_scatter(mask, images.type(embeds.dtype))
 
     def forward(
-        self, input_ids: torch.Tensor, pixel_values: torch.Tensor,
-        attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> Any:
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -211,7 +231,10 @@ class _RemoteVLM(nn.Module):
 
     @torch.no_grad()
     def generate(
-        self, input_ids: torch.Tensor, pixel_values: torch.Tensor, max_new_tokens: int = 3,
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor,
+        max_new_tokens: int = 3,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Greedy decoding. Images are encoded once, first, outside ``forward`` (as HF generate
@@ -230,7 +253,7 @@ class _RemoteVLM(nn.Module):
         return remote_batch(self, batch_size=batch_size, seed=seed)
 
 
-class MiniCPMV2Tiny(_RemoteVLM):
+class MiniCPMV2Tiny(RemoteVLM):
     """MiniCPM-V 2.x layout: ``vpm`` (ViT), ``resampler`` (adaptive numpy table), ``llm``.
 
     The vision path casts pixels to ``vpm.pos_embed.dtype`` with ``.type(dtype)`` (device
@@ -300,7 +323,7 @@ class OmniLMMTiny(MiniCPMV2Tiny):
         return self.resampler(self.vpm.forward_features(pixel_values.type(dtype)), (side, side))
 
 
-class XComposerTiny(_RemoteVLM):
+class XComposerTiny(RemoteVLM):
     """InternLM-XComposer layout: ``vit``, ``vision_proj``, ``model`` (LM body), ``output``.
 
     ``img2emb`` moves the image to the model's device only; the vit's linear patch embedding then
@@ -330,7 +353,7 @@ class XComposerTiny(_RemoteVLM):
         return self.output(hidden.last_hidden_state)
 
 
-class InternVLTiny(_RemoteVLM):
+class InternVLTiny(RemoteVLM):
     """Remote-code InternVL-Chat layout: ``vision_model``, ``mlp1``, ``language_model``.
 
     InternViT's embeddings read ``target_dtype = patch_embedding.weight.dtype`` but never cast
@@ -375,14 +398,16 @@ class InternVLTiny(_RemoteVLM):
         return out.logits
 
 
-REMOTE_LAYOUTS: dict[str, type[_RemoteVLM]] = {
-    "minicpmv": MiniCPMV2Tiny, "omnilmm": OmniLMMTiny, "internlmxcomposer2": XComposerTiny,
+REMOTE_LAYOUTS: dict[str, type[RemoteVLM]] = {
+    "minicpmv": MiniCPMV2Tiny,
+    "omnilmm": OmniLMMTiny,
+    "internlmxcomposer2": XComposerTiny,
     "internvl_chat": InternVLTiny,
 }
 
 
 def remote_batch(
-    model: _RemoteVLM, batch_size: int = 2, seed: int = 0, with_labels: bool = True
+    model: RemoteVLM, batch_size: int = 2, seed: int = 0, with_labels: bool = True
 ) -> dict[str, torch.Tensor]:
     """fp32 ``pixel_values`` (B, 3, S, S), ``input_ids`` = [bos, image placeholders, text],
     ``attention_mask`` and ``labels`` (placeholders set to -100)."""

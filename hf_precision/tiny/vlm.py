@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -19,14 +19,26 @@ if TYPE_CHECKING:
 # Shared tiny text-model kwargs (DESIGN.md "Tiny offline models"); ids follow the tiny tokenizer.
 PAD_ID, BOS_ID, EOS_ID, UNK_ID, IMAGE_TOKEN_ID = 0, 1, 2, 3, 255
 TXT: dict[str, int] = dict(
-    vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
 )
 _IDS: dict[str, int] = dict(pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
 _VIT: dict[str, int] = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
 )
-_CLIP_VIT: dict[str, Any] = dict(model_type="clip_vision_model", image_size=30, patch_size=6, **_VIT)
+_CLIP_VIT: dict[str, Any] = {
+    "model_type": "clip_vision_model",
+    "image_size": 30,
+    "patch_size": 6,
+    **_VIT,
+}
 # Qwen2-VL special ids (the real ones are beyond a 256 vocab).
 QWEN_IMAGE, QWEN_VIDEO, QWEN_VISION_START, QWEN_VISION_END = 250, 251, 252, 253
 _TEXT_LEN = 6  # text tokens per row after the image placeholders
@@ -36,7 +48,8 @@ def _llava() -> PreTrainedConfig:
     from transformers import LlavaConfig
 
     return LlavaConfig(
-        vision_config=dict(_CLIP_VIT), text_config=dict(model_type="llama", **TXT, **_IDS),
+        vision_config=dict(_CLIP_VIT),
+        text_config=dict(model_type="llama", **TXT, **_IDS),
         image_token_index=IMAGE_TOKEN_ID,
     )
 
@@ -46,8 +59,10 @@ def _llava_next() -> PreTrainedConfig:
 
     # One pinpoint equal to the tile size: anyres gives base tile + 1 tile per image.
     return LlavaNextConfig(
-        vision_config=dict(_CLIP_VIT), text_config=dict(model_type="llama", **TXT, **_IDS),
-        image_token_index=IMAGE_TOKEN_ID, image_grid_pinpoints=[[30, 30]],
+        vision_config=dict(_CLIP_VIT),
+        text_config=dict(model_type="llama", **TXT, **_IDS),
+        image_token_index=IMAGE_TOKEN_ID,
+        image_grid_pinpoints=[[30, 30]],
     )
 
 
@@ -57,10 +72,15 @@ def _idefics2() -> PreTrainedConfig:
     return Idefics2Config(
         vision_config=dict(image_size=32, patch_size=8, **_VIT),
         perceiver_config=dict(
-            hidden_size=32, resampler_n_latents=4, resampler_depth=1, resampler_n_heads=2,
-            resampler_head_dim=8, num_key_value_heads=1,
+            hidden_size=32,
+            resampler_n_latents=4,
+            resampler_depth=1,
+            resampler_n_heads=2,
+            resampler_head_dim=8,
+            num_key_value_heads=1,
         ),
-        text_config=dict(model_type="mistral", **TXT, **_IDS), image_token_id=IMAGE_TOKEN_ID,
+        text_config=dict(model_type="mistral", **TXT, **_IDS),
+        image_token_id=IMAGE_TOKEN_ID,
     )
 
 
@@ -69,8 +89,9 @@ def _idefics3() -> PreTrainedConfig:
 
     return Idefics3Config(
         vision_config=dict(image_size=32, patch_size=8, **_VIT),
-        text_config=dict(model_type="llama", **TXT, **_IDS), image_token_id=IMAGE_TOKEN_ID,
-        scale_factor=2, pad_token_id=PAD_ID,
+        text_config=dict(model_type="llama", **TXT, **_IDS),
+        image_token_id=IMAGE_TOKEN_ID,
+        scale_factor=2,
     )
 
 
@@ -80,11 +101,19 @@ def _qwen2_vl() -> PreTrainedConfig:
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
     return Qwen2VLConfig(
         vision_config=dict(
-            depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=4,
-            spatial_merge_size=2, temporal_patch_size=2,
+            depth=2,
+            embed_dim=32,
+            hidden_size=32,
+            num_heads=4,
+            mlp_ratio=2,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
         ),
-        text_config=dict(**TXT, **_IDS, rope_parameters=rope), image_token_id=QWEN_IMAGE,
-        video_token_id=QWEN_VIDEO, vision_start_token_id=QWEN_VISION_START,
+        text_config=dict(**TXT, **_IDS, rope_parameters=rope),
+        image_token_id=QWEN_IMAGE,
+        video_token_id=QWEN_VIDEO,
+        vision_start_token_id=QWEN_VISION_START,
         vision_end_token_id=QWEN_VISION_END,
     )
 
@@ -93,11 +122,16 @@ def _paligemma() -> PreTrainedConfig:
     from transformers import PaliGemmaConfig
 
     return PaliGemmaConfig(
-        vision_config=dict(
-            model_type="siglip_vision_model", image_size=32, patch_size=8, projection_dim=32, **_VIT,
-        ),
+        vision_config={
+            "model_type": "siglip_vision_model",
+            "image_size": 32,
+            "patch_size": 8,
+            "projection_dim": 32,
+            **_VIT,
+        },
         text_config=dict(model_type="gemma", head_dim=8, **TXT, **_IDS),
-        image_token_index=IMAGE_TOKEN_ID, projection_dim=32,
+        image_token_index=IMAGE_TOKEN_ID,
+        projection_dim=32,
     )
 
 
@@ -107,18 +141,31 @@ def _minicpmv4_6() -> PreTrainedConfig:
     # LM is the real default family (qwen3_5_text: one gated-delta linear-attention layer + one
     # full-attention layer). insert_layer_id=0 puts the window merger after the first ViT layer.
     text = dict(
-        model_type="qwen3_5_text", **TXT, **_IDS, head_dim=8, linear_key_head_dim=8,
-        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        model_type="qwen3_5_text",
+        **TXT,
+        **_IDS,
+        head_dim=8,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
         layer_types=["linear_attention", "full_attention"],
     )
     # Vision width 16: the two 2x2 mergers hold (4*width)^2-sized linears.
     vision = dict(
-        image_size=32, patch_size=4, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        image_size=32,
+        patch_size=4,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
         num_attention_heads=2,
     )
     return MiniCPMV4_6Config(
-        vision_config=vision, text_config=text,
-        insert_layer_id=0, image_size=32, image_token_id=IMAGE_TOKEN_ID,
+        vision_config=vision,
+        text_config=text,
+        insert_layer_id=0,
+        image_size=32,
+        image_token_id=IMAGE_TOKEN_ID,
     )
 
 
@@ -128,14 +175,28 @@ def _blip2() -> PreTrainedConfig:
     return Blip2Config(
         vision_config=dict(image_size=30, patch_size=6, **_VIT),
         qformer_config=dict(
-            hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
-            encoder_hidden_size=32, vocab_size=256, max_position_embeddings=64,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=64,
+            encoder_hidden_size=32,
+            vocab_size=256,
+            max_position_embeddings=64,
         ),
         text_config=dict(
-            model_type="opt", vocab_size=256, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
-            num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=64, **_IDS,
+            model_type="opt",
+            vocab_size=256,
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            word_embed_proj_dim=32,
+            max_position_embeddings=64,
+            **_IDS,
         ),
-        num_query_tokens=4, image_token_index=IMAGE_TOKEN_ID, image_text_hidden_size=32,
+        num_query_tokens=4,
+        image_token_index=IMAGE_TOKEN_ID,
+        image_text_hidden_size=32,
     )
 
 
@@ -144,31 +205,49 @@ def _kosmos2() -> PreTrainedConfig:
 
     return Kosmos2Config(
         text_config=dict(
-            vocab_size=256, embed_dim=32, layers=2, ffn_dim=64, attention_heads=4,
-            max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+            vocab_size=256,
+            embed_dim=32,
+            layers=2,
+            ffn_dim=64,
+            attention_heads=4,
+            max_position_embeddings=64,
+            dropout=0.0,
+            attention_dropout=0.0,
         ),
-        vision_config=dict(image_size=30, patch_size=6, **_VIT), latent_query_num=4,
+        vision_config=dict(image_size=30, patch_size=6, **_VIT),
+        latent_query_num=4,
     )
 
 
 def _llama() -> PreTrainedConfig:
     from transformers import LlamaConfig
 
-    return LlamaConfig(**TXT, **_IDS, max_position_embeddings=64)
+    kwargs: dict[str, Any] = {**TXT, **_IDS, "max_position_embeddings": 64}
+    return LlamaConfig(**kwargs)
 
 
 TINY_CONFIGS: dict[str, Callable[[], PreTrainedConfig]] = {
-    "llava": _llava, "llava_next": _llava_next, "idefics2": _idefics2, "idefics3": _idefics3,
-    "qwen2_vl": _qwen2_vl, "paligemma": _paligemma, "minicpmv4_6": _minicpmv4_6,
-    "blip-2": _blip2, "kosmos-2": _kosmos2, "llama": _llama,
+    "llava": _llava,
+    "llava_next": _llava_next,
+    "idefics2": _idefics2,
+    "idefics3": _idefics3,
+    "qwen2_vl": _qwen2_vl,
+    "paligemma": _paligemma,
+    "minicpmv4_6": _minicpmv4_6,
+    "blip-2": _blip2,
+    "kosmos-2": _kosmos2,
+    "llama": _llama,
 }
 _MODEL_CLASSES: dict[str, str] = {
-    "llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
+    "llava": "LlavaForConditionalGeneration",
+    "llava_next": "LlavaNextForConditionalGeneration",
     "idefics2": "Idefics2ForConditionalGeneration",
     "idefics3": "Idefics3ForConditionalGeneration",
-    "qwen2_vl": "Qwen2VLForConditionalGeneration", "paligemma": "PaliGemmaForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "paligemma": "PaliGemmaForConditionalGeneration",
     "minicpmv4_6": "MiniCPMV4_6ForConditionalGeneration",
-    "blip-2": "Blip2ForConditionalGeneration", "kosmos-2": "Kosmos2ForConditionalGeneration",
+    "blip-2": "Blip2ForConditionalGeneration",
+    "kosmos-2": "Kosmos2ForConditionalGeneration",
     "llama": "LlamaForCausalLM",
 }
 _ALIASES = {"blip_2": "blip-2", "blip2": "blip-2", "kosmos2": "kosmos-2", "text_llama": "llama"}
@@ -186,18 +265,18 @@ def tiny_config(model_type: str) -> PreTrainedConfig:
     return TINY_CONFIGS[_canonical(model_type)]()
 
 
-def build_tiny(
-    model_type: str, dtype: torch.dtype | None = None, seed: int = 0
-) -> PreTrainedModel:
+def build_tiny(model_type: str, dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
     """Build the tiny model in fp32 (eval mode), then ``.to(dtype)`` if given."""
     import transformers
 
     key = _canonical(model_type)
     config = TINY_CONFIGS[key]()
     torch.manual_seed(seed)
-    model: PreTrainedModel = getattr(transformers, _MODEL_CLASSES[key])(config)
+    model: Any = getattr(transformers, _MODEL_CLASSES[key])(config)
     model.eval()
-    return model.to(dtype) if dtype is not None else model
+    if dtype is not None:
+        model.to(dtype)  # in place, every floating param/buffer (_keep_in_fp32 included)
+    return cast("PreTrainedModel", model)
 
 
 def tiny_llava(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
@@ -294,7 +373,8 @@ def tiny_batch(
     if n_img:
         is_img[:, len(prefix) : len(prefix) + n_img] = True
     batch: dict[str, torch.Tensor] = {
-        "input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
     }
 
     def pixels(*shape: int) -> torch.Tensor:
@@ -330,15 +410,12 @@ def tiny_batch(
 
 
 # Words of the synthetic captioning/VQA data; the tokenizer covers them plus chat-template words.
-TINY_WORDS: tuple[str, ...] = (
-    "user", "assistant", "system", ":", ".", ",", "?", "!", "a", "an", "the", "is", "are", "it",
-    "this", "that", "what", "which", "where", "how", "many", "in", "on", "of", "and", "with",
-    "image", "picture", "photo", "describe", "shows", "there", "color", "shape", "size", "red",
-    "green", "blue", "yellow", "black", "white", "orange", "purple", "gray", "square", "circle",
-    "triangle", "line", "dot", "small", "large", "big", "left", "right", "top", "bottom",
-    "center", "one", "two", "three", "four", "five", "yes", "no", "background", "object",
-    "objects", "caption", "answer", "question", "see", "do", "you",
-)
+_WORDS = """user assistant system : . , ? ! a an the is are it this that what which where how
+    many in on of and with image picture photo describe shows there color colour shape size red
+    green blue yellow black white orange purple gray square circle triangle line dot small large
+    big left right top bottom center one two three four five yes no background object objects
+    caption answer question see do you"""
+TINY_WORDS: tuple[str, ...] = tuple(_WORDS.split())
 _SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }} : "
@@ -367,8 +444,12 @@ def _tiny_tokenizer() -> Any:
         single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", BOS_ID)]
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-        unk_token="<unk>", extra_special_tokens={"image_token": "<image>"},
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        extra_special_tokens={"image_token": "<image>"},
     )
 
 
@@ -381,11 +462,15 @@ def tiny_llava_processor(tmpdir: str | None = None) -> LlavaProcessor:
     from transformers import CLIPImageProcessorPil, LlavaProcessor
 
     image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": 30}, crop_size={"height": 30, "width": 30},
+        size={"shortest_edge": 30},
+        crop_size={"height": 30, "width": 30},
     )
     processor = LlavaProcessor(
-        image_processor=image_processor, tokenizer=_tiny_tokenizer(), patch_size=6,
-        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        image_processor=image_processor,
+        tokenizer=_tiny_tokenizer(),
+        patch_size=6,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
         chat_template=CHAT_TEMPLATE,
     )
     if tmpdir is None:

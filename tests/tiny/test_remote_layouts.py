@@ -1,0 +1,176 @@
+"""Remote-code layouts: fp32 works; the half-precision failures of the real code reproduce."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from hf_precision.tiny.remote_layouts import (
+    CONV_DTYPE_ERROR,
+    MATMUL_DTYPE_ERROR,
+    REMOTE_LAYOUTS,
+    InternVLTiny,
+    MiniCPMV2Tiny,
+    OmniLMMTiny,
+    RemoteVLM,
+    Resampler,
+    XComposerTiny,
+    remote_batch,
+)
+
+# The real attribute paths a group finder must see.
+LAYOUT: dict[type[RemoteVLM], tuple[str, ...]] = {
+    MiniCPMV2Tiny: ("vpm", "resampler", "llm", "llm.lm_head"),
+    OmniLMMTiny: ("vpm", "resampler", "llm", "llm.lm_head"),
+    XComposerTiny: ("vit", "vision_proj", "model", "output"),
+    InternVLTiny: ("vision_model", "mlp1", "language_model", "language_model.lm_head"),
+}
+VISION: dict[type[RemoteVLM], str] = {
+    MiniCPMV2Tiny: "vpm",
+    OmniLMMTiny: "vpm",
+    XComposerTiny: "vit",
+    InternVLTiny: "vision_model",
+}
+HALF = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("cls", list(LAYOUT))
+def test_fp32_forward_backward_generate(cls: type[RemoteVLM]) -> None:
+    model = cls()
+    assert REMOTE_LAYOUTS[model.config.model_type] is cls
+    names = dict(model.named_modules())
+    assert all(path in names for path in LAYOUT[cls])
+    assert sum(p.numel() for p in model.parameters()) < 100_000
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+    batch = model.batch()
+    assert batch["pixel_values"].dtype == torch.float32
+    out = model(**batch)
+    assert out.logits.shape[:2] == batch["input_ids"].shape
+    assert torch.isfinite(out.loss)
+    out.loss.backward()
+    vision = getattr(model, VISION[cls])
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in vision.parameters())
+
+    ids = model.generate(batch["input_ids"], batch["pixel_values"], max_new_tokens=3)
+    assert ids.shape == (2, batch["input_ids"].shape[1] + 3)
+    assert torch.equal(ids[:, : batch["input_ids"].shape[1]], batch["input_ids"])
+
+
+@pytest.mark.parametrize("cls", list(LAYOUT))
+def test_generate_encodes_images_outside_forward(cls: type[RemoteVLM]) -> None:
+    """Class D: a hook on the top-level forward never sees generate's image encoding."""
+    model = cls()
+    calls = {"top": 0, "leaf": 0, "tower": 0}
+
+    def count(key: str) -> Callable[..., None]:
+        return lambda *_: calls.__setitem__(key, calls[key] + 1)
+
+    vision = getattr(model, VISION[cls])
+    model.register_forward_pre_hook(count("top"))
+    vision.patch_embed.register_forward_pre_hook(count("leaf"))
+    vision.register_forward_pre_hook(count("tower"))
+    batch = model.batch()
+    model.generate(batch["input_ids"], batch["pixel_values"], max_new_tokens=2)
+    assert calls["top"] == 0
+    assert calls["leaf"] == (2 if cls is MiniCPMV2Tiny else 1)  # MiniCPM: one call per image
+    # MiniCPM-V 2.x / OmniLMM call `vpm.forward_features(...)`, bypassing the tower's own
+    # hooks: only leaf-module hooks see their vision path.
+    assert calls["tower"] == (0 if cls in (MiniCPMV2Tiny, OmniLMMTiny) else 1)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_minicpmv2_numpy_table_breaks_half_resampler(dtype: torch.dtype) -> None:
+    """Seed bug 4: ``mat1 and mat2 must have the same dtype, but got Float and BFloat16``."""
+    model = MiniCPMV2Tiny(dtype=dtype)
+    batch = model.batch()
+    name = "BFloat16" if dtype == torch.bfloat16 else "Half"
+    for pixels in (batch["pixel_values"], batch["pixel_values"].to(dtype)):  # fp32, then half
+        with pytest.raises(RuntimeError, match=f"but got Float and {name}") as info:
+            model(**{**batch, "pixel_values": pixels})
+        frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+        assert "multi_head_attention_forward" in frames  # the key, not the vision tower
+
+
+def test_resampler_alone_adaptive_vs_fixed_table() -> None:
+    feats = torch.randn(2, 25, 16, dtype=torch.bfloat16)
+    adaptive = Resampler(2, 32, 4, kv_dim=16, adaptive=True).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=MATMUL_DTYPE_ERROR):
+        adaptive(feats, (5, 5))
+    fixed = Resampler(2, 32, 4, kv_dim=16, adaptive=False).to(torch.bfloat16)
+    out = fixed(feats, (5, 5))
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 4, 32)
+    assert Resampler(2, 32, 4, kv_dim=16, adaptive=True)(feats.float(), (5, 5)).isfinite().all()
+
+
+def test_minicpmv2_resampler_only_cast() -> None:
+    model = MiniCPMV2Tiny()
+    model.resampler.to(torch.bfloat16)  # vpm stays fp32: its output meets a bf16 kv_proj
+    batch = model.batch()
+    for pixels in (batch["pixel_values"], batch["pixel_values"].bfloat16()):
+        with pytest.raises(RuntimeError, match=r"float != c10::BFloat16"):
+            model(**{**batch, "pixel_values": pixels})
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_omnilmm_casts_pixels_to_vision_dtype(dtype: torch.dtype) -> None:
+    model = OmniLMMTiny(dtype=dtype)
+    out = model(**model.batch())  # fp32 pixels: `.type(vpm dtype)` makes this work on CPU
+    assert out.logits.dtype == dtype
+    assert torch.isfinite(out.loss)
+
+
+def test_omnilmm_hidden_vision_tower_escapes_cast() -> None:
+    model = OmniLMMTiny(tune_clip=False)
+    assert not any(name.startswith("vpm") for name, _ in model.named_modules())
+    model.to(torch.bfloat16)
+    assert model.vpm.pos_embed.dtype == torch.float32
+    assert model.resampler.query.dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match=MATMUL_DTYPE_ERROR):
+        model(**model.batch())
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_xcomposer_fp32_image_into_half_vit(dtype: torch.dtype) -> None:
+    model = XComposerTiny(dtype=dtype)
+    batch = model.batch()
+    name = "BFloat16" if dtype == torch.bfloat16 else "Half"
+    with pytest.raises(RuntimeError, match=rf"float != c10::{name}"):
+        model(**batch)
+    out = model(**{**batch, "pixel_values": batch["pixel_values"].to(dtype)})
+    assert out.logits.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_internvl_fp32_pixels_into_half_conv(dtype: torch.dtype) -> None:
+    model = InternVLTiny(dtype=dtype)
+    batch = model.batch()
+    with pytest.raises(RuntimeError, match=CONV_DTYPE_ERROR):
+        model(**batch)
+    with pytest.raises(RuntimeError, match=CONV_DTYPE_ERROR):  # generate: same vision path
+        model.generate(batch["input_ids"], batch["pixel_values"], max_new_tokens=1)
+    out = model(**{**batch, "pixel_values": batch["pixel_values"].to(dtype)})
+    assert out.logits.dtype == dtype
+
+
+def test_remote_batch_layout() -> None:
+    model = InternVLTiny()
+    batch = remote_batch(model, batch_size=3, seed=2, with_labels=True)
+    assert batch["pixel_values"].shape == (3, 3, 32, 32)
+    is_img = batch["input_ids"] == model.config.image_token_id
+    assert is_img.sum(1).tolist() == [4, 4, 4]
+    assert (batch["labels"][is_img] == -100).all()
+    assert "labels" not in remote_batch(model, with_labels=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls", [MiniCPMV2Tiny, OmniLMMTiny])
+def test_type_dtype_keeps_cpu_device(cls: type[RemoteVLM]) -> None:
+    """``pixel_values.type(dtype)`` changes dtype only: CPU pixels reach CUDA weights."""
+    model = cls().cuda()
+    batch = {k: (v.cuda() if k != "pixel_values" else v) for k, v in model.batch().items()}
+    with pytest.raises(RuntimeError, match=r"(same device|should be the same)"):
+        model(**batch)
