@@ -1,10 +1,44 @@
 """Module groups: which part of a multimodal model is the vision encoder, resampler, projector,
-language model and LM head.
+language model and LM head (plus ``audio_encoder`` for omni models).
 
 Discovery is a registry of :class:`GroupRule` objects, tried in order; the first rule whose
 ``model_types`` (or ``match``) fits and whose required groups exist wins. When none fits, a
-fallback uses ``get_encoder(modality="image")``, ``get_decoder()``, ``get_output_embeddings()``
-and name patterns, and says so in :attr:`ModuleGroups.rule`.
+fallback uses ``get_encoder(modality=...)``, ``get_decoder()``, ``get_output_embeddings()`` and
+name patterns, and says which of them matched in :attr:`ModuleGroups.rule`. Paths are checked
+against transformers 5.23 (``tests/test_groups_all_architectures.py`` builds every
+image-text-to-text architecture on the meta device).
+
+====================== =========================================================================
+rule                   model types (transformers 5.23; remote code where noted)
+====================== =========================================================================
+llava                  llava, llava_next, llava_onevision, llava_next_video, vipllava, fast_vlm,
+                       granite4_vision (``model.image_newline`` -> resampler)
+video_llava            video_llava (image + video towers)
+idefics                idefics (v1: LM at ``model``, vision nested in it)
+idefics2               idefics2
+idefics3               idefics3, smolvlm
+granite_docling        granite_docling (connector nested in the vision model)
+vision_tower_projector paligemma, gemma3, shieldgemma2, internvl, aya_vision, mistral3, mllama,
+                       got_ocr2, lfm2_vl, molmo2, aria, deepseek_vl, ovis2, ... (``model.<tower>``
+                       + ``model.<projector>`` + ``model.language_model``/``text_model``)
+qwen2_vl               qwen2_vl, qwen2_5_vl, qwen3_vl(_moe), qwen3_5(_moe), omni thinkers, glm4v
+                       family, exaone4_5, hunyuan_vl, ernie4_5_vl_moe, ... (merger -> resampler,
+                       audio tower -> audio_encoder)
+gemma3n                gemma3n, gemma4 (``embed_vision`` -> projector, audio tower + embedder)
+blip_2                 blip-2, instructblip, instructblipvideo (``query_tokens`` -> resampler)
+kosmos2                kosmos-2, kosmos-2.5 (``latent_query`` -> resampler)
+fuyu                   fuyu
+minicpmv               minicpmv4_6, minicpmv4_7, minicpm_ocr (``vit_merger`` stays in the tower)
+top_level              llama4, nemotron_h_omni (groups at the top, lm_head inside the LM)
+one layout each        gemma4_unified, muse (muse_glimmer/spark), janus, deepseek_vl_hybrid,
+                       chameleon, emu3, blip, git, pi0, encoder_decoder (pix2struct,
+                       vision-encoder-decoder), pp_formulanet, t5gemma2, diffusion_gemma, udop
+minicpmv2_omnilmm      remote MiniCPM-V 2.x / MiniCPM-o (``vpm``/``resampler``/``llm``, ``apm``),
+                       OmniLMM-12B (``model.vision_tower``/``model.resampler`` in ``model``)
+internlm_xcomposer     remote InternLM-XComposer2/2.5 (``vit``, ``vision_proj``, ``model``,
+                       ``output``; ``plora_*_GN`` -> vision_encoder)
+internvl_chat          remote InternVL-Chat (``vision_model``/``mlp1``/``language_model``)
+====================== =========================================================================
 
 >>> from hf_precision import find_module_groups
 >>> from hf_precision.tiny import tiny_llava
@@ -17,27 +51,30 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
 from .errors import PrecisionError, PrecisionWarning
 
 #: The groups every VLM rule speaks of, in forward order.
-VLM_GROUPS: tuple[str, ...] = ("vision_encoder", "resampler", "projector", "language_model", "lm_head")
+VLM_GROUPS: tuple[str, ...] = (
+    "vision_encoder", "resampler", "projector", "language_model", "lm_head")
 #: Parameters outside every group.
 OTHER = "other"
-_GROUP_NAMES: list[str] = list(VLM_GROUPS)
+_GROUP_NAMES: list[str] = [*VLM_GROUPS[:3], "audio_encoder", *VLM_GROUPS[3:]]
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
 def register_group(name: str) -> str:
     """Declare a new group name (lowercase, ``[a-z0-9_]``) so policies may refer to it."""
-    if not _NAME_RE.match(name) or name == OTHER:
+    if not isinstance(name, str) or not _NAME_RE.match(name) or name == OTHER:
         raise PrecisionError(
             f"register_group({name!r}): group names are lowercase identifiers "
-            f"([a-z][a-z0-9_]*) and not {OTHER!r}. Fix: use e.g. 'audio_encoder'."
+            f"([a-z][a-z0-9_]*) and not {OTHER!r}. Fix: use e.g. 'depth_encoder'."
         )
     if name not in _GROUP_NAMES:
         _GROUP_NAMES.append(name)
@@ -49,20 +86,49 @@ def group_names() -> tuple[str, ...]:
     return tuple(_GROUP_NAMES)
 
 
+PathMap = Mapping[str, "tuple[str, ...] | str"]
+
+
+def _norm(call: str, what: str, value: PathMap) -> dict[str, tuple[str, ...]]:
+    out: dict[str, tuple[str, ...]] = {}
+    for group, paths in value.items():
+        # A bare string would otherwise be iterated character by character.
+        items = (paths,) if isinstance(paths, str) else tuple(paths)
+        # "" (paths only) is the model itself: a denoiser or text encoder that is one group.
+        if not all(isinstance(p, str) and (p or what == "paths") for p in items):
+            raise PrecisionError(
+                f"{call}: {what}[{group!r}]={paths!r} must be module paths (non-empty strings). "
+                f"Fix: {what}={{{group!r}: ('model.vision_tower',)}}."
+            )
+        out[group] = items
+    return out
+
+
 @dataclass(frozen=True)
 class GroupRule:
     """How to find the groups of one architecture family.
 
-    ``paths`` maps a group to candidate module paths (first that exists wins); ``params`` maps a
-    group to direct parameters it owns (``image_newline``, ``query_tokens``, ``latent_query``).
+    ``paths`` maps a group to candidate module paths (the first that exists wins); ``extra``
+    adds every listed module that exists (a second tower, a deepstack merger list); ``params``
+    maps a group to direct parameters it owns (``image_newline``, ``query_tokens``,
+    ``latent_query``). A bare string counts as a one-element tuple; the path ``""`` in
+    ``paths`` is the model itself (a diffusers UNet found on its own is wholly ``unet``).
     """
 
     name: str
-    paths: Mapping[str, tuple[str, ...]]
+    paths: PathMap
     model_types: tuple[str, ...] = ()
-    params: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    params: PathMap = field(default_factory=dict)
     required: tuple[str, ...] = ("language_model",)
     match: Callable[[nn.Module], bool] | None = None
+    extra: PathMap = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        call = f"GroupRule(name={self.name!r})"
+        for attr in ("paths", "params", "extra"):
+            object.__setattr__(self, attr, _norm(call, attr, getattr(self, attr)))
+        if isinstance(self.model_types, str):
+            object.__setattr__(self, "model_types", (self.model_types,))
 
     def applies_to(self, root: nn.Module, model_type: str | None) -> bool:
         if model_type is not None and model_type in self.model_types:
@@ -75,28 +141,26 @@ _RULES: list[GroupRule] = []
 
 def register_group_rule(rule: GroupRule, *, first: bool = False) -> GroupRule:
     """Add an architecture rule. Names are unique and lowercase; groups must be known.
+    ``first=True`` puts it before the built-in rules (to override one for a model type).
 
-    >>> from hf_precision.groups import GroupRule, register_group_rule
+    >>> from hf_precision.groups import GroupRule, register_group_rule, unregister_group_rule
     >>> _ = register_group_rule(GroupRule(
     ...     name="my_vlm", model_types=("my_vlm",),
     ...     paths={"vision_encoder": ("encoder",), "language_model": ("decoder",)}))
+    >>> unregister_group_rule("my_vlm")
     """
-    if not _NAME_RE.match(rule.name):
-        raise PrecisionError(
-            f"register_group_rule(GroupRule(name={rule.name!r})): rule names are lowercase "
-            "identifiers. Fix: e.g. name='my_vlm'."
-        )
+    call = f"register_group_rule(GroupRule(name={rule.name!r}))"
+    if not isinstance(rule.name, str) or not _NAME_RE.match(rule.name):
+        raise PrecisionError(f"{call}: rule names are lowercase identifiers ([a-z][a-z0-9_]*). "
+                             "Fix: e.g. name='my_vlm'.")
     if any(r.name == rule.name for r in _RULES):
-        raise PrecisionError(
-            f"register_group_rule(GroupRule(name={rule.name!r})): a rule of that name exists. "
-            "Fix: choose another name, or unregister_group_rule() the old one first."
-        )
-    unknown = sorted((set(rule.paths) | set(rule.params)) - set(_GROUP_NAMES))
+        raise PrecisionError(f"{call}: a rule of that name exists. Fix: choose another name, "
+                             "or unregister_group_rule() the old one first.")
+    used = set(rule.paths) | set(rule.params) | set(rule.extra) | set(rule.required)
+    unknown = sorted(used - set(_GROUP_NAMES))
     if unknown:
-        raise PrecisionError(
-            f"register_group_rule(GroupRule(name={rule.name!r})): unknown group(s) {unknown}. "
-            f"Allowed: {', '.join(_GROUP_NAMES)}. Fix: register_group(name) first."
-        )
+        raise PrecisionError(f"{call}: unknown group(s) {unknown}. Allowed: "
+                             f"{', '.join(_GROUP_NAMES)}. Fix: register_group(name) first.")
     _RULES.insert(0, rule) if first else _RULES.append(rule)
     return rule
 
@@ -124,33 +188,26 @@ def clean_name(name: str) -> str:
     return name.removesuffix("._fsdp_wrapped_module").removesuffix("._orig_mod")
 
 
+_MODULE_WRAPPERS = {"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel",
+                    "DeepSpeedEngine"}
+
+
 def unwrap_model(model: nn.Module) -> tuple[nn.Module, str]:
-    """Peel DDP/FSDP1/DataParallel, ``torch.compile`` and PEFT wrappers.
+    """Peel DDP/FSDP1/DataParallel/DeepSpeed, ``torch.compile`` and PEFT wrappers.
 
     Returns the innermost model and the path prefix of it inside ``model``.
     """
     prefix = ""
     while True:
-        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model, prefix = model._orig_mod, prefix + "_orig_mod."
-        elif type(model).__name__ in {
-            "DistributedDataParallel",
-            "DataParallel",
-            "FullyShardedDataParallel",
-        } and isinstance(getattr(model, "module", None), nn.Module):
-            model, prefix = model.module, prefix + "module."
-        elif (
-            hasattr(model, "peft_config")
-            and isinstance(getattr(model, "base_model", None), nn.Module)
-            and isinstance(getattr(model.base_model, "model", None), nn.Module)
-        ):
-            model, prefix = model.base_model.model, prefix + "base_model.model."
-        elif type(model).__name__ == "DeepSpeedEngine" and isinstance(
-            getattr(model, "module", None), nn.Module
-        ):
-            model, prefix = model.module, prefix + "module."
-        else:
+        inner, seg = getattr(model, "_orig_mod", None), "_orig_mod."
+        if not isinstance(inner, nn.Module) and type(model).__name__ in _MODULE_WRAPPERS:
+            inner, seg = getattr(model, "module", None), "module."
+        if not isinstance(inner, nn.Module) and hasattr(model, "peft_config"):
+            base = getattr(model, "base_model", None)
+            inner, seg = getattr(base, "model", None), "base_model.model."
+        if not isinstance(inner, nn.Module):
             return model, prefix
+        model, prefix = inner, prefix + seg
 
 
 def model_type_of(model: nn.Module) -> str | None:
@@ -165,7 +222,9 @@ def model_type_of(model: nn.Module) -> str | None:
 
 @dataclass
 class ModuleGroups:
-    """The groups found in a model. Paths are relative to the unwrapped model (:attr:`root`)."""
+    """The groups found in a model. Paths are relative to the unwrapped model (:attr:`root`);
+    :attr:`hidden` lists group modules reachable as attributes but not registered submodules
+    (``model.to()`` and :func:`enforce_policy` cannot reach them)."""
 
     root: nn.Module
     paths: dict[str, tuple[str, ...]]
@@ -173,6 +232,7 @@ class ModuleGroups:
     rule: str
     model_type: str | None = None
     prefix: str = ""
+    hidden: dict[str, str] = field(default_factory=dict)
     _lookup: dict[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -196,7 +256,10 @@ class ModuleGroups:
 
     def group_of(self, name: str) -> str:
         """Group of a module path or parameter name: the longest matching group path wins, so a
-        resampler nested in the vision encoder (Qwen2-VL's ``model.visual.merger``) is its own."""
+        resampler nested in the vision encoder (Qwen2-VL's ``model.visual.merger``) is its own.
+        Names from the wrapped model (``base_model.model.…``, ``module.…``) are accepted."""
+        if self.prefix and name.startswith(self.prefix):
+            name = name[len(self.prefix):]
         name = clean_name(name)
         lookup = self._lookup
         hit = lookup.get(name)
@@ -236,30 +299,52 @@ class ModuleGroups:
 # Discovery
 
 
-def _has(root: nn.Module, path: str) -> bool:
+def _get(root: nn.Module, path: str) -> nn.Module | None:
+    """The registered submodule at ``path`` (through ``_modules`` only, never ``__getattr__``
+    tricks), or None. ``""`` is ``root`` itself."""
+    if not path:
+        return root
+    mod: nn.Module | None = root
+    for part in path.split("."):
+        mod = mod._modules.get(part) if mod is not None else None
+        if mod is None:
+            return None
+    return mod
+
+
+def _hidden(root: nn.Module, path: str) -> bool:
+    """A module reachable by attribute access but not registered (OmniLMM's list-hidden tower)."""
     try:
-        root.get_submodule(path)
-    except AttributeError:
+        return isinstance(root.get_submodule(path), nn.Module)
+    except Exception:  # a custom __getattr__ may raise anything for a missing name
         return False
-    return True
 
 
 def _has_param(root: nn.Module, name: str) -> bool:
     owner, _, leaf = name.rpartition(".")
-    try:
-        mod = root.get_submodule(owner) if owner else root
-    except AttributeError:
-        return False
-    return leaf in mod._parameters and mod._parameters[leaf] is not None
+    mod = _get(root, owner) if owner else root
+    return mod is not None and mod._parameters.get(leaf) is not None
 
 
-def _apply_rule(rule: GroupRule, root: nn.Module) -> tuple[dict, dict] | None:
+def _apply_rule(rule: GroupRule, root: nn.Module) -> ModuleGroups | None:
     paths: dict[str, tuple[str, ...]] = {}
+    hidden: dict[str, str] = {}
+    taken: set[str] = set()
     for group, candidates in rule.paths.items():
         for cand in candidates:
-            if _has(root, cand):
+            if cand not in taken and _get(root, cand) is not None:
                 paths[group] = (cand,)
+                taken.add(cand)
                 break
+        else:
+            seen = next((c for c in candidates if _hidden(root, c)), None)
+            if seen is not None:
+                hidden[group] = seen
+    for group, extras in rule.extra.items():
+        more = tuple(p for p in extras if p not in taken and _get(root, p) is not None)
+        if more:
+            paths[group] = paths.get(group, ()) + more
+            taken.update(more)
     params: dict[str, tuple[str, ...]] = {}
     for group, names in rule.params.items():
         present = tuple(n for n in names if _has_param(root, n))
@@ -267,21 +352,13 @@ def _apply_rule(rule: GroupRule, root: nn.Module) -> tuple[dict, dict] | None:
             params[group] = present
     if any(g not in paths and g not in params for g in rule.required):
         return None
-    return paths, params
-
-
-def _path_of(root: nn.Module, target: object) -> str | None:
-    if target is root:
-        return ""
-    for name, mod in root.named_modules():
-        if mod is target:
-            return name
-    return None
+    return ModuleGroups(root, paths, params, rule.name, model_type_of(root), hidden=hidden)
 
 
 _FALLBACK_NAMES: dict[str, tuple[str, ...]] = {
     "vision_encoder": ("vision_tower", "visual", "vision_model", "vision_encoder", "image_tower",
-                       "vpm", "vit", "vision_embed_tokens", "image_encoder"),
+                       "image_encoder", "vpm", "vit", "vision_embed_tokens"),
+    "audio_encoder": ("audio_tower", "audio_encoder", "speech_encoder", "audio_model", "apm"),
     "language_model": ("language_model", "text_model", "llm", "decoder", "text_decoder"),
     "lm_head": ("lm_head", "output", "embed_out"),
 }
@@ -289,67 +366,105 @@ _PATTERN_GROUPS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("resampler", re.compile(r"(resampler|merger|connector|qformer|abstractor|perceiver)$")),
     ("projector", re.compile(
         r"(multi_modal_projector|mm_projector|projector|language_projection|modality_projection"
-        r"|vision_proj|visual_projection|img_projection|image_projection|mlp1)$")),
+        r"|vision_proj|visual_projection|img_projection|image_projection|aligner|mlp1)$")),
 )
+_GETTERS = {"vision_encoder": "get_encoder", "audio_encoder": "get_encoder",
+            "language_model": "get_decoder", "lm_head": "get_output_embeddings"}
+_MAX_DOTS = 3  # fallback looks at paths of at most 4 segments (``model.visual.merger.mlp``)
+_PARAM_PATTERN = re.compile(r"^(image_newline|view_separator|query_tokens|latent_query)$")
 
 
-_GETTER_NAMES = {"vision_encoder": "get_encoder(image)", "language_model": "get_decoder",
-                 "lm_head": "get_output_embeddings"}
+def _getter(root: nn.Module, group: str) -> tuple[object, str] | None:
+    """What the transformers accessor for ``group`` returns, and its name for the report."""
+    get: Any = getattr(root, _GETTERS[group], None)
+    if not callable(get):
+        return None
+    try:
+        if group in ("vision_encoder", "audio_encoder"):
+            modality = "image" if group == "vision_encoder" else "audio"
+            found = get(modality=modality)
+            # get_encoder returns the model (or its base model) itself when it finds nothing.
+            if found is root or found is getattr(root, "base_model", None):
+                return None
+            return found, f"get_encoder({modality})"
+        return get(), _GETTERS[group]
+    except Exception:  # best effort: some models raise for parts they lack
+        return None
 
 
-def _fallback(root: nn.Module) -> tuple[dict, dict, list[str]]:
+def _fallback(root: nn.Module) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]],
+                                       list[str]]:
+    # One shallow walk (4 levels) serves every lookup below: groups sit near the top, and a
+    # 7B model's ~1k leaf modules need not be visited.
+    modules: dict[str, nn.Module] = {"": root}
+    path_of: dict[int, str] = {id(root): ""}
+    todo = deque([("", root)])
+    while todo:
+        base, mod = todo.popleft()
+        for child_name, child in mod._modules.items():
+            if child is None or id(child) in path_of:
+                continue
+            name = f"{base}.{child_name}" if base else child_name
+            modules[name] = child
+            path_of[id(child)] = name
+            if name.count(".") < _MAX_DOTS:
+                todo.append((name, child))
     how: list[str] = []
     paths: dict[str, tuple[str, ...]] = {}
-    getters: dict[str, Callable[[], object]] = {}
-    if hasattr(root, "get_encoder"):
-        getters["vision_encoder"] = lambda: root.get_encoder(modality="image")
-    if hasattr(root, "get_decoder"):
-        getters["language_model"] = root.get_decoder
-    if hasattr(root, "get_output_embeddings"):
-        getters["lm_head"] = root.get_output_embeddings
-    for group, getter in getters.items():
-        try:
-            found = getter()
-        except Exception:  # noqa: BLE001 - best effort: some models raise for missing parts
-            continue
-        path = _path_of(root, found) if isinstance(found, nn.Module) else None
-        if path:
+    for group in _FALLBACK_NAMES:
+        got = _getter(root, group)
+        path = path_of.get(id(got[0])) if got is not None else None
+        if got is not None and path:
             paths[group] = (path,)
-            how.append(f"{group}={_GETTER_NAMES[group]}")
-    modules = dict(root.named_modules())
-    for group, names in _FALLBACK_NAMES.items():
-        hit = next((p + n for p in ("model.", "") for n in names if p + n in modules), None)
-        if group not in paths and hit:
+            how.append(f"{group}={got[1]}")
+            continue
+        hit = next((p + n for n in _FALLBACK_NAMES[group] for p in ("model.", "")
+                    if p + n in modules), None)
+        if hit:
             paths[group] = (hit,)
             how.append(f"{group}=name:{hit}")
     lm = paths.get("language_model", ("\0",))[0]
     taken = {p for ps in paths.values() for p in ps}
     for group, pattern in _PATTERN_GROUPS:
         for name in modules:
-            if (not name or name in taken or name.count(".") > 3 or name.startswith(lm + ".")
+            if (not name or name in taken or name.startswith(lm + ".")
                     or not pattern.search(name.rsplit(".", 1)[-1])):
                 continue
             paths[group] = (name,)
             taken.add(name)
             how.append(f"{group}=pattern:{name}")
             break
-    return paths, {}, how
+    # Direct parameters of the wrapper levels (``model.image_newline``) join the resampler.
+    params = tuple(f"{p}.{n}" if p else n for p in ("", "model") if p in modules
+                   for n, t in modules[p]._parameters.items()
+                   if t is not None and _PARAM_PATTERN.match(n))
+    if params:
+        how.append("resampler=param:" + "+".join(params))
+    return paths, ({"resampler": params} if params else {}), how
 
 
 def find_module_groups(model: nn.Module, *, strict: bool = False) -> ModuleGroups:
-    """Find the module groups of ``model`` (PEFT, DDP/FSDP1 and ``torch.compile`` unwrapped).
+    """Find the module groups of ``model`` (PEFT, DDP/FSDP1/DataParallel and ``torch.compile``
+    unwrapped). :attr:`ModuleGroups.rule` names the rule, or how the fallback matched.
 
-    With no recognisable group, warns and returns everything as one group ``"other"``
-    (``strict=True`` raises :class:`PrecisionError` instead).
+    With no recognisable group, warns (:class:`PrecisionWarning`) and returns everything as one
+    group ``"other"``; ``strict=True`` raises :class:`PrecisionError` instead.
+
+    >>> from hf_precision.tiny import tiny_qwen2_vl
+    >>> g = find_module_groups(tiny_qwen2_vl())
+    >>> g.rule, g.group_of("model.visual.merger.mlp.0.weight"), g.group_of("model.visual.blocks.0")
+    ('qwen2_vl', 'resampler', 'vision_encoder')
     """
     root, prefix = unwrap_model(model)
     mt = model_type_of(root)
     for rule in _RULES:
-        if not rule.applies_to(root, mt):
-            continue
-        found = _apply_rule(rule, root)
-        if found is not None:
-            return ModuleGroups(root, found[0], found[1], rule.name, mt, prefix)
+        if rule.applies_to(root, mt):
+            found = _apply_rule(rule, root)
+            if found is not None:
+                found.prefix = prefix
+                if found.hidden:
+                    _warn_hidden(root, found.hidden)
+                return found
     paths, params, how = _fallback(root)
     if "language_model" not in paths and "vision_encoder" not in paths:
         msg = (
@@ -367,107 +482,142 @@ def find_module_groups(model: nn.Module, *, strict: bool = False) -> ModuleGroup
     return ModuleGroups(root, paths, params, "fallback(" + ", ".join(how) + ")", mt, prefix)
 
 
+def _warn_hidden(root: nn.Module, hidden: Mapping[str, str]) -> None:
+    where = ", ".join(f"{g}={p!r}" for g, p in hidden.items())
+    warnings.warn(
+        f"find_module_groups({type(root).__name__}): {where} is reachable as an attribute but is "
+        "not a registered submodule (e.g. hidden in a list), so model.to(dtype) and "
+        "enforce_policy cannot cast it; its output is cast at the next group's boundary.\n"
+        "Fix: register it as a submodule (OmniLMM: tune_clip=True), or cast it yourself.",
+        PrecisionWarning, stacklevel=3)
+
+
 # --------------------------------------------------------------------------------------------
-# Built-in rules (transformers 5.23 paths; remote-code layouts matched by attribute names)
+# Built-in rules (transformers 5.23 paths; remote-code layouts matched by attribute names).
+# ``_r`` keeps the table short: each keyword is a group, each space-separated word a candidate.
+
+_KEYS = {"vision": "vision_encoder", "resampler": "resampler", "projector": "projector",
+         "audio": "audio_encoder", "lm": "language_model", "head": "lm_head"}
+
+
+def _r(name: str, types: str, match: Callable[[nn.Module], bool] | None = None, *,
+       extra: Mapping[str, str] | None = None, params: Mapping[str, str] | None = None,
+       **groups: str) -> GroupRule:
+    groups.setdefault("head", "lm_head")
+    return GroupRule(
+        name, model_types=tuple(types.split()), match=match,
+        paths={_KEYS[k]: tuple(v.split()) for k, v in groups.items() if v},
+        extra={_KEYS[k]: tuple(v.split()) for k, v in (extra or {}).items()},
+        params={_KEYS[k]: tuple(v.split()) for k, v in (params or {}).items()},
+    )
 
 
 def _attrs(*names: str) -> Callable[[nn.Module], bool]:
-    return lambda m: all(isinstance(getattr(m, n, None), nn.Module) for n in names)
+    return lambda m: all(isinstance(m._modules.get(n), nn.Module) for n in names)
 
 
-_LM_HEAD = ("lm_head",)
+_VT, _LM = "model.vision_tower", "model.language_model"
 for _rule in (
-    GroupRule(
-        "llava",
-        model_types=("llava", "llava_next", "llava_onevision", "llava_next_video", "vipllava"),
-        paths={"vision_encoder": ("model.vision_tower",),
-               "projector": ("model.multi_modal_projector",),
-               "language_model": ("model.language_model",), "lm_head": _LM_HEAD},
-        params={"resampler": ("model.image_newline",)},
-    ),
-    GroupRule(
-        "idefics2",
-        model_types=("idefics2",),
-        paths={"vision_encoder": ("model.vision_model",),
-               "resampler": ("model.connector.perceiver_resampler",),
-               "projector": ("model.connector.modality_projection",),
-               "language_model": ("model.text_model",), "lm_head": _LM_HEAD},
-    ),
-    GroupRule(
-        "idefics3",
-        model_types=("idefics3", "smolvlm"),
-        paths={"vision_encoder": ("model.vision_model",), "resampler": ("model.connector",),
-               "projector": ("model.connector.modality_projection",),
-               "language_model": ("model.text_model",), "lm_head": _LM_HEAD},
-    ),
-    GroupRule(
-        "vision_tower_projector",
-        model_types=("paligemma", "gemma3", "internvl", "aya_vision", "mistral3", "mllama",
-                     "got_ocr2", "cohere2_vision", "lfm2_vl", "ovis2", "perception_lm",
-                     "janus", "deepseek_vl", "deepseek_vl_hybrid", "gemma3n", "llama4",
-                     "florence2", "emu3", "chameleon", "glm4v", "glm4v_moe", "shieldgemma2"),
-        paths={"vision_encoder": ("model.vision_tower", "model.vision_model", "model.visual"),
-               "projector": ("model.multi_modal_projector", "model.aligner",
-                             "model.visual.merger"),
-               "language_model": ("model.language_model", "model.text_model"),
-               "lm_head": _LM_HEAD},
-    ),
-    GroupRule(
-        "qwen2_vl",
-        model_types=("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_omni_thinker"),
-        paths={"vision_encoder": ("model.visual",), "resampler": ("model.visual.merger",),
-               "language_model": ("model.language_model",), "lm_head": _LM_HEAD},
-    ),
-    GroupRule(
-        "blip_2",
-        model_types=("blip-2", "blip_2", "instructblip", "instructblipvideo"),
-        paths={"vision_encoder": ("vision_model",), "resampler": ("qformer",),
-               "projector": ("language_projection",), "language_model": ("language_model",),
-               "lm_head": ("language_model.lm_head", "lm_head")},
-        params={"resampler": ("query_tokens",)},
-    ),
-    GroupRule(
-        "kosmos2",
-        model_types=("kosmos-2", "kosmos2"),
-        paths={"vision_encoder": ("vision_model",), "resampler": ("image_to_text_projection",),
-               "projector": ("image_to_text_projection.dense",),
-               "language_model": ("text_model",), "lm_head": ("text_model.lm_head",)},
-        params={"resampler": ("image_to_text_projection.latent_query",)},
-    ),
-    GroupRule(
-        "fuyu",
-        model_types=("fuyu",),
-        paths={"vision_encoder": ("model.vision_embed_tokens",),
-               "language_model": ("model.language_model",), "lm_head": _LM_HEAD},
-    ),
-    GroupRule(
-        "minicpmv",
-        model_types=("minicpmv4_6", "minicpmv4_7", "minicpm_ocr"),
-        paths={"vision_encoder": ("model.vision_tower",), "resampler": ("model.merger",),
-               "language_model": ("model.language_model",), "lm_head": _LM_HEAD},
-    ),
-    # Remote-code layouts (trust_remote_code checkpoints), matched by attribute names.
-    GroupRule(
-        "minicpmv2_omnilmm",
-        model_types=("minicpmv", "omnilmm"),
-        match=_attrs("vpm", "resampler", "llm"),
-        paths={"vision_encoder": ("vpm",), "resampler": ("resampler",), "language_model": ("llm",),
-               "lm_head": ("llm.lm_head", "lm_head")},
-    ),
-    GroupRule(
-        "internlm_xcomposer",
-        model_types=("internlmxcomposer2", "internlm_xcomposer2"),
-        match=_attrs("vit", "vision_proj", "model", "output"),
-        paths={"vision_encoder": ("vit",), "projector": ("vision_proj",),
-               "language_model": ("model",), "lm_head": ("output",)},
-    ),
-    GroupRule(
-        "internvl_chat",
-        model_types=("internvl_chat",),
-        match=_attrs("vision_model", "mlp1", "language_model"),
-        paths={"vision_encoder": ("vision_model",), "projector": ("mlp1",),
-               "language_model": ("language_model",),
-               "lm_head": ("language_model.lm_head", "language_model.output")},
-    ),
+    _r("llava", "llava llava_next llava_onevision llava_next_video vipllava fast_vlm "
+       "granite4_vision", vision=_VT, resampler="model.vision_resampler model.spatial_projectors",
+       projector="model.multi_modal_projector", lm=_LM,
+       extra={"resampler": "model.layerwise_projectors"},
+       params={"resampler": "model.image_newline"}),
+    _r("video_llava", "video_llava", vision="model.image_tower", lm=_LM,
+       extra={"vision": "model.video_tower"}, projector="model.multi_modal_projector"),
+    _r("idefics", "idefics", vision="model.vision_model", resampler="model.perceiver_resampler",
+       lm="model"),
+    _r("idefics2", "idefics2", vision="model.vision_model",
+       resampler="model.connector.perceiver_resampler",
+       projector="model.connector.modality_projection", lm="model.text_model"),
+    _r("idefics3", "idefics3 smolvlm", vision="model.vision_model", resampler="model.connector",
+       projector="model.connector.modality_projection", lm="model.text_model"),
+    _r("granite_docling", "granite_docling", vision="model.vision_model",
+       resampler="model.vision_model.connector", lm="model.text_model"),
+    _r("vision_tower_projector",
+       "paligemma gemma3 shieldgemma2 internvl aya_vision mistral3 mistral_large4 mllama got_ocr2 "
+       "pp_chart2table cohere2_vision lfm2_vl lfm3_vl molmo2 qianfan_ocr minimax_m3_vl aria "
+       "kimi_k25 deepseek_vl perception_lm step3p7 unlimited_ocr deepseek_ocr2 video_llama_3 "
+       "paddleocr_vl cosmos3_edge florence2 ovis2 lighton_ocr",
+       vision=f"{_VT} model.vision_model model.vision_encoder model.visual",
+       projector="model.multi_modal_projector model.aligner model.mm_projector model.projector "
+                 "model.vision_projection model.visual_embeddings_table",
+       lm=f"{_LM} model.text_model",
+       # DeepSeek-OCR layouts: separators in the LM embedding space, like LLaVA's image_newline.
+       params={"resampler": "model.image_newline model.view_separator"}),
+    _r("qwen2_vl",
+       "qwen2_vl qwen2_5_vl qwen3_vl qwen3_vl_moe qwen3_5 qwen3_5_moe qwen2_5_omni_thinker "
+       "qwen3_omni_moe_thinker qwen4_exp cosmos3_omni cohere_compass exaone4_5 glm4v glm4v_moe "
+       "glm46v glmga glm5_next glm_ocr hyperclovax_vision_v2 dots3_note inkling2 "
+       "inkling_mm_model hunyuan_vl ernie4_5_vl_moe",
+       vision=f"model.visual {_VT} model.vision_model",
+       resampler="model.visual.merger model.vision_tower.merger model.vision_model.merger "
+                 "model.vision_tower.patch_merger model.resampler_model",
+       projector="model.projector", audio="model.audio_tower", lm=_LM,
+       extra={"resampler": "model.visual.deepstack_merger_list model.visual.merger_list"}),
+    _r("gemma3n", "gemma3n gemma4", vision=_VT, projector="model.embed_vision",
+       audio="model.audio_tower", extra={"audio": "model.embed_audio"}, lm=_LM),
+    _r("gemma4_unified", "gemma4_unified", vision="model.embed_vision",
+       audio="model.embed_audio", lm=_LM),
+    _r("muse", "muse_glimmer muse_spark", vision=_VT, projector="model.vision_adapter",
+       audio="model.audio_tower", lm=_LM,
+       extra={"projector": "model.vision_projection model.perception_emb_norm"}),
+    _r("janus", "janus", vision="model.vision_model", projector="model.aligner", lm=_LM,
+       # Image generation path: VQ tokenizer, its embeddings/aligner into the LM, image head.
+       extra={"vision": "model.vqmodel",
+              "projector": "model.generation_embeddings model.generation_aligner",
+              "head": "model.generation_head"}),
+    _r("deepseek_vl_hybrid", "deepseek_vl_hybrid", vision="model.vision_model",
+       projector="model.aligner", lm=_LM,
+       extra={"vision": "model.high_res_vision_model model.high_res_vision_neck "
+                        "model.high_res_vision_proj"},
+       params={"vision": "model.high_res_vision_alpha"}),
+    _r("chameleon", "chameleon", vision="model.vqmodel", lm="model"),
+    _r("emu3", "emu3", vision="model.vqmodel", lm="model.text_model"),
+    _r("blip_2", "blip-2 instructblip instructblipvideo", vision="vision_model",
+       resampler="qformer", projector="language_projection", lm="language_model",
+       head="language_model.lm_head lm_head", params={"resampler": "query_tokens"}),
+    _r("blip", "blip", vision="vision_model", lm="text_decoder", head="text_decoder.cls"),
+    _r("kosmos2", "kosmos-2 kosmos-2.5", vision="vision_model",
+       resampler="image_to_text_projection", projector="image_to_text_projection.dense",
+       lm="text_model", head="text_model.lm_head",
+       params={"resampler": "image_to_text_projection.latent_query"}),
+    _r("fuyu", "fuyu", vision="model.vision_embed_tokens", lm=_LM),
+    _r("minicpmv", "minicpmv4_6 minicpmv4_7 minicpm_ocr", vision=_VT, resampler="model.merger",
+       lm=_LM),
+    _r("top_level", "llama4 nemotron_h_omni", vision="vision_model",
+       projector="multi_modal_projector", lm="language_model", head="language_model.lm_head",
+       audio="audio_tower", extra={"vision": "vision_final_layernorm", "audio": "embed_audio"}),
+    _r("git", "git", vision="git.image_encoder", projector="git.visual_projection", lm="git",
+       head="output", extra={"vision": "git.img_temporal_embedding"}),
+    _r("pi0", "pi0", vision="model.vlm.vision_tower", projector="model.vlm.multi_modal_projector",
+       lm="model.vlm.language_model", head="action_out_proj",
+       extra={"lm": "model.dit", "projector": "embed_action_time"}),
+    _r("encoder_decoder", "pix2struct vision-encoder-decoder", vision="encoder", lm="decoder",
+       head="decoder.lm_head decoder.cls decoder.output_projection"),
+    _r("pp_formulanet", "pp_formulanet", vision="model.encoder",
+       projector="model.encoder.multi_modal_projector", lm="model.decoder"),
+    _r("t5gemma2", "t5gemma2", vision="model.encoder.vision_tower",
+       projector="model.encoder.multi_modal_projector", lm="model.encoder.text_model",
+       extra={"lm": "model.decoder"}),
+    _r("diffusion_gemma", "diffusion_gemma", vision="model.encoder.vision_tower",
+       projector="model.encoder.embed_vision", lm="model.encoder.language_model",
+       extra={"lm": "model.decoder"}),
+    _r("udop", "udop", vision="patch_embed", lm="encoder",
+       extra={"vision": "encoder.embed_patches decoder.embed_patches",
+              "lm": "decoder shared"}),
+    # Remote-code layouts (trust_remote_code checkpoints), matched by attribute names too.
+    # MiniCPM-V 2.x / MiniCPM-o: vpm/resampler/llm (+ apm audio); OmniLMM-12B:
+    # model.vision_tower/model.resampler inside the Mistral body ``model``, lm_head on top.
+    _r("minicpmv2_omnilmm", "minicpmv minicpmo omnilmm", _attrs("vpm", "resampler", "llm"),
+       vision="vpm model.vision_tower", resampler="resampler model.resampler", lm="llm model",
+       head="llm.lm_head lm_head", audio="apm", extra={"audio": "audio_projection_layer"}),
+    _r("internlm_xcomposer", "internlmxcomposer2 internlm_xcomposer2",
+       _attrs("vit", "vision_proj", "model"), vision="vit", projector="vision_proj",
+       lm="model", head="output score", extra={"projector": "video_mem_proj"},
+       params={"vision": "plora_glb_GN plora_sub_GN"}),
+    _r("internvl_chat", "internvl_chat", _attrs("vision_model", "mlp1", "language_model"),
+       vision="vision_model", projector="mlp1", lm="language_model",
+       head="language_model.lm_head language_model.output"),
 ):
     register_group_rule(_rule)
