@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+# Registers the diffusion groups (text_encoder, unet, transformer, vae), their rules and the
+# fp16-vae32 / bf16-vae32 presets, so policies naming them load anywhere (no diffusers import).
+from . import diffusion as _diffusion  # noqa: F401
 from .batch import PrecisionCollator, cast_batch
 from .dtype_map import DtypeMap, dtype_map
 from .enforce import EnforceReport, check_policy, enforce_policy
@@ -27,6 +30,7 @@ from .policy import PrecisionPolicy
 
 if TYPE_CHECKING:
     from .callback import PrecisionGuardCallback
+    from .diagnostics import diagnose
 
 __version__ = "0.1.0"
 
@@ -43,6 +47,7 @@ __all__ = [
     "PrecisionWarning",
     "cast_batch",
     "check_policy",
+    "diagnose",
     "dtype_map",
     "enforce_policy",
     "find_module_groups",
@@ -56,6 +61,7 @@ _LAZY = {
     # transformers/accelerate are imported only when these are used
     "PrecisionGuardCallback": ".callback",
     "PrecisionGuardPlugin": ".accelerate_plugin",
+    "diagnose": ".diagnostics",
 }
 
 

@@ -19,6 +19,7 @@ Precedence for one parameter (first that applies):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
@@ -54,6 +55,8 @@ PRESET_HELP = {
     "fp16-true": "everything fp16 (inference only: the GradScaler cannot unscale fp16 grads)",
     "fp32": "everything fp32",
 }
+#: preset -> PrecisionPolicy fields it sets beyond the three dtypes (see :func:`register_preset`)
+PRESET_DEFAULTS: dict[str, dict[str, Any]] = {}
 _PRESET_ALIASES = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "float32": "fp32",
                    "bfloat16": "bf16-true", "float16": "fp16-true", "16-mixed": "fp16",
                    "bf16-mixed-fp32": "bf16"}
@@ -213,6 +216,7 @@ class PrecisionPolicy:
                 f"unknown field(s) {bad}.\nAllowed: {', '.join(sorted(known))}.")
         kwargs: dict[str, Any] = dict(compute_dtype=compute, frozen_dtype=frozen,
                                       trainable_dtype=trainable, name=key)
+        kwargs.update(copy.deepcopy(PRESET_DEFAULTS.get(key, {})))
         kwargs.update(overrides)
         return cls(**kwargs)
 
@@ -373,3 +377,43 @@ class PrecisionPolicy:
         frozen = dtype_name(self.frozen_dtype)  # type: ignore[arg-type]
         return (f"{self.name or 'custom'} (frozen {frozen}, trainable "
                 f"{train}, compute {dtype_name(self.compute_dtype)}{extra}; mode={self.mode})")
+
+
+_PRESET_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9.-]*$")
+
+
+def register_preset(name: str, compute: Any, frozen: Any, trainable: Any, help: str,
+                    **defaults: Any) -> str:
+    """Add a named preset for :meth:`PrecisionPolicy.from_preset`, next to what it serves.
+
+    ``compute``/``frozen``/``trainable`` are dtypes (names or ``torch.dtype``); ``defaults`` are
+    other :class:`PrecisionPolicy` fields the preset sets (``group_dtypes``, ``leaf_guards``,
+    batch rules). Keyword overrides given to ``from_preset`` still win over them.
+
+    >>> from hf_precision.policy import PRESETS
+    >>> import hf_precision.diffusion  # registers fp16-vae32 and bf16-vae32 this way
+    >>> PRESETS["fp16-vae32"]
+    (torch.float16, torch.float16, torch.float32)
+    """
+    call = f"register_preset({name!r}, ...)"
+    if not isinstance(name, str) or not _PRESET_NAME_RE.match(name):
+        raise PrecisionError(f"{call}: preset names are lowercase ([a-z0-9][a-z0-9.-]*). "
+                             "Fix: e.g. 'fp16-vae32'.")
+    if name in PRESETS or name in _PRESET_ALIASES:
+        raise PrecisionError(f"{call}: a preset of that name exists ({', '.join(PRESETS)}). "
+                             "Fix: choose another name.")
+    fixed = {"compute_dtype", "frozen_dtype", "trainable_dtype", "name"}
+    known = {f.name for f in dataclasses.fields(PrecisionPolicy)} - fixed
+    bad = sorted(set(defaults) - known)
+    if bad:
+        raise PrecisionError(f"{call}: unknown field(s) {bad}.\n"
+                             f"Allowed: {', '.join(sorted(known))}.")
+    dtypes = tuple(parse_dtype(v, call=f"{call}.{k}") for k, v in
+                   (("compute", compute), ("frozen", frozen), ("trainable", trainable)))
+    # Build one now so a bad default fails here, not at the user's from_preset call.
+    PrecisionPolicy(compute_dtype=dtypes[0], frozen_dtype=dtypes[1], trainable_dtype=dtypes[2],
+                    name=name, **copy.deepcopy(defaults))
+    PRESETS[name] = dtypes  # type: ignore[assignment]
+    PRESET_HELP[name] = help
+    PRESET_DEFAULTS[name] = dict(defaults)
+    return name

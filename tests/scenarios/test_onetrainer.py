@@ -1,0 +1,241 @@
+"""Scenario (seed 004, OneTrainer): training and sampling with fp16 weights fail with dtype
+mismatches between the UNet, the VAE and tensors the data pipeline makes.
+
+Each test writes the training or sampling code once, runs it without the guard and records the
+exact error, then adds the guard and runs the same code, unedited. fp16 ``conv2d``, ``linear``,
+``group_norm`` and scaled-dot-product attention all have CPU kernels in torch 2.13, so every
+failure reproduces with ``torch.float16`` on CPU (no bf16 stand-in). The seed's CUDA wordings and
+the CPU ones recorded here:
+
+1. UNet timestep-embedding Linear fed fp32 with fp16 weights (class A: fp32 latents; diffusers
+   casts the embedding to ``sample.dtype``): ``mat1 and mat2 must have the same dtype, but got
+   Float and Half`` (same text on CPU).
+2. A conv in sampling, fp16 latents into the VAE kept in fp32 (class B). The seed's ``Input type
+   (torch.cuda.HalfTensor) and weight type (torch.cuda.FloatTensor) should be the same`` is the
+   CUDA text for a conv without bias; the VAE's convs have one, and then CPU and CUDA both say
+   ``Input type (c10::Half) and bias type (float) should be the same`` (checked on an H100 with
+   torch 2.11, where the guarded versions of tests 1-3 also ran, inputs moved from CPU too).
+3. VAE decoder, fp32 latents (scheduler math) into the fp16 VAE (class A): ``Input type (float)
+   and bias type (c10::Half) should be the same`` (``struct c10::Half`` in the seed: MSVC).
+4. ``latent_mask`` made fp32 by GenerateImageLike and concatenated with fp16 latents (class A):
+   the concatenation is fp32, so the UNet fails as in 1; in OneTrainer's own layout (the time
+   embedding also built in fp32 inside ``forward``, class F) leaf guards are needed too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip("diffusers")
+from diffusers import (
+    AutoencoderKL,
+    DDPMScheduler,
+    StableDiffusionPipeline,
+    UNet2DConditionModel,
+)
+from transformers import CLIPTextConfig, CLIPTextModel
+
+from hf_precision import PrecisionCollator, PrecisionGuardPlugin, PrecisionPolicy
+from hf_precision.diffusion import guard_diffusion
+from hf_precision.tiny import OneTrainerTiny, collate_onetrainer, onetrainer_examples
+
+ROOT = Path(__file__).resolve().parents[2]
+HALF = torch.float16
+MAT = "mat1 and mat2 must have the same dtype, but got Float and Half"
+HALF_INTO_FP32 = r"Input type \(c10::Half\) and bias type \(float\) should be the same"
+FP32_INTO_HALF = r"Input type \(float\) and bias type \(c10::Half\) should be the same"
+
+
+def tiny_unet(in_channels: int = 4) -> Any:  # diffusers models are untyped for mypy
+    torch.manual_seed(0)
+    unet: Any = UNet2DConditionModel(
+        sample_size=8, in_channels=in_channels, out_channels=4, layers_per_block=1,
+        block_out_channels=(8, 16), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16,
+        attention_head_dim=4, norm_num_groups=4)
+    return unet.requires_grad_(False)
+
+
+def tiny_vae() -> Any:
+    torch.manual_seed(0)
+    vae: Any = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        norm_num_groups=4, layers_per_block=1, sample_size=16)
+    return vae.requires_grad_(False)
+
+
+def tiny_text_encoder() -> Any:
+    torch.manual_seed(0)
+    return CLIPTextModel(CLIPTextConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, max_position_embeddings=8, bos_token_id=0, eos_token_id=1,
+        pad_token_id=0)).requires_grad_(False)
+
+
+@pytest.fixture
+def accelerator() -> Iterator[object]:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    yield Accelerator(cpu=True, mixed_precision="fp16")  # on CPU: no autocast, no scaler
+    AcceleratorState._reset_state(True)
+
+
+def test_1_unet_time_embedding_linear_fed_fp32(accelerator: object) -> None:
+    from peft import LoraConfig
+
+    unet = tiny_unet().to(HALF)  # weight dtype fp16
+    unet.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_v"]))
+    optimizer = torch.optim.AdamW([p for p in unet.parameters() if p.requires_grad], lr=1e-3)
+    batch = {"latents": torch.randn(2, 4, 8, 8), "noise": torch.randn(2, 4, 8, 8),  # cached fp32
+             "timesteps": torch.tensor([10, 700]),
+             "encoder_hidden_states": torch.randn(2, 5, 16, dtype=HALF)}
+
+    def train_step(unet: nn.Module) -> torch.Tensor:
+        pred = unet(batch["latents"], batch["timesteps"], batch["encoder_hidden_states"]).sample
+        loss = F.mse_loss(pred.float(), batch["noise"].float())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    with pytest.raises(RuntimeError, match=MAT):
+        train_step(unet)
+    guard = PrecisionGuardPlugin("fp16-vae32", report=False)
+    unet, optimizer = guard.prepare(accelerator, unet, optimizer)
+    loss = train_step(unet)
+    assert bool(torch.isfinite(loss))
+    lora = [p for n, p in unet.named_parameters() if "lora_" in n]
+    assert lora and {p.dtype for p in lora} == {torch.float32}  # GradScaler-safe
+    assert unet.conv_in.weight.dtype == HALF and guard.steps == 1
+
+
+def test_2_sampling_conv_gets_fp16_latents_into_the_fp32_vae() -> None:
+    vae = tiny_vae()  # kept in fp32, as OneTrainer's separate VAE dtype allows
+    unet, text_encoder = tiny_unet().to(HALF), tiny_text_encoder().to(HALF)
+    pipe: Any = StableDiffusionPipeline(
+        vae=vae, text_encoder=text_encoder, tokenizer=None, unet=unet,
+        scheduler=DDPMScheduler(num_train_timesteps=100, steps_offset=1, clip_sample=False),
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    prompt = text_encoder(torch.tensor([[0, 5, 6, 7, 1]]))[0]
+
+    def sample() -> torch.Tensor:  # diffusers' own sampling code
+        return pipe(prompt_embeds=prompt, num_inference_steps=2, guidance_scale=1.0,
+                    height=16, width=16, output_type="pt").images
+
+    with pytest.raises(RuntimeError, match=HALF_INTO_FP32):
+        sample()
+    guard = guard_diffusion(pipe, "fp16-vae32")
+    assert set(guard.reports) == {"unet", "vae", "text_encoder"}
+    image = sample()
+    assert image.shape == (1, 3, 16, 16) and bool(torch.isfinite(image).all())
+    assert {p.dtype for p in vae.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize(("preset", "vae_dtype"), [("fp16", HALF), ("fp16-vae32", torch.float32)])
+def test_3_vae_decoder_gets_fp32_latents(preset: str, vae_dtype: torch.dtype) -> None:
+    vae = tiny_vae().to(HALF)  # weight dtype fp16 for the VAE too
+    scheduler: Any = DDPMScheduler(num_train_timesteps=100)
+    scheduler.set_timesteps(2)
+    latents = torch.randn(1, 4, 8, 8)
+    pred = torch.randn(1, 4, 8, 8, dtype=HALF)
+
+    def decode_last_step() -> torch.Tensor:
+        t = scheduler.timesteps[-1]
+        latents_out = scheduler.step(pred, t, latents).prev_sample  # fp32 scheduler math
+        return vae.decode(latents_out / 0.18215).sample
+
+    with pytest.raises(RuntimeError, match=FP32_INTO_HALF):
+        decode_last_step()
+    guard_diffusion({"vae": vae}, preset)
+    image = decode_last_step()
+    assert image.dtype == vae_dtype and bool(torch.isfinite(image).all())
+
+
+class MaskedUNet(nn.Module):
+    """OneTrainer's layout: the model call concatenates latents and ``latent_mask``."""
+
+    def __init__(self, unet: Any) -> None:
+        super().__init__()
+        self.unet = unet
+
+    def forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                encoder_hidden_states: torch.Tensor, latent_mask: torch.Tensor) -> torch.Tensor:
+        sample = torch.cat([latents, latent_mask], dim=1)
+        return self.unet(sample, timesteps, encoder_hidden_states).sample
+
+
+def test_4_fp32_latent_mask_concatenated_with_fp16_latents() -> None:
+    model = MaskedUNet(tiny_unet(in_channels=5).to(HALF))
+    latents = torch.randn(2, 4, 8, 8, dtype=HALF)  # cached in the weight dtype
+    latent_mask = torch.ones(2, 1, 8, 8)  # GenerateImageLike: no dtype=, so fp32
+    hidden = torch.randn(2, 5, 16, dtype=HALF)
+    assert torch.cat([latents, latent_mask], 1).dtype == torch.float32  # the root cause
+
+    def predict() -> torch.Tensor:
+        return model(latents, torch.tensor([5, 50]), hidden, latent_mask)
+
+    with pytest.raises(RuntimeError, match=MAT):  # the fp32 sample reaches time_embedding
+        predict()
+    guard = guard_diffusion(model, "fp16-vae32")
+    assert guard.groups["model"].rule == "diffusion_components"
+    assert predict().dtype == HALF
+
+
+def test_4b_onetrainer_layout_needs_batch_and_leaf_guards() -> None:
+    model = OneTrainerTiny(dtype=HALF).requires_grad_(False)
+    examples = onetrainer_examples(2, dtype=HALF)
+
+    def train_forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = model(**batch)
+        assert out.loss is not None
+        return out.loss
+
+    batch = collate_onetrainer(examples)
+    assert batch["latent_mask"].dtype == torch.float32
+    with pytest.raises(RuntimeError, match=MAT):
+        train_forward(batch)
+    # Batch and boundary casting alone fix the mask, not the embedding made inside forward.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        guard_diffusion(model, PrecisionPolicy.from_preset("fp16-vae32", leaf_guards="off"))
+    with pytest.raises(RuntimeError, match=MAT):
+        train_forward(batch)
+    guard_diffusion(model, "fp16-vae32")  # leaf guards on, as the preset has them
+    assert bool(torch.isfinite(train_forward(batch)))
+    # At the source instead: the collator casts the mask where the batch is made.
+    fixed = PrecisionCollator(collate_onetrainer, "fp16-vae32")(examples)
+    assert fixed["latent_mask"].dtype == HALF and fixed["timesteps"].dtype == torch.int64
+
+
+def test_recipe_training_code_fails_without_the_guard(tmp_path: Path) -> None:
+    """The recipe's loop (no dtype casts) with fp16 weights and --no_guard: the VAE encoder
+    gets the fp32 images. tests/test_diffusion.py trains the same loop with the guard."""
+    from accelerate.state import AcceleratorState
+
+    spec = importlib.util.spec_from_file_location("recipe_lora_diffusion_scenario",
+                                                  ROOT / "recipes" / "lora_diffusion.py")
+    assert spec is not None and spec.loader is not None
+    recipe = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = recipe
+    spec.loader.exec_module(recipe)
+    AcceleratorState._reset_state(True)
+    try:
+        with pytest.raises(RuntimeError, match=FP32_INTO_HALF):
+            recipe.main(["--config", str(ROOT / "recipes/configs/diffusion/tiny.yaml"),
+                         "--output_dir", str(tmp_path), "--max_steps", "1", "--no_guard"])
+    finally:
+        AcceleratorState._reset_state(True)

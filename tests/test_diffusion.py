@@ -1,0 +1,416 @@
+"""hf_precision.diffusion: groups, presets, batch rules, the VAE overflow check, guard_diffusion
+and the lora_diffusion recipe, on tiny diffusers models built from configs (CPU)."""
+
+from __future__ import annotations
+
+import doctest
+import importlib.util
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+pytest.importorskip("diffusers")
+from diffusers import AutoencoderKL, SD3Transformer2DModel, UNet2DConditionModel
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    GPT2Config,
+    GPT2LMHeadModel,
+)
+
+import hf_precision.diffusion as diffusion
+from hf_precision import (
+    PrecisionCollator,
+    PrecisionError,
+    PrecisionPolicy,
+    PrecisionWarning,
+    dtype_map,
+    enforce_policy,
+    find_module_groups,
+    install_guards,
+)
+from hf_precision.diffusion import (
+    DiffusionModules,
+    component_groups,
+    diffusion_batch_rules,
+    find_diffusion_groups,
+    guard_diffusion,
+    vae_overflow,
+)
+from hf_precision.policy import PRESET_DEFAULTS, PRESET_HELP, PRESETS, register_preset
+from hf_precision.tiny import OneTrainerTiny
+
+ROOT = Path(__file__).resolve().parents[1]
+HALF = torch.float16
+
+
+def tiny_unet(in_channels: int = 4) -> Any:  # diffusers models are untyped for mypy
+    torch.manual_seed(0)
+    unet: Any = UNet2DConditionModel(
+        sample_size=8, in_channels=in_channels, out_channels=4, layers_per_block=1,
+        block_out_channels=(8, 16), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16,
+        attention_head_dim=4, norm_num_groups=4)
+    return unet.requires_grad_(False)
+
+
+def tiny_vae() -> Any:
+    torch.manual_seed(0)
+    vae: Any = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        norm_num_groups=4, layers_per_block=1, sample_size=16)
+    return vae.requires_grad_(False)
+
+
+def tiny_text_encoder(cls: type = CLIPTextModel) -> Any:
+    torch.manual_seed(0)
+    return cls(CLIPTextConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                              num_hidden_layers=1, num_attention_heads=2,
+                              max_position_embeddings=8, bos_token_id=0, eos_token_id=1,
+                              pad_token_id=0, projection_dim=16)).requires_grad_(False)
+
+
+def dtypes(module: nn.Module) -> set[torch.dtype]:
+    return {p.dtype for p in module.parameters()}
+
+
+def test_module_doctests() -> None:
+    result = doctest.testmod(diffusion, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 8 and result.failed == 0
+
+
+# ------------------------------------------------------------------------------ groups
+
+
+def test_groups_of_single_models() -> None:
+    unet, vae = find_module_groups(tiny_unet()), find_module_groups(tiny_vae())
+    assert (unet.rule, unet.paths) == ("diffusion_unet", {"unet": ("",)})
+    assert unet.group_of("down_blocks.0.attentions.0.proj_in.weight") == "unet"
+    # encode()/decode() call these children directly, never vae.forward: each is a root.
+    assert vae.rule == "diffusion_vae"
+    assert vae.paths == {"vae": ("", "encoder", "quant_conv", "post_quant_conv", "decoder")}
+    for cls in (CLIPTextModel, CLIPTextModelWithProjection):
+        te = find_module_groups(tiny_text_encoder(cls))
+        assert (te.rule, te.paths) == ("diffusion_text_encoder", {"text_encoder": ("",)})
+    sd3: Any = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=1,
+                                attention_head_dim=8, num_attention_heads=2,
+                                joint_attention_dim=16, caption_projection_dim=16,
+                                pooled_projection_dim=16, out_channels=4)
+    assert find_module_groups(sd3).paths == {"transformer": ("",)}
+    # Not diffusers, but forward(latents, timesteps, ...): a OneTrainer-style denoiser.
+    assert find_module_groups(OneTrainerTiny()).rule == "diffusion_unet"
+
+
+def test_groups_through_peft_and_not_on_language_models() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    peft_unet = get_peft_model(tiny_unet(), LoraConfig(r=2, target_modules=["to_q"]))
+    groups = find_module_groups(peft_unet)
+    assert groups.rule == "diffusion_unet" and groups.prefix == "base_model.model."
+    # GPT-2 has a child named `transformer`: the diffusion rules must leave it alone.
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50,
+                                      bos_token_id=0, eos_token_id=0))
+    assert not find_module_groups(gpt2).rule.startswith("diffusion")
+
+
+def test_dict_adapter_and_component_names() -> None:
+    unet, vae, te = tiny_unet(), tiny_vae(), tiny_text_encoder()
+    comps = {"unet": unet, "vae": vae, "text_encoder": te, "scheduler": object(),
+             "tokenizer": None}
+    groups = find_diffusion_groups(comps)
+    assert isinstance(groups.root, DiffusionModules) and groups.rule == "diffusion_components"
+    assert groups.names == ("text_encoder", "unet", "vae")
+    assert groups.paths["vae"] == ("vae", "vae.encoder", "vae.quant_conv",
+                                   "vae.post_quant_conv", "vae.decoder")
+    # The adapter shares the modules: a policy enforced through it casts the originals.
+    enforce_policy(groups.root, "fp16-vae32", groups=groups)
+    assert dtypes(unet) == dtypes(te) == {HALF} and dtypes(vae) == {torch.float32}
+    table = dtype_map(groups.root, groups)
+    assert table.groups["vae"].dtypes == ("float32",)
+    assert table.groups["unet"].dtypes == ("float16",)
+    # The key names the group: SDXL's second encoder is a CLIPTextModelWithProjection.
+    te2 = component_groups("text_encoder_2", tiny_text_encoder(CLIPTextModelWithProjection))
+    assert te2.paths == {"text_encoder_2": ("",)}
+    with pytest.raises(PrecisionError, match=r"find_diffusion_groups\(int\): expected a "
+                                             r"DiffusionPipeline"):
+        find_diffusion_groups(42)
+    with pytest.raises(PrecisionError, match=r"no nn\.Module among the components"):
+        find_diffusion_groups({"scheduler": object()})
+
+
+# ------------------------------------------------------------------------------ presets
+
+
+def test_diffusion_presets() -> None:
+    for name, half in (("fp16-vae32", torch.float16), ("bf16-vae32", torch.bfloat16)):
+        policy = PrecisionPolicy.from_preset(name)
+        assert (policy.compute_dtype, policy.frozen_dtype, policy.trainable_dtype) == (
+            half, half, torch.float32)
+        assert policy.group_dtypes == {"vae": torch.float32} and policy.leaf_guards == "on"
+        assert {"timestep", "timesteps", "labels"} <= set(policy.batch_skip_keys)
+        assert policy.batch_key_groups["pixel_values"] == "vae"
+        assert PrecisionPolicy.from_json(policy.to_json()) == policy
+        assert policy.target_dtype("decoder.conv_in.weight", "vae", trainable=False) == (
+            torch.float32, "group_dtypes['vae']")
+    # Overrides win; defaults are copied, so a change does not leak into the next policy.
+    assert PrecisionPolicy.from_preset("fp16-vae32", group_dtypes={}).group_dtypes == {}
+    PrecisionPolicy.from_preset("fp16-vae32").batch_key_groups["latents"] = "unet"
+    assert "latents" not in PrecisionPolicy.from_preset("fp16-vae32").batch_key_groups
+    with pytest.raises(PrecisionError, match="(?s)unknown preset 'fp16-vae31'.*Did you mean "
+                                             "'fp16-vae32'.*bf16-vae32"):
+        PrecisionPolicy.from_preset("fp16-vae31")
+
+
+def test_register_preset_validates() -> None:
+    with pytest.raises(PrecisionError, match="preset names are lowercase"):
+        register_preset("FP16 VAE", "fp16", "fp16", "fp32", "x")
+    with pytest.raises(PrecisionError, match="a preset of that name exists"):
+        register_preset("fp16", "fp16", "fp16", "fp32", "x")
+    with pytest.raises(PrecisionError, match=r"(?s)unknown field\(s\) \['group_dtype'\].*"
+                                             "group_dtypes"):
+        register_preset("x-test", "fp16", "fp16", "fp32", "x", group_dtype={"vae": "fp32"})
+    with pytest.raises(PrecisionError, match="unknown dtype 'fp61'"):
+        register_preset("x-test", "fp61", "fp16", "fp32", "x")
+    with pytest.raises(PrecisionError, match="(?s)unknown group 'vea'.*Did you mean 'vae'"):
+        register_preset("x-test", "fp16", "fp16", "fp32", "x", group_dtypes={"vea": "fp32"})
+    assert "x-test" not in PRESETS
+    try:
+        assert register_preset("x-test", "bf16", "bf16", "fp32", "test", leaf_guards="off") \
+            == "x-test"
+        policy = PrecisionPolicy.from_preset("x-test")
+        assert policy.leaf_guards == "off" and policy.name == "x-test"
+    finally:
+        for table in (PRESETS, PRESET_HELP, PRESET_DEFAULTS):
+            table.pop("x-test", None)
+
+
+# ------------------------------------------------------------------------------ policies at work
+
+
+def test_vae_fp32_policy_encode_denoise_decode() -> None:
+    unet, vae, te = tiny_unet(), tiny_vae(), tiny_text_encoder()
+    for m in (unet, vae, te):
+        m.to(HALF)  # loaded in the weight dtype, as OneTrainer does
+    guard = guard_diffusion({"unet": unet, "vae": vae, "text_encoder": te}, "fp16-vae32")
+    assert dtypes(vae) == {torch.float32} and dtypes(unet) == dtypes(te) == {HALF}
+    assert guard.reports["vae"].group_dtypes == {"vae": {torch.float32}}
+    images = torch.rand(2, 3, 16, 16) * 2 - 1  # fp32, as the data pipeline makes them
+    latents = vae.encode(images).latent_dist.sample()
+    assert latents.dtype == torch.float32
+    hidden = te(torch.tensor([[0, 5, 6, 1], [0, 7, 1, 0]]))[0]
+    assert hidden.dtype == HALF
+    pred = unet(latents, torch.tensor([10, 900]), hidden).sample
+    assert pred.dtype == HALF
+    image = vae.decode(pred).sample  # fp16 latents into the fp32 VAE
+    assert image.dtype == torch.float32 and bool(torch.isfinite(image).all())
+    assert "vae" in str(guard) and "unet" in str(guard)
+    # vae(x) goes through the VAE's batch guard: x stays fp32, never rounded to half.
+    seen: list[torch.Tensor] = []
+    vae.encoder.conv_in.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    assert vae(images).sample.dtype == torch.float32 and torch.equal(seen[-1], images)
+    guard.remove()
+    with pytest.raises(RuntimeError, match=r"Input type \(c10::Half\) and bias type \(float\)"):
+        vae.decode(pred)
+
+
+def _time_proj_inputs(unet: Any) -> list[torch.Tensor]:
+    seen: list[torch.Tensor] = []
+    unet.time_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    return seen
+
+
+@pytest.mark.parametrize("positional", [False, True])
+def test_timesteps_keep_precision_at_the_batch(positional: bool) -> None:
+    x, hidden = torch.randn(1, 4, 8, 8), torch.randn(1, 5, 16)
+    t = torch.tensor([999.3])
+
+    def call(unet: Any, t: torch.Tensor) -> torch.Tensor:
+        if positional:  # diffusers' training scripts call the UNet positionally
+            return unet(x, t, hidden).sample
+        return unet(sample=x, timestep=t, encoder_hidden_states=hidden).sample
+
+    plain = tiny_unet()
+    install_guards(plain, "bf16", enforce_policy(plain, "bf16"))
+    seen = _time_proj_inputs(plain)
+    call(plain, t)
+    assert seen[-1].dtype == torch.bfloat16 and float(seen[-1]) == 1000.0  # 999.3 rounded
+    unet = tiny_unet()
+    guard_diffusion(unet, "bf16-vae32")
+    seen = _time_proj_inputs(unet)
+    assert call(unet, t).dtype == torch.bfloat16
+    assert seen[-1].dtype == torch.float32 and float(seen[-1]) == pytest.approx(999.3)
+    call(unet, torch.tensor([7]))
+    assert seen[-1].dtype == torch.int64  # integer timesteps untouched
+
+
+class TimeMLPDenoiser(nn.Module):
+    """A denoiser that feeds the float timestep straight into a Linear: it expects it in the
+    compute dtype, and the leaf guard casts it there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t_proj = nn.Linear(1, 4)
+        self.conv = nn.Conv2d(4, 4, 1)
+
+    def forward(self, latents: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        return self.conv(latents) + self.t_proj(timesteps[:, None])[:, :, None, None]
+
+
+def test_float_timesteps_follow_compute_dtype_where_the_model_expects_it() -> None:
+    model = TimeMLPDenoiser().requires_grad_(False).to(HALF)
+    latents, t = torch.randn(2, 4, 4, 4, dtype=HALF), torch.tensor([0.25, 0.75])
+    with pytest.raises(RuntimeError, match="mat1 and mat2 must have the same dtype, but got "
+                                           "Float and Half"):
+        model(latents, t)
+    handle = guard_diffusion(model, "fp16-vae32").handles["model"]
+    assert "t_proj" in handle.leaf
+    assert model(latents, t).dtype == HALF
+
+
+def test_batch_rules_in_the_collator() -> None:
+    policy = PrecisionPolicy.from_preset("fp16-vae32")
+    mask = torch.zeros(2, 1, 4, 4)
+    mask[:, :, 0] = torch.finfo(torch.float32).min  # an additive mask sentinel
+    batch = {"pixel_values": torch.rand(2, 3, 16, 16), "latents": torch.randn(2, 4, 4, 4),
+             "noise": torch.randn(2, 4, 4, 4), "latent_mask": mask,
+             "timesteps": torch.tensor([3, 500]), "timestep": torch.tensor([0.5, 0.25]),
+             "encoder_hidden_states": torch.randn(2, 5, 16), "target": torch.randn(2, 4, 4, 4)}
+    out = PrecisionCollator(lambda rows: rows[0], policy)([batch])
+    assert out["pixel_values"].dtype == torch.float32  # follows the VAE
+    assert {out[k].dtype for k in ("latents", "noise", "latent_mask",
+                                   "encoder_hidden_states")} == {HALF}
+    assert float(out["latent_mask"].min()) == torch.finfo(HALF).min  # not -inf
+    for key in ("timesteps", "timestep", "target"):
+        assert out[key] is batch[key]
+    assert set(diffusion.DIFFUSION_BATCH_RULES) >= {"latents", "latent_mask", "noise",
+                                                    "timesteps", "pixel_values"}
+    # Any policy can take the rules.
+    fp16 = diffusion_batch_rules("fp16")
+    assert "timesteps" in fp16.batch_skip_keys and fp16.batch_key_groups["images"] == "vae"
+
+
+def test_raise_mode_names_module_dtype_and_argument() -> None:
+    unet = tiny_unet()
+    with pytest.raises(PrecisionError, match=r"(?s)enforce_policy\(mode='raise'\).*"
+                                             r"conv_in\.weight \[unet\]: float32 -> float16"):
+        guard_diffusion(unet, "fp16-vae32", mode="raise")
+    guard_diffusion(unet, "fp16-vae32")
+    install_guards(unet, PrecisionPolicy.from_preset("fp16-vae32", mode="raise"))
+    with pytest.raises(PrecisionError, match=r"received sample as float32 .* weights are "
+                                             r"float16"):
+        unet(torch.randn(1, 4, 8, 8), torch.tensor([1]), torch.randn(1, 5, 16, dtype=HALF))
+
+
+# ------------------------------------------------------------------------------ VAE range
+
+
+def test_vae_weight_overflow_keeps_the_vae_fp32() -> None:
+    vae = tiny_vae()
+    with torch.no_grad():
+        vae.decoder.conv_out.bias[0] = 1e5  # beyond ±65504
+    assert vae_overflow(vae) == [("decoder.conv_out.bias", 1e5)]
+    with pytest.warns(PrecisionWarning, match=r"(?s)the VAE \('vae'\) leaves the float16 range.*"
+                                              r"decoder\.conv_out\.bias.*kept in float32"):
+        guard = guard_diffusion({"vae": vae}, "fp16")
+    assert dtypes(vae) == {torch.float32} and guard.vae_overflow
+    image = vae.decode(torch.randn(1, 4, 8, 8, dtype=HALF)).sample
+    assert image.dtype == torch.float32 and float(image[:, 0].min()) > 6e4
+
+
+def test_enforce_policy_per_tensor_overflow_keeps_the_vae_working() -> None:
+    """Without guard_diffusion's group check, enforce_policy keeps the out-of-range tensor (and
+    its module's other parameters) in fp32; the mixed VAE then gets leaf guards."""
+    vae = tiny_vae()
+    with torch.no_grad():
+        vae.decoder.conv_out.bias[0] = 1e5
+    with pytest.warns(PrecisionWarning, match=r"decoder\.conv_out\.bias \[vae\]: max \|value\| "
+                                              r"100000 exceeds the float16 range"):
+        report = enforce_policy(vae, "fp16", groups=find_module_groups(vae))
+    assert vae.decoder.conv_out.weight.dtype == vae.decoder.conv_out.bias.dtype == torch.float32
+    assert vae.decoder.conv_in.weight.dtype == HALF and report.mixed_groups == ("vae",)
+    install_guards(vae, "fp16", report)
+    image = vae.decode(torch.randn(1, 4, 8, 8)).sample
+    assert image.dtype == torch.float32 and bool(torch.isfinite(image).all())
+
+
+def test_vae_activation_overflow_found_with_images() -> None:
+    vae, images = tiny_vae(), torch.rand(2, 3, 16, 16) * 2 - 1
+    with torch.no_grad():  # weights still fit fp16, activations do not
+        w = vae.decoder.conv_in.weight
+        w.mul_(60000 / w.abs().max())
+    assert vae_overflow(vae) == []
+    hits = vae_overflow(vae, images)
+    assert hits and all(v > 65504 for _, v in hits) and hits[0][0].startswith("decoder.")
+    naive = tiny_vae()
+    naive.load_state_dict(vae.state_dict())
+    naive.to(HALF)
+    assert not bool(torch.isfinite(naive.decode(torch.randn(1, 4, 8, 8, dtype=HALF)).sample)
+                    .all())  # what an fp16 VAE does with these weights
+    with pytest.warns(PrecisionWarning, match=rf"{hits[0][0]}.*kept in float32"):
+        guard_diffusion({"vae": vae}, "fp16", vae_images=images)
+    assert dtypes(vae) == {torch.float32}
+    image = vae.decode(torch.randn(1, 4, 8, 8, dtype=HALF)).sample
+    assert bool(torch.isfinite(image).all())
+
+
+# ------------------------------------------------------------------------------ recipe
+
+
+def _load_recipe() -> Any:
+    if "recipe_lora_diffusion" in sys.modules:
+        return sys.modules["recipe_lora_diffusion"]
+    spec = importlib.util.spec_from_file_location("recipe_lora_diffusion",
+                                                  ROOT / "recipes" / "lora_diffusion.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_recipe_config_header_and_fields() -> None:
+    path = ROOT / "recipes" / "configs" / "diffusion" / "tiny.yaml"
+    text = path.read_text()
+    header = [line for line in text.splitlines() if line.startswith("#")]
+    assert header[0].startswith("# Tiny Stable-Diffusion-style LoRA")
+    assert ("# Launch:   python recipes/lora_diffusion.py --config "
+            "recipes/configs/diffusion/tiny.yaml") in header
+    assert any(line.startswith("# Override:") for line in header)
+    config = yaml.safe_load(text)
+    recipe = _load_recipe()
+    assert set(config) <= {f.name for f in recipe.fields(recipe.RecipeArguments)}
+    assert config["precision"] == "fp16-vae32" and config["weight_dtype"] == "float16"
+
+
+def test_recipe_trains_a_few_steps(tmp_path: Path) -> None:
+    from accelerate.state import AcceleratorState
+
+    recipe = _load_recipe()
+    AcceleratorState._reset_state(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = recipe.main(["--config", str(ROOT / "recipes/configs/diffusion/tiny.yaml"),
+                                  "--output_dir", str(tmp_path), "--max_steps", "3",
+                                  "--precision_report", "false"])
+    finally:
+        AcceleratorState._reset_state(True)
+    losses = report["loss"]["curve"]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    groups = {name: {r["group"]: r["dtypes"] for r in rows}
+              for name, rows in report["dtype_groups"].items()}
+    assert groups["vae"] == {"vae": "float32"}
+    assert groups["text_encoder"] == {"text_encoder": "float16"}
+    assert groups["unet"] == {"unet": "float16/float32"}  # frozen fp16, LoRA fp32
+    assert report["sample"] == {"dtype": "torch.float32", "shape": [1, 3, 16, 16],
+                                "finite": True}
+    assert Path(report["adapter"]).is_file()
+    assert (tmp_path / "precision_report.json").is_file()
