@@ -1,55 +1,400 @@
-"""Where dtype maps go: files always (JSON per event + a text table), W&B when asked."""
+"""Where dtype maps go: files always (JSON + PNG per event, a text table in the logs), W&B when
+``"wandb"`` is in ``report_to``.
+
+:class:`PrecisionGuardCallback` calls :meth:`PrecisionReporter.log_event` at ``on_init_end``,
+``on_train_begin``, before and after every evaluation/prediction; the reporter can also be used
+alone:
+
+>>> import tempfile
+>>> from hf_precision.reporting import PrecisionReporter
+>>> from hf_precision.tiny import tiny_llava
+>>> reporter = PrecisionReporter(tempfile.mkdtemp(), console=False)
+>>> dmap = reporter.log_event("manual", tiny_llava(), step=0)
+>>> sorted(p.suffix for p in reporter.written)
+['.json', '.png']
+
+Files per event in ``<output_dir>/precision/``: ``<step>-<event>.json`` (the full map, the drift
+and the policy), ``<step>-<event>.png`` (bytes per dtype per group) and one line block per event
+appended to ``precision.log`` (the text table).
+"""
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from .dtype_map import DtypeMap, dtype_map
+from .dtype_map import DtypeDiff, DtypeMap, dtype_map
+from .errors import PrecisionError, PrecisionWarning
+from .plot import render_table
 
 logger = logging.getLogger("hf_precision")
 
+#: Above this many modules the W&B/text module table aggregates repeated layers
+#: (``layers.*.mlp.up_proj``); the JSON file always keeps every module.
+MAX_TABLE_ROWS = 1000
+MODULE_COLUMNS = (
+    "path",
+    "group",
+    "type",
+    "dtypes",
+    "buffer_dtypes",
+    "devices",
+    "numel",
+    "bytes",
+    "trainable",
+    "quantized",
+    "kept_fp32",
+    "modules",
+)
+GROUP_COLUMNS = (
+    "group",
+    "dtypes",
+    "devices",
+    "numel",
+    "bytes",
+    "trainable",
+    "quantized",
+    "modules",
+)
+DRIFT_COLUMNS = (
+    "event",
+    "step",
+    "name",
+    "kind",
+    "group",
+    "before",
+    "after",
+    "device_before",
+    "device_after",
+    "reason",
+    "repaired",
+)
+#: Integrations TrainingArguments.report_to knows; only "wandb" is acted on here.
+_KNOWN_REPORT_TO = (
+    "wandb",
+    "all",
+    "none",
+    "azure_ml",
+    "clearml",
+    "codecarbon",
+    "comet_ml",
+    "dagshub",
+    "dvclive",
+    "flyte",
+    "mlflow",
+    "neptune",
+    "swanlab",
+    "tensorboard",
+    "trackio",
+    "kubeflow",
+)
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
+
+def wants_wandb(report_to: list[str] | str | None, *, call: str = "report_to") -> bool:
+    """Does a ``report_to`` value (as in ``TrainingArguments``) ask for W&B?"""
+    if report_to is None:
+        return False
+    names = [report_to] if isinstance(report_to, str) else list(report_to)
+    for name in names:
+        if not isinstance(name, str) or name.lower() not in _KNOWN_REPORT_TO:
+            close = difflib.get_close_matches(str(name).lower(), _KNOWN_REPORT_TO, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise PrecisionError(
+                f"{call}={report_to!r}: unknown integration {name!r}.{hint}\n"
+                f"Allowed: {', '.join(_KNOWN_REPORT_TO)}.\nFix: pass e.g. report_to=['wandb']."
+            )
+    lowered = [n.lower() for n in names]
+    return "none" not in lowered and ("wandb" in lowered or "all" in lowered)
+
+
+# ---------------------------------------------------------------------------- rows
+def module_table_rows(
+    dmap: DtypeMap, max_rows: int = MAX_TABLE_ROWS
+) -> tuple[list[dict[str, Any]], int]:
+    """Per-module rows, aggregated when there are more than ``max_rows`` modules.
+
+    Returns ``(rows, aggregated)``: ``aggregated`` is how many module rows were folded into
+    others (0 when none). Folding first merges repeated layers whose dtypes/devices agree
+    (``...layers.*.mlp``), then, if still too many, whole groups by module type; numel, bytes,
+    trainable and quantized counts are summed, so nothing is dropped.
+    """
+    rows = dmap.module_rows()
+    for r in rows:
+        r["modules"] = 1
+    if len(rows) <= max_rows:
+        return rows, 0
+    for level in (0, 1):
+        merged: dict[tuple[Any, ...], dict[str, Any]] = {}
+        for r in rows:
+            path = _INDEX.sub("*", r["path"]) if level == 0 else f"{r['group']}.*"
+            key = (
+                path,
+                r["group"],
+                r["type"],
+                r["dtypes"],
+                r["buffer_dtypes"],
+                r["devices"],
+                r["kept_fp32"],
+            )
+            m = merged.get(key)
+            if m is None:
+                merged[key] = {**r, "path": path}
+                continue
+            for k in ("numel", "bytes", "trainable", "quantized", "modules"):
+                m[k] += r[k]
+        rows = list(merged.values())
+        if len(rows) <= max_rows:
+            break
+    return rows, len(dmap.records) - len(rows)
+
+
+def drift_rows(
+    event: str, step: int, report: Any, diff: DtypeDiff | None, previous_event: str | None
+) -> list[dict[str, Any]]:
+    """What did not match at this event: tensors against the policy (from the
+    :class:`~hf_precision.enforce.EnforceReport`) and modules whose map changed since the
+    previous event."""
+    rows: list[dict[str, Any]] = []
+    applied = bool(getattr(report, "applied", False))
+    for c in getattr(report, "changes", None) or ():
+        rows.append(
+            {
+                "event": event,
+                "step": step,
+                "name": c.name,
+                "kind": c.kind,
+                "group": c.group,
+                "before": c.before,
+                "after": c.after,
+                "device_before": c.device_before,
+                "device_after": c.device_after,
+                "reason": c.reason,
+                "repaired": applied,
+            }
+        )
+    for ch in diff or ():
+        before, after = ch.before, ch.after
+        rec = after if after is not None else before
+        rows.append(
+            {
+                "event": event,
+                "step": step,
+                "name": ch.path,
+                "kind": "module",
+                "group": rec.group if rec is not None else "",
+                "before": "/".join(before.dtypes) if before else "(absent)",
+                "after": "/".join(after.dtypes) if after else "(absent)",
+                "device_before": "/".join(before.devices) if before else "",
+                "device_after": "/".join(after.devices) if after else "",
+                "reason": f"map changed since {previous_event}",
+                "repaired": False,
+            }
+        )
+    return rows
+
+
+# ---------------------------------------------------------------------------- reporter
 class PrecisionReporter:
-    """Writes ``<output_dir>/precision/<step>-<event>.json`` and logs a group table."""
+    """Writes the dtype map of each event to files and, when asked, to W&B.
 
-    def __init__(self, report_dir: str | os.PathLike[str] | None, *, console: bool = True,
-                 is_main_process: bool = True) -> None:
+    Args:
+        report_dir: folder for the files (``None``: no files).
+        console: log the text table through the ``hf_precision`` logger.
+        is_main_process: only the main process writes and logs.
+        wandb: log to the active W&B run.
+        max_table_rows: above this many modules the tables aggregate repeated layers (and say
+            how many rows were folded); the JSON files keep every module.
+        picture: render the PNG (needs matplotlib; a warning once when it is missing).
+    """
+
+    def __init__(
+        self,
+        report_dir: str | os.PathLike[str] | None,
+        *,
+        console: bool = True,
+        is_main_process: bool = True,
+        wandb: bool = False,
+        max_table_rows: int = MAX_TABLE_ROWS,
+        picture: bool = True,
+    ) -> None:
         self.report_dir = Path(report_dir) if report_dir is not None else None
         self.console = console
         self.is_main_process = is_main_process
+        self.max_table_rows = max_table_rows
+        self.picture = picture
         self.last_map: DtypeMap | None = None
+        self.last_event: str | None = None
         self.written: list[Path] = []
+        self.events: list[tuple[str, int]] = []
+        self.wandb: Any = None
+        self._png_cache: tuple[Any, bytes] | None = None
+        if wandb and is_main_process:
+            from .report_wandb import WandbSink
+
+            self.wandb = WandbSink()
 
     @classmethod
-    def from_training_args(cls, args: Any, *, report_dir: str | None = None,
-                           report_to: list[str] | str | None = None) -> PrecisionReporter:
+    def from_training_args(
+        cls, args: Any, *, report_dir: str | None = None, report_to: list[str] | str | None = None
+    ) -> PrecisionReporter:
+        """Files in ``report_dir`` (default ``<output_dir>/precision``); W&B when ``report_to``
+        (default ``args.report_to``) names ``"wandb"``; main process = ``process_index == 0``."""
         out = report_dir or os.path.join(getattr(args, "output_dir", None) or ".", "precision")
         main = bool(getattr(args, "process_index", 0) == 0)
-        return cls(out, is_main_process=main)
+        if report_to is not None:
+            use_wandb = wants_wandb(report_to, call="PrecisionGuardCallback(report_to)")
+        else:
+            use_wandb = wants_wandb(
+                getattr(args, "report_to", None) or [], call="TrainingArguments.report_to"
+            )
+        return cls(out, is_main_process=main, wandb=use_wandb)
 
-    def log_event(self, event: str, model: nn.Module, *, step: int, policy: Any = None,
-                  groups: Any = None, report: Any = None) -> DtypeMap:
+    # ------------------------------------------------------------------ picture
+    def _render_png(self, dmap: DtypeMap, event: str, step: int) -> bytes | None:
+        if not self.picture:
+            return None
+        # Same bytes per group -> same bars: reuse the last picture (rendering dominates time).
+        key = tuple((g.group, tuple(sorted(g.bytes.items()))) for g in dmap.groups.values())
+        if self._png_cache is not None and self._png_cache[0] == key:
+            return self._png_cache[1]
+        try:
+            from .plot import plot_group_bytes
+
+            png = plot_group_bytes(
+                dmap,
+                title=f"{dmap.model_type or 'model'}: bytes per dtype "
+                f"per group ({event}, step {step})",
+            )
+        except ImportError:
+            self.picture = False
+            warnings.warn(
+                "hf-precision report: matplotlib is not installed, so no dtype-map "
+                "picture is drawn (pip install 'hf-precision[wandb]'); tables and JSON "
+                "files are written.",
+                PrecisionWarning,
+                stacklevel=3,
+            )
+            return None
+        self._png_cache = (key, png)
+        return png
+
+    # ------------------------------------------------------------------ event
+    def log_event(
+        self,
+        event: str,
+        model: nn.Module,
+        *,
+        step: int,
+        policy: Any = None,
+        groups: Any = None,
+        report: Any = None,
+    ) -> DtypeMap:
+        """Snapshot ``model`` and write/log it; returns the :class:`DtypeMap`.
+
+        ``report`` is the :class:`~hf_precision.enforce.EnforceReport` of this event when the
+        model did not match the policy (its changes become drift rows).
+        """
         dmap = dtype_map(model, groups, policy=policy)
-        drift = self.last_map.diff(dmap) if self.last_map is not None else None
-        self.last_map = dmap
+        diff = self.last_map.diff(dmap) if self.last_map is not None else None
+        previous, first = self.last_event, self.last_map is None
+        self.last_map, self.last_event = dmap, event
         if not self.is_main_process:
             return dmap
-        if self.console:
-            logger.info("hf-precision %s (step %d):\n%s", event, step, dmap.table())
+        self.events.append((event, step))
+        drift = drift_rows(event, step, report, diff, previous)
+        mismatches = len(getattr(report, "changes", None) or ())
+        rows, aggregated = module_table_rows(dmap, self.max_table_rows)
+        stem = f"{step:06d}-{event}"
+        png = self._render_png(dmap, event, step)
+        png_path = None
         if self.report_dir is not None:
             self.report_dir.mkdir(parents=True, exist_ok=True)
-            path = self.report_dir / f"{step:06d}-{event}.json"
-            payload = {"event": event, "step": step,
-                       "policy": policy.to_dict() if policy is not None else None,
-                       "dtype_map": dmap.to_dict(),
-                       "drift": drift.to_rows() if drift else [],
-                       "changes": report.to_dict()["changes"] if report is not None else []}
+            if png is not None:
+                png_path = self.report_dir / f"{stem}.png"
+                png_path.write_bytes(png)
+                self.written.append(png_path)
+            path = self.report_dir / f"{stem}.json"
+            payload = {
+                "event": event,
+                "step": step,
+                "policy": policy.to_dict() if policy is not None else None,
+                "mismatches": mismatches,
+                "bytes_by_dtype": dmap.bytes_by_dtype,
+                "dtype_map": dmap.to_dict(),
+                "drift": drift,
+                "changes": report.to_dict()["changes"] if report is not None else [],
+                "picture": png_path.name if png_path is not None else None,
+            }
             path.write_text(json.dumps(payload, indent=1))
             self.written.append(path)
+        text = render_table(dmap, title=f"hf-precision {event} (step {step})")
+        if drift:
+            text += (
+                f"\ndrift ({len(drift)} row(s)): "
+                + "; ".join(f"{r['name']} {r['before']}->{r['after']}" for r in drift[:5])
+                + (f"; ... {len(drift) - 5} more in {stem}.json" if len(drift) > 5 else "")
+            )
+        if aggregated:
+            text += (
+                f"\n(module table: {aggregated} of {len(dmap)} module rows aggregated into "
+                f"repeated-layer rows; {stem}.json has every module)"
+            )
+        if self.console:
+            logger.info("%s", text)
+        if self.report_dir is not None:
+            with open(self.report_dir / "precision.log", "a", encoding="utf-8") as fh:
+                fh.write(text + "\n\n")
+        if self.wandb is not None:
+            self._to_wandb(
+                event, step, dmap, rows, aggregated, drift, mismatches, policy, png, png_path, first
+            )
         return dmap
+
+    def _to_wandb(
+        self,
+        event: str,
+        step: int,
+        dmap: DtypeMap,
+        rows: list[dict[str, Any]],
+        aggregated: int,
+        drift: list[dict[str, Any]],
+        mismatches: int,
+        policy: Any,
+        png: bytes | None,
+        png_path: Path | None,
+        first: bool,
+    ) -> None:
+        from .report_wandb import WandbPayload
+
+        scalars: dict[str, float | int] = {
+            f"precision/bytes/{d}": b for d, b in sorted(dmap.bytes_by_dtype.items())
+        }
+        scalars["precision/mismatches"] = mismatches
+        scalars["precision/modules_aggregated"] = aggregated
+        group_rows = dmap.group_rows()
+        self.wandb.submit(
+            WandbPayload(
+                event=event,
+                step=step,
+                module_columns=list(MODULE_COLUMNS),
+                module_rows=[[r[c] for c in MODULE_COLUMNS] for r in rows],
+                group_columns=list(GROUP_COLUMNS),
+                group_rows=[[r[c] for c in GROUP_COLUMNS] for r in group_rows],
+                drift_columns=list(DRIFT_COLUMNS),
+                drift_rows=[[r[c] for c in DRIFT_COLUMNS] for r in drift],
+                scalars=scalars,
+                policy=policy.describe() if policy is not None else None,
+                png=png,
+                png_path=png_path,
+            ),
+            first_event=first,
+        )

@@ -1,0 +1,353 @@
+"""``hf-precision``: audit a checkpoint against a precision policy, or run a doctor pass.
+
+Exit codes: 0 the model matches the policy / the doctor pass ran clean; 1 it violates the policy
+/ a dtype or device error was diagnosed; 2 bad arguments or a source that cannot be read.
+
+>>> from hf_precision.cli import main
+>>> main(["audit", "llava", "--dtype", "bf16", "--json"])  # doctest: +SKIP
+0
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import difflib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from .errors import PrecisionError
+
+_DTYPES = ("auto", "fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
+_EXAMPLES_AUDIT = """examples:
+  hf-precision audit ./my-llava-checkpoint --policy bf16
+  hf-precision audit ./my-llava-checkpoint/config.json --dtype bf16 --json
+  hf-precision audit llava --policy fp16 --trainable projector,language_model
+  hf-precision audit ./ckpt --weights          # read the real weights instead of the meta build
+
+PATH_OR_MODEL_TYPE is a checkpoint folder (config.json inside), a config.json file, or a
+transformers model type. Without --weights the model is built on the meta device from its
+config: nothing is read but the config, in the dtype from_pretrained would load (config dtype,
+or --dtype).
+Exit code 0: matches the policy; 1: violates it; 2: bad arguments."""
+_EXAMPLES_DOCTOR = """examples:
+  hf-precision doctor llava --policy bf16
+  hf-precision doctor ./my-tiny-checkpoint --policy bf16-true --json
+  hf-precision doctor minicpmv --policy bf16-true --batch raw
+
+PATH_OR_MODEL_TYPE is a local checkpoint folder (loaded with its weights), a config.json
+(built with random weights, small configs only) or a model type, built tiny. The doctor
+enforces the policy (as PrecisionGuardCallback does at on_init_end), installs the guard in
+raise mode, runs one training forward+backward (under autocast for mixed presets, as Trainer
+does; there the guard fixes instead of raising) and a generate() on a synthetic batch, and
+prints the diagnosis. Exit code 0: clean; 1: a dtype/device error was
+diagnosed; 2: bad arguments."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``hf-precision: error: ... (choose from ...)``)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def fail(message: str) -> NoReturn:
+    print(f"hf-precision: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .groups import group_names
+    from .policy import PRESETS
+
+    p = _Parser(
+        prog="hf-precision",
+        description="Audit and diagnose the precision (dtypes, "
+        "devices) of transformers models against an hf-precision policy.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="run 'hf-precision audit --help' or 'hf-precision doctor --help' for examples",
+    )
+    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="{audit,doctor}")
+    sub.required = True
+    groups_help = (
+        f"comma-separated groups that are trained ({', '.join(group_names())}), 'all' or 'none'"
+    )
+    for name, epilog, helptext in (
+        ("audit", _EXAMPLES_AUDIT, "check a checkpoint/config/model type against a policy"),
+        ("doctor", _EXAMPLES_DOCTOR, "run one guarded training step and generate()"),
+    ):
+        s = sub.add_parser(
+            name,
+            help=helptext,
+            description=helptext,
+            epilog=epilog,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        s.add_argument("source", metavar="PATH_OR_MODEL_TYPE")
+        s.add_argument(
+            "--policy", default="bf16", choices=list(PRESETS), help="policy preset (default: bf16)"
+        )
+        s.add_argument("--json", action="store_true", help="print JSON instead of tables")
+        s.add_argument("--plain", action="store_true", help="plain text tables even with rich")
+        s.add_argument(
+            "--trainable",
+            default="none" if name == "audit" else "all",
+            help=f"{groups_help} (default: {'none' if name == 'audit' else 'all'})",
+        )
+        if name == "audit":
+            s.add_argument(
+                "--dtype",
+                default="auto",
+                choices=_DTYPES,
+                help="dtype the model is loaded in (default: auto = config dtype)",
+            )
+            s.add_argument(
+                "--weights",
+                action="store_true",
+                help="load the real weights (local checkpoint folders only)",
+            )
+        else:
+            s.add_argument(
+                "--batch",
+                default="fixed",
+                choices=("fixed", "raw"),
+                help="fixed: synthetic batch cast per policy (as PrecisionCollator); "
+                "raw: fp32 as collators build it",
+            )
+            s.add_argument(
+                "--mode",
+                default="raise",
+                choices=("raise", "fix"),
+                help="guard mode outside autocast (default raise: every input the "
+                "guard would have to cast is an error)",
+            )
+            s.add_argument("--no-generate", action="store_true", help="skip generate()")
+            s.add_argument(
+                "--max-params",
+                type=int,
+                default=50_000_000,
+                help="refuse to build larger models from a config (default 50M)",
+            )
+    return p
+
+
+# ---------------------------------------------------------------------------- sources
+def resolve_source(source: str) -> tuple[str, Any]:
+    """``("path", config_path)`` for folders/files, ``("type", model_type)`` otherwise."""
+    path = Path(source)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            fail(
+                f"{source}: no config.json in this folder (expected a checkpoint folder, "
+                "a config.json or a model type)"
+            )
+        return "path", path
+    if path.is_file():
+        if path.suffix != ".json":
+            fail(f"{source}: expected a config.json, a checkpoint folder or a model type")
+        return "path", path
+    if os.sep in source or source.endswith(".json"):
+        fail(f"{source}: no such file or folder")
+    return "type", source
+
+
+def load_config(kind: str, where: Any) -> Any:
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if kind == "path":
+        try:
+            return AutoConfig.from_pretrained(str(where), local_files_only=True)
+        except (OSError, ValueError, KeyError) as err:
+            fail(f"{where}: cannot read the config ({str(err).splitlines()[0]})")
+    if where not in CONFIG_MAPPING_NAMES:
+        close = difflib.get_close_matches(where, list(CONFIG_MAPPING_NAMES), n=3)
+        fail(
+            f"unknown model type {where!r}; did you mean {', '.join(close) or '-'}? (allowed: "
+            "a checkpoint folder, a config.json, or a transformers model type such as llava, "
+            "idefics2, qwen2_vl, paligemma)"
+        )
+    return AutoConfig.for_model(where)
+
+
+def model_classes(config: Any) -> list[Any]:
+    import transformers
+
+    out = [
+        getattr(transformers, a)
+        for a in (getattr(config, "architectures", None) or [])
+        if hasattr(transformers, a)
+    ]
+    for auto in ("AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoModel"):
+        out.append(getattr(transformers, auto))
+    return out
+
+
+def build_model(config: Any, *, meta: bool, dtype: Any = None) -> Any:
+    import torch
+
+    errors = []
+    for cls in model_classes(config):
+        try:
+            kwargs = {"dtype": dtype} if dtype is not None else {}
+            with torch.device("meta") if meta else contextlib.nullcontext():
+                return (
+                    cls.from_config(config, **kwargs)
+                    if cls.__name__.startswith("Auto")
+                    else cls._from_config(config, **kwargs)
+                )
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            errors.append(f"{cls.__name__}: {str(err).splitlines()[0][:120]}")
+    fail(f"cannot build a model for {type(config).__name__}: {'; '.join(errors)}")
+
+
+def set_trainable(model: Any, spec: str) -> None:
+    from .groups import find_module_groups, group_names
+
+    want = [s.strip() for s in spec.split(",") if s.strip()]
+    for w in want:
+        if w not in (*group_names(), "all", "none", "other"):
+            close = difflib.get_close_matches(w, group_names(), n=1)
+            fail(
+                f"--trainable: unknown group {w!r}"
+                f"{f' (did you mean {close[0]!r}?)' if close else ''}; "
+                f"allowed: {', '.join(group_names())}, other, all, none"
+            )
+    groups = find_module_groups(model)
+    for name, p in model.named_parameters():
+        p.requires_grad_("all" in want or groups.group_of(name) in want)
+
+
+# ---------------------------------------------------------------------------- output
+def _print_table(title: str, columns: list[str], rows: list[list[str]], plain: bool) -> None:
+    if not plain:
+        try:
+            from rich.console import Console
+            from rich.table import Table
+        except ImportError:
+            plain = True
+        else:
+            table = Table(title=title, title_justify="left")
+            for i, c in enumerate(columns):
+                table.add_column(c, justify="left" if i < 2 else "right")
+            for r in rows:
+                table.add_row(*r)
+            Console(width=max(100, min(160, 20 * len(columns)))).print(table)
+            return
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+    print(title)
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+
+
+def _audit(args: argparse.Namespace) -> int:
+    import torch
+
+    from .dtype_map import dtype_map
+    from .dtypes import dtype_name, parse_dtype
+    from .enforce import check_policy
+    from .plot import fmt_bytes
+    from .policy import PrecisionPolicy
+
+    policy = PrecisionPolicy.from_preset(args.policy)
+    kind, where = resolve_source(args.source)
+    config = load_config(kind, where)
+    dtype = None if args.dtype == "auto" else parse_dtype(args.dtype, call="--dtype")
+    if args.weights:
+        if kind != "path" or not Path(where).is_dir():
+            fail("--weights needs a local checkpoint folder")
+        cls = model_classes(config)[0]
+        model = cls.from_pretrained(str(where), local_files_only=True, dtype=dtype or "auto")
+    else:
+        model = build_model(config, meta=True, dtype=dtype)
+    set_trainable(model, args.trainable)
+    report = check_policy(model, policy)
+    dmap = dtype_map(model, report.groups, policy=policy)
+    by_group: dict[str, dict[str, int]] = {}
+    for c in report.changes:
+        key = f"{c.before}->{c.after}"
+        by_group.setdefault(c.group, {})[key] = by_group.setdefault(c.group, {}).get(key, 0) + 1
+    ok = not report.changes and not report.overflow
+    info = {
+        "source": str(args.source),
+        "model_class": type(model).__name__,
+        "model_type": getattr(config, "model_type", None),
+        "rule": report.groups.rule,
+        "built": "weights" if args.weights else "meta",
+        "dtype": dtype_name(dtype) if dtype is not None else "auto",
+        "policy": policy.to_dict(),
+        "ok": ok,
+        "violations": len(report.changes),
+        "changes_by_group": by_group,
+        "groups": dmap.group_rows(),
+        "changes": [c.__dict__ for c in report.changes],
+        "kept_fp32": report.kept_fp32,
+        "skipped": report.skipped,
+        "overflow": report.overflow,
+    }
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+        return 0 if ok else 1
+    rows = []
+    for g in dmap.groups.values():
+        want = dtype_name(policy.group_dtype(g.group))
+        if g.trainable and policy.trainable_dtype is not None:
+            want += f" (trainable {dtype_name(policy.trainable_dtype)})"
+        bad = sum(by_group.get(g.group, {}).values())
+        rows.append(
+            [
+                g.group,
+                ", ".join(f"{d}:{n:,}" for d, n in sorted(g.numel.items())) or "-",
+                f"{sum(g.numel.values()):,}",
+                fmt_bytes(sum(g.bytes.values())),
+                f"{g.trainable:,}",
+                want,
+                "ok" if not bad else f"{bad} to cast",
+            ]
+        )
+    built = "weights loaded" if args.weights else "built on the meta device"
+    _print_table(
+        f"{type(model).__name__} ({info['model_type']}, groups by rule "
+        f"{report.groups.rule!r}, {built})",
+        ["group", "dtypes (params)", "params", "bytes", "trainable", "policy", "verdict"],
+        rows,
+        args.plain,
+    )
+    if ok:
+        print(f"OK: the model matches policy {policy.describe()}")
+        return 0
+    detail = "; ".join(f"{g} {k} x{n}" for g, d in by_group.items() for k, n in d.items())
+    print(
+        f"VIOLATES policy {policy.describe()}: {len(report.changes)} tensor(s) would be cast "
+        f"({detail}). PrecisionGuardCallback casts them at on_init_end; or load with "
+        f"from_pretrained(..., dtype=torch.{dtype_name(policy.frozen_dtype or torch.float32)})."
+    )
+    for name, value in report.overflow:
+        print(f"  {name}: max |value| {value:g} exceeds the fp16 range")
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hf-precision`` command; returns the exit code."""
+    try:
+        args = _parser().parse_args(argv)
+        if args.command == "audit":
+            return _audit(args)
+        from .doctor import doctor
+
+        return doctor(args)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    except PrecisionError as err:
+        print(f"hf-precision: error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""The ``hf-precision`` command: audit and doctor on checkpoints, config files and model types."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_precision.cli import main
+from hf_precision.tiny import tiny_llava
+
+
+def _command() -> list[str]:
+    exe = Path(sys.executable).parent / "hf-precision"  # the installed entry point
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "hf_precision.cli"]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    return subprocess.run(
+        [*_command(), *args], capture_output=True, text=True, env=env, timeout=300, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny LLaVA saved with save_pretrained in fp32 and one in bf16."""
+    root = tmp_path_factory.mktemp("ckpt")
+    tiny_llava().save_pretrained(root / "fp32")
+    tiny_llava(torch.bfloat16).save_pretrained(root / "bf16")
+    return {"fp32": root / "fp32", "bf16": root / "bf16"}
+
+
+# ---------------------------------------------------------------------------- subprocess
+def test_audit_checkpoint_folder_violates_bf16(checkpoints: dict[str, Path]) -> None:
+    proc = _run("audit", str(checkpoints["fp32"]), "--policy", "bf16", "--json")
+    assert proc.returncode == 1, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["built"] == "meta" and data["model_type"] == "llava" and not data["ok"]
+    assert data["changes_by_group"]["vision_encoder"] == {"float32->bfloat16": 39}
+    assert {g["group"] for g in data["groups"]} >= {"vision_encoder", "language_model"}
+    assert data["violations"] == len(data["changes"]) > 0
+
+
+def test_audit_config_json_alone(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    shutil.copy(checkpoints["bf16"] / "config.json", config)  # no weights next to it
+    proc = _run("audit", str(config), "--policy", "bf16", "--plain")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK: the model matches policy bf16" in proc.stdout
+    assert "language_model" in proc.stdout and "built on the meta device" in proc.stdout
+
+
+def test_audit_model_type_full_size_on_meta() -> None:
+    proc = _run("audit", "llava", "--dtype", "bf16")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "6,607,343,616" in proc.stdout  # the default LLaVA config: a 7B language model
+    assert "OK: the model matches policy bf16" in proc.stdout
+
+
+def test_audit_model_type_violation(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["audit", "llava", "--policy", "bf16", "--plain"]) == 1  # config dtype unset
+    out = capsys.readouterr().out
+    assert "VIOLATES policy bf16" in out and "language_model float32->bfloat16" in out
+
+
+def test_doctor_tiny_checkpoint(checkpoints: dict[str, Path]) -> None:
+    proc = _run("doctor", str(checkpoints["fp32"]), "--policy", "bf16-true", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["ok"] and set(data["diagnosis"]) == {"train", "generate"}
+    assert data["diagnosis"]["train"]["passes"] == {"forward": "ok", "backward": "ok"}
+    assert data["diagnosis"]["generate"]["passes"] == {"generate": "ok"}
+
+
+# ---------------------------------------------------------------------------- in process
+@pytest.mark.parametrize("command", ["audit", "doctor"])
+def test_help_has_examples(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out and f"hf-precision {command} " in out and "Exit code" in out
+
+
+@pytest.mark.parametrize(
+    "argv, allowed",
+    [
+        (["audit", "llava", "--policy", "bf61"], "choose from 'bf16', 'bf16-true'"),
+        (["audit", "llava", "--dtype", "bf61"], "choose from 'auto'"),
+        (["audit", "lava"], "did you mean llava"),
+        (["audit", "llava", "--trainable", "projecter"], "did you mean 'projector'"),
+        (["audit", "./missing/config.json"], "no such file or folder"),
+        (["doctor", "nosuchmodel"], "allowed: "),
+        (["doctor", "llava", "--mode", "strict"], "choose from 'raise', 'fix'"),
+        (["lint", "llava"], "choose from 'audit', 'doctor'"),
+    ],
+)
+def test_bad_arguments_give_one_line(
+    argv: list[str], allowed: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("hf-precision") and allowed in err, err
+
+
+def test_audit_weights_and_trainable_groups(
+    checkpoints: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["audit", str(checkpoints["fp32"]), "--weights", "--policy", "fp32"]) == 0
+    assert "weights loaded" in capsys.readouterr().out
+    code = main(
+        [
+            "audit",
+            str(checkpoints["bf16"]),
+            "--weights",
+            "--policy",
+            "bf16",
+            "--trainable",
+            "projector",
+            "--json",
+        ]
+    )
+    data = json.loads(capsys.readouterr().out)
+    # frozen groups are bf16 as the policy wants; the trainable projector must become fp32
+    assert code == 1 and data["built"] == "weights"
+    assert data["changes_by_group"] == {"projector": {"bfloat16->float32": 4}}
+
+
+def test_doctor_names_the_remote_code_bug(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "minicpmv", "--policy", "bf16-true", "--no-generate"]) == 1
+    out = capsys.readouterr().out
+    assert "resampler.attn" in out and "root cause: F" in out and "FAILED: train failed" in out
+    assert (
+        main(
+            [
+                "doctor",
+                "internvl_chat",
+                "--policy",
+                "bf16-true",
+                "--batch",
+                "raw",
+                "--no-generate",
+                "--json",
+            ]
+        )
+        == 1
+    )
+    data = json.loads(capsys.readouterr().out)
+    train = data["diagnosis"]["train"]
+    assert train["root_cause"] == "A" and train["culprit"]["producer"] == "batch['pixel_values']"
+
+
+def test_doctor_mixed_preset_lists_what_autocast_hides(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "llava", "--policy", "fp16", "--trainable", "projector", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    train, gen = data["diagnosis"]["train"], data["diagnosis"]["generate"]
+    assert train["ok"] and any(m["autocast"] for m in train["mismatches"])
+    # generate() runs outside autocast: the fp16 vision output meets the fp32 projector there
+    assert gen["root_cause"] == "B" and gen["culprit"]["module"] == "model.multi_modal_projector"
+    assert "mode='fix'" in gen["fix"]
+    assert (
+        main(
+            [
+                "doctor",
+                "llava",
+                "--policy",
+                "fp16",
+                "--trainable",
+                "projector",
+                "--mode",
+                "fix",
+                "--no-generate",
+            ]
+        )
+        == 0
+    )
