@@ -26,6 +26,7 @@ Targets are computed at install time; the per-call cost is a dtype comparison.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,10 @@ class _GuardState:
     # batch hooks only
     key_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     skip_keys: tuple[str, ...] = ()
+    arg_names: tuple[str, ...] = ()  # forward's positional parameter names
+    # A weight of the receiving module: when someone casts the module after install (Trainer's
+    # *_full_eval does model.to(bf16) in place), the target follows it instead of fighting it.
+    ref: torch.Tensor | None = None
 
 
 def _fix_error(st: _GuardState, module: nn.Module, what: str, t: torch.Tensor) -> PrecisionError:
@@ -75,6 +80,8 @@ def _cast_value(st: _GuardState, module: nn.Module, value: Any, key: str) -> Any
         if not (wrong_dtype or wrong_device):
             return value
         if st.mode == "raise":
+            if not wrong_device and torch.is_autocast_enabled(value.device.type):
+                return value  # autocast computes this op in its own dtype: not a failure
             raise _fix_error(st, module, key, value)
         if wrong_dtype:
             return cast_tensor(value, st.dtype, st.device, key=key, where=st.path)
@@ -86,21 +93,55 @@ def _cast_value(st: _GuardState, module: nn.Module, value: Any, key: str) -> Any
     return value
 
 
+def _cast_arg(st: _GuardState, module: nn.Module, i: int, value: Any) -> Any:
+    """A positional batch argument follows the key rules of its parameter name, so
+    ``unet(latents, timesteps, ...)`` and ``unet(sample=latents, timestep=timesteps)`` agree."""
+    key = st.arg_names[i] if i < len(st.arg_names) else ""
+    if key in st.skip_keys:
+        return value
+    if key in st.key_dtypes:
+        return cast_batch(value, st.dtype, key_dtypes=st.key_dtypes, device=st.device,
+                          mode=st.mode, where=f"batch -> {type(module).__name__}", _key=key)
+    return _cast_value(st, module, value, key or f"input {i}")
+
+
+def _arg_names(module: nn.Module) -> tuple[str, ...]:
+    """Names of ``forward``'s positional parameters (none past a ``*args``)."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    names = []
+    for p in params:
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        names.append(p.name)
+    return tuple(names)
+
+
 def _guard_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     st: _GuardState | None = module.__dict__.get(_ATTR)
     if st is None:
         return None
     if st.kind == "batch":
-        if st.mode == "audit":
+        # raise mode checks where a mismatch fails — at module entries, where autocast is known
+        # to be on or off — not the batch itself: an fp32 batch under bf16 autocast is fine.
+        if st.mode in ("audit", "raise"):
             return None
         new_kwargs = cast_batch(kwargs, st.dtype, key_dtypes=st.key_dtypes,
                                 skip_keys=st.skip_keys, device=st.device, mode=st.mode,
                                 where=f"batch -> {type(module).__name__}")
-        new_args = tuple(_cast_value(st, module, a, f"input {i}") for i, a in enumerate(args))
+        new_args = tuple(_cast_arg(st, module, i, a) for i, a in enumerate(args))
         if new_kwargs is kwargs and all(a is b for a, b in zip(new_args, args, strict=True)):
             return None
         return new_args, new_kwargs
+    ref = st.ref
+    if ref is not None:
+        if ref.dtype != st.dtype:
+            st.dtype = ref.dtype
+        if st.device is not None and ref.device != st.device:
+            st.device = ref.device
     dtype, device = st.dtype, st.device
     # Hot path: one dtype comparison per tensor argument, nothing allocated.
     hit = False
@@ -227,6 +268,21 @@ def receiving_dtypes(model: nn.Module, groups: ModuleGroups | None = None, *,
     return out
 
 
+def _ref_param(mod: nn.Module, dtype: torch.dtype, compute: Mapping[int, torch.dtype]
+               ) -> torch.Tensor | None:
+    """A frozen weight of ``mod`` in its receiving dtype (None under FSDP mixed precision, where
+    the storage dtype is not the compute dtype)."""
+    if compute:
+        return None
+    fallback = None
+    for p in mod.parameters():
+        if p.dtype == dtype and is_castable(p):
+            if not p.requires_grad:
+                return p
+            fallback = fallback if fallback is not None else p
+    return fallback
+
+
 def _put_entry(mod: nn.Module, path: str, policy: PrecisionPolicy,
                compute: Mapping[int, torch.dtype], move: bool, put: Any,
                handle: GuardHandle) -> None:
@@ -241,7 +297,7 @@ def _put_entry(mod: nn.Module, path: str, policy: PrecisionPolicy,
             continue
         dev = w.device if move and w.device.type != "meta" else None
         put(sub, _GuardState("entry", f"{path}.{sub_path}", compute.get(id(w), w.dtype), dev,
-                             policy.mode), handle.boundary)
+                             policy.mode, ref=None if id(w) in compute else w), handle.boundary)
         return
 
 
@@ -274,7 +330,8 @@ def install_guards(model: nn.Module, policy: PrecisionPolicy | str | None = None
     if policy.cast_batch:
         put(root, _GuardState("batch", "", policy.compute_dtype, root_device if move else None,
                               policy.mode, key_dtypes=key_dtypes_for(policy, recv),
-                              skip_keys=policy.batch_skip_keys), handle.batch)
+                              skip_keys=policy.batch_skip_keys, arg_names=_arg_names(root)),
+            handle.batch)
     if policy.boundary_guards:
         for group in groups.names:
             for path, mod in zip(groups.paths.get(group, ()), groups.modules(group), strict=True):
@@ -283,13 +340,16 @@ def install_guards(model: nn.Module, policy: PrecisionPolicy | str | None = None
                 dtype, device = _receiving(mod, compute)
                 if dtype is not None:
                     put(mod, _GuardState("boundary", path, dtype, device if move else None,
-                                         policy.mode), handle.boundary)
+                                         policy.mode, ref=_ref_param(mod, dtype, compute)),
+                        handle.boundary)
                 _put_entry(mod, path, policy, compute, move, put, handle)
     if leaf_groups is None:
         if policy.leaf_guards == "on":
             leaf_groups = (*groups.names, OTHER)
         elif policy.leaf_guards == "auto" and report is not None:
-            leaf_groups = tuple(report.mixed_groups)
+            # Resamplers build tensors inside forward (MiniCPM-V 2.x's numpy sin-cos table is
+            # fp32 whatever the weights are): their leaves are guarded even when weights agree.
+            leaf_groups = (*report.mixed_groups, "resampler")
         else:
             leaf_groups = ()
     if leaf_groups:
@@ -302,8 +362,8 @@ def install_guards(model: nn.Module, policy: PrecisionPolicy | str | None = None
             if w is None:
                 continue
             dev = w.device if move and w.device.type != "meta" else None
-            put(mod, _GuardState("leaf", path, compute.get(id(w), w.dtype), dev, policy.mode),
-                handle.leaf)
+            put(mod, _GuardState("leaf", path, compute.get(id(w), w.dtype), dev, policy.mode,
+                                 ref=None if id(w) in compute else w), handle.leaf)
     for mod in root.modules():  # guards no longer wanted (e.g. a group stopped mixing dtypes)
         if _ATTR in mod.__dict__ and id(mod) not in wanted:
             _uninstall(mod)

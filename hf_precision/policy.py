@@ -64,7 +64,10 @@ _PRESET_ALIASES = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "float32": "fp32"
 #: Buffers that always stay fp32 (rotary frequencies lose positions when rounded).
 DEFAULT_KEEP_FP32_BUFFERS: tuple[str, ...] = ("re:(^|\\.)(original_)?inv_freq$",)
 #: Batch keys never cast (targets are compared, not computed with).
-DEFAULT_SKIP_KEYS: tuple[str, ...] = ("labels", "label", "label_ids", "targets", "target")
+DEFAULT_SKIP_KEYS: tuple[str, ...] = (
+    "labels", "label", "label_ids", "targets", "target",
+    # made by the model itself and handed back by generate(): not batch data
+    "mm_encoder_outputs", "encoder_outputs", "past_key_values")
 #: Batch keys that follow a group's dtype rather than the compute dtype.
 DEFAULT_KEY_GROUPS: dict[str, str] = {
     "pixel_values": "vision_encoder",

@@ -128,3 +128,36 @@ def test_hooks_do_not_accumulate_over_evaluations(make_trainer):
     hooks = sum(len(m._forward_pre_hooks) for m in model.modules())
     trainer.evaluate()
     assert sum(len(m._forward_pre_hooks) for m in model.modules()) == hooks
+
+
+def test_full_eval_on_fp32_policy_evaluates_and_generates(make_trainer):
+    """bf16_full_eval without bf16: Trainer casts the fp32 model to bf16 for evaluate(); the
+    guards follow the cast weights instead of casting inputs back to fp32."""
+    model = tiny_llava()
+    cb = PrecisionGuardCallback(report=False)
+    batch = tiny_batch(model)
+    trainer = make_trainer(model, batch, callbacks=[cb], bf16_full_eval=True)
+    assert cb.policy is not None and cb.policy.name == "fp32"
+    metrics = trainer.evaluate()
+    assert torch.isfinite(torch.tensor(metrics["eval_loss"]))
+    # after evaluation the fp32 policy is repaired (frozen weights were rounded by transformers:
+    # that is its in-place cast; trainable values come back exactly from the stash)
+    assert _dtypes(model.parameters()) == {torch.float32}
+    out = model.generate(**{k: v for k, v in batch.items() if k != "labels"}, max_new_tokens=2)
+    assert out.shape[1] == batch["input_ids"].shape[1] + 2
+
+
+def test_raise_mode_lets_autocast_handle_its_ops(make_trainer):
+    """Under bf16=True, frozen bf16 weights feeding an fp32 trainable projector are autocast's
+    job: raise mode must not stop normal mixed-precision training."""
+    model = tiny_llava()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in model.model.multi_modal_projector.parameters():
+        p.requires_grad_(True)
+    for p in model.parameters():  # as from_pretrained(dtype=bf16): inv_freq stays fp32
+        p.data = p.data.to(torch.float32 if p.requires_grad else torch.bfloat16)
+    cb = PrecisionGuardCallback(mode="raise", report=False)
+    trainer = make_trainer(model, tiny_batch(model), callbacks=[cb], bf16=True)
+    result = trainer.train()
+    assert torch.isfinite(torch.tensor(result.training_loss))
