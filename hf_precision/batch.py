@@ -32,6 +32,13 @@ def is_mask_key(key: str) -> bool:
     return any(h in key for h in _MASK_HINTS)
 
 
+def _all_finite(t: torch.Tensor) -> bool:
+    """No inf/nan in ``t``: one reduction and no temporary (``isinf().any()`` on a CPU bf16
+    tensor costs several times the cast itself)."""
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
 def cast_tensor(t: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None, *,
                 key: str = "", mode: str = "fix", where: str = "batch") -> torch.Tensor:
     """Cast one floating tensor without creating ``inf``.
@@ -40,7 +47,8 @@ def cast_tensor(t: torch.Tensor, dtype: torch.dtype, device: torch.device | None
     beyond the target range raise in ``raise`` mode, or are clamped with a warning.
     """
     if not is_castable(t):
-        return t
+        # ids and bool masks keep their dtype but follow the device, like the floats beside them
+        return t if device is None or t.device == device else t.to(device)
     same_dev = device is None or t.device == device
     if t.dtype == dtype and same_dev:
         return t
@@ -55,7 +63,7 @@ def cast_tensor(t: torch.Tensor, dtype: torch.dtype, device: torch.device | None
         info = torch.finfo(dtype)
         if is_mask_key(key):
             out.clamp_(min=info.min, max=info.max)  # sentinels (and -inf) -> finfo(dst).min
-        elif bool(out.isinf().any()) and not bool(t.isinf().any()):
+        elif not _all_finite(out) and bool(out.isinf().any()) and not bool(t.isinf().any()):
             amax = float(t.detach().abs().amax())
             warnings.warn(
                 f"{where}: {key or 'tensor'} has values up to {amax:g}, beyond the "
@@ -90,7 +98,8 @@ def cast_batch(batch: Any, dtype: torch.dtype, *, key_dtypes: Mapping[str, torch
         if isinstance(batch, dict):
             out: Any
             out = dict(batch) if type(batch) is dict else copy.copy(batch)
-            out.update(changed)
+            for k, v in changed.items():  # ModelOutput forbids update() but allows out[k] = v
+                out[k] = v
             return out
         # BatchFeature / BatchEncoding are UserDicts: copy keeps their extras (encodings).
         out = copy.copy(batch)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from .distributed import check_model_ranks, check_training_args, explain_wrapped
 from .dtypes import dtype_name
 from .enforce import EnforceReport, enforce_policy
 from .errors import PrecisionError, PrecisionWarning
@@ -134,6 +135,7 @@ class PrecisionGuardCallback(TrainerCallback):
     def _check_args(self, args: Any, root: nn.Module) -> None:
         policy = self.policy
         assert policy is not None
+        check_training_args(args)  # the DeepSpeed JSON's bf16/fp16 sections vs --bf16/--fp16
         if getattr(args, "fp16", False) and policy.trainable_dtype == torch.float16 and any(
                 p.requires_grad for p in root.parameters()):
             raise PrecisionError(
@@ -153,6 +155,9 @@ class PrecisionGuardCallback(TrainerCallback):
         assert policy is not None and self.groups is not None
         mode = policy.mode
         audit = enforce_policy(model, policy, groups=self.groups, mode="audit")
+        if audit.changes and not allow_cast:  # FSDP upcasts / DeepSpeed's dtype are no drift
+            audit = explain_wrapped(model, policy, self.groups, audit, args=args,
+                                    where=f"PrecisionGuardCallback.{event}")
         if audit.changes and mode == "fix" and not allow_cast:
             wrapper = owned_by_wrapper(model, args)
             raise PrecisionError(
@@ -178,6 +183,9 @@ class PrecisionGuardCallback(TrainerCallback):
         self.handle = install_guards(model, policy, report, groups=self.groups)
         self.events.append((event, len(audit.changes)))
         self._log(event, model, state, report if audit.changes else None)
+        if event in ("on_train_begin", "on_evaluate", "on_predict"):  # collective, every rank
+            check_model_ranks(model, self.groups, policy=policy,
+                              where=f"PrecisionGuardCallback.{event}")
         return report
 
     def _log(self, event: str, model: nn.Module, state: Any, report: EnforceReport | None

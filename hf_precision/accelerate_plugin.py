@@ -1,0 +1,422 @@
+"""``PrecisionGuardPlugin``: the precision guard for a plain accelerate loop, in two lines.
+
+Accelerate has no plugin registry (a custom ``KwargsHandler`` fails with ``KeyError``), so the
+guard is a plain object that wraps :meth:`accelerate.Accelerator.prepare` and uses accelerate's
+real extension points::
+
+    guard = PrecisionGuardPlugin()                                          # line 1
+    model, optimizer, loader = guard.prepare(accelerator, model, optimizer, loader)  # line 2
+
+``guard.prepare`` takes and returns exactly what ``accelerator.prepare`` does. Around it:
+
+* before wrapping: infer the policy (``accelerator.mixed_precision`` and the model), check a
+  DeepSpeed config against it, cast with :func:`~hf_precision.enforce_policy`, install the guards
+  (:func:`~hf_precision.install_guards`), wrap each DataLoader's ``collate_fn`` in
+  :class:`~hf_precision.PrecisionCollator`, check that all ranks agree;
+* after wrapping: verify (FSDP/DeepSpeed-owned parameters are never cast: FSDP's fp32 upcast of
+  trainable weights is expected, anything else is explained in a :class:`PrecisionError`), check
+  the ranks again, register a cheap dtype check before every optimizer step
+  (``register_step_pre_hook``), ``accelerator.register_for_checkpointing(guard)`` and a
+  ``precision_policy.json`` written beside each ``save_state`` checkpoint;
+* ``with guard.evaluating(model): ...`` verifies before and after an evaluation;
+* dtype maps go to ``<project_dir>/precision/`` (main process only) and to W&B through
+  ``accelerator.get_tracker("wandb")`` when ``log_with="wandb"``.
+
+>>> from accelerate import Accelerator
+>>> from hf_precision import PrecisionGuardPlugin
+>>> from hf_precision.tiny import tiny_llava
+>>> accelerator = Accelerator(cpu=True)
+>>> guard = PrecisionGuardPlugin("fp32", report=False)
+>>> model = guard.prepare(accelerator, tiny_llava())
+>>> guard.policy.name
+'fp32'
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .batch import PrecisionCollator
+from .distributed import (
+    check_deepspeed_config,
+    check_model_ranks,
+    check_wrapped,
+    deepspeed_config_of,
+    rank,
+    settle_shards,
+    wrapper_of,
+)
+from .dtypes import dtype_name
+from .enforce import EnforceReport, enforce_policy
+from .errors import PrecisionError, PrecisionWarning
+from .groups import ModuleGroups, find_module_groups, unwrap_model
+from .hooks import GuardHandle, install_guards, remove_guards
+from .policy import PrecisionPolicy
+
+logger = logging.getLogger("hf_precision")
+
+#: Written beside every ``accelerator.save_state`` checkpoint (``PrecisionPolicy.from_json``).
+POLICY_FILE = "precision_policy.json"
+_STATE_VERSION = 1
+
+
+@dataclass
+class _Guarded:
+    """One model the guard looks after."""
+
+    model: nn.Module  # as the user holds it: wrapped after prepare
+    root: nn.Module
+    groups: ModuleGroups
+    handle: GuardHandle | None = None
+    params: tuple[torch.Tensor, ...] = ()
+    dtypes: tuple[torch.dtype, ...] = ()  # snapshot the step hook compares against
+    wrap_dtypes: dict[int, torch.dtype] = field(default_factory=dict)  # at wrapping time
+
+
+def policy_from_checkpoint(path: str | os.PathLike[str]) -> PrecisionPolicy:
+    """The policy saved beside a checkpoint (``<path>/precision_policy.json``)."""
+    file = Path(path) / POLICY_FILE if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise PrecisionError(f"policy_from_checkpoint({os.fspath(path)!r}): no {POLICY_FILE} "
+                             "there. Fix: pass a folder written by accelerator.save_state with "
+                             "a PrecisionGuardPlugin registered.")
+    return PrecisionPolicy.from_json(file.read_text())
+
+
+class PrecisionGuardPlugin:
+    """Enforce one precision policy in a plain accelerate loop (and verify it under DDP, FSDP
+    and DeepSpeed).
+
+    Args:
+        policy: a :class:`PrecisionPolicy`, a preset name or ``None`` to infer it from
+            ``accelerator.mixed_precision`` (``bf16`` -> frozen bf16 / trainable fp32) and the
+            model as loaded.
+        mode: override the policy's mode: ``"audit"``, ``"fix"``, ``"raise"``.
+        leaf_guards: override the policy's ``leaf_guards`` (``"auto"``, ``"on"``, ``"off"``).
+        report: write dtype maps (files, and W&B when the accelerator logs with wandb).
+        report_dir: where the files go (default ``<project_dir or .>/precision``).
+        check_every: compare parameter dtypes before every N-th optimizer step (0: never).
+        check_ranks: gather the ranks' dtype-map digests at prepare and after evaluations.
+
+    >>> guard = PrecisionGuardPlugin("bf16", mode="raise")
+    """
+
+    def __init__(self, policy: PrecisionPolicy | str | None = None, *, mode: str | None = None,
+                 leaf_guards: str | None = None, report: bool = True,
+                 report_dir: str | os.PathLike[str] | None = None, check_every: int = 1,
+                 check_ranks: bool = True) -> None:
+        self._mode, self._leaf_guards = mode, leaf_guards
+        if mode is not None or leaf_guards is not None:  # validate now, not inside the loop
+            PrecisionPolicy.from_preset("fp32", **{k: v for k, v in
+                                                   (("mode", mode), ("leaf_guards", leaf_guards))
+                                                   if v is not None})
+        if not isinstance(check_every, int) or check_every < 0:
+            raise PrecisionError(f"PrecisionGuardPlugin(check_every={check_every!r}): expected "
+                                 "an int >= 0 (0 turns the optimizer-step check off).")
+        self.policy: PrecisionPolicy | None = (
+            None if policy is None else self._with_overrides(PrecisionPolicy.resolve(policy)))
+        self.report, self.report_dir = report, report_dir
+        self.check_every, self.check_ranks = check_every, check_ranks
+        self.steps = 0  # optimizer steps seen
+        self.events: list[tuple[str, int]] = []  # (event, number of violations found)
+        self.last_report: EnforceReport | None = None
+        self.deepspeed_dtype: torch.dtype | None = None
+        self._guarded: list[_Guarded] = []
+        self._optimizers: list[Any] = []
+        self._handles: list[Any] = []
+        self._accelerator: Any = None
+        self._reporter: Any = None
+
+    def _with_overrides(self, policy: PrecisionPolicy) -> PrecisionPolicy:
+        if self._mode is not None:
+            policy.mode = self._mode
+        if self._leaf_guards is not None:
+            policy.leaf_guards = self._leaf_guards
+        policy.__post_init__()
+        return policy
+
+    # ------------------------------------------------------------------ accelerate
+    def prepare(self, accelerator: Any, *objects: Any, **kwargs: Any) -> Any:
+        """Guard the models among ``objects``, call ``accelerator.prepare(*objects, **kwargs)``
+        and return its result unchanged (one object, or a tuple in the same order)."""
+        models = [o for o in objects if isinstance(o, nn.Module)]
+        if not models and not self._guarded:
+            raise PrecisionError(
+                "PrecisionGuardPlugin.prepare(accelerator, ...): no nn.Module among the objects, "
+                "so there is nothing to guard. Fix: pass the model, e.g. "
+                "guard.prepare(accelerator, model, optimizer, dataloader).")
+        self._bind(accelerator, models[0] if models else None)
+        for m in models:
+            self.setup(m)
+        objects = tuple(self._wrap_loader(o) for o in objects)
+        result = accelerator.prepare(*objects, **kwargs)
+        out = result if len(objects) > 1 else (result,)
+        for before, after in zip(objects, out):
+            if isinstance(before, nn.Module):
+                entry = self._entry(before)
+                entry.model = after
+                entry.wrap_dtypes = {id(p): p.dtype for p in after.parameters()}
+                self.verify(after, "after_prepare")
+            elif isinstance(after, torch.optim.Optimizer):  # AcceleratedOptimizer and kin
+                self._hook_optimizer(after)
+        return result
+
+    def _bind(self, accelerator: Any, model: nn.Module | None) -> None:
+        if self.policy is None:
+            root = unwrap_model(model)[0] if model is not None else None
+            self.policy = self._with_overrides(PrecisionPolicy.from_accelerator(accelerator, root))
+        mp = str(getattr(accelerator, "mixed_precision", "no") or "no")
+        autocast = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}.get(mp)
+        if autocast is not None and autocast != self.policy.compute_dtype:
+            warnings.warn(
+                f"PrecisionGuardPlugin: accelerator.mixed_precision={mp!r} autocasts to "
+                f"{dtype_name(autocast)} but the policy computes in "
+                f"{dtype_name(self.policy.compute_dtype)} ({self.policy.describe()}). Fix: "
+                "pass policy=None to follow the accelerator, or change mixed_precision.",
+                PrecisionWarning, stacklevel=3)
+        ds = deepspeed_config_of(accelerator)
+        if ds is not None:
+            self.deepspeed_dtype = check_deepspeed_config(
+                ds, bf16=mp in ("bf16", "fp8"), fp16=mp == "fp16")
+            if self.deepspeed_dtype != self.policy.compute_dtype:
+                raise PrecisionError(
+                    f"PrecisionGuardPlugin: DeepSpeed will hold the model in "
+                    f"{dtype_name(self.deepspeed_dtype)} but the policy computes in "
+                    f"{dtype_name(self.policy.compute_dtype)} ({self.policy.describe()}). Fix: "
+                    "make the DeepSpeed bf16/fp16 sections and the policy agree.")
+        if accelerator is self._accelerator:
+            return
+        self._accelerator = accelerator
+        accelerator.register_for_checkpointing(self)
+        self._handles.append(accelerator.register_save_state_pre_hook(self._save_state_hook))
+        if self.report and self._reporter is None:
+            self._reporter = self._make_reporter(accelerator)
+
+    def _make_reporter(self, accelerator: Any = None) -> Any:
+        from .reporting import PrecisionReporter
+
+        if accelerator is None:  # a loop without accelerate: files from rank 0
+            base = self.report_dir or Path("precision")
+            return PrecisionReporter(base, is_main_process=rank() == 0)
+        names = [str(getattr(t, "value", t)).lower() for t in (accelerator.log_with or [])]
+        wandb = any("wandb" in n for n in names)
+        base = self.report_dir or Path(accelerator.project_dir or ".") / "precision"
+        reporter = PrecisionReporter(base, is_main_process=accelerator.is_main_process,
+                                     wandb=wandb)
+        sink = getattr(reporter, "wandb", None)
+        if sink is not None and hasattr(sink, "_run"):
+            def tracker_run() -> Any:  # the run accelerator.init_trackers made, once it exists
+                for t in accelerator.trackers:
+                    if t.name == "wandb":
+                        return accelerator.get_tracker("wandb", unwrap=True)
+                return None
+
+            sink._run = tracker_run
+        return reporter
+
+    def _wrap_loader(self, obj: Any) -> Any:
+        policy = self.policy
+        assert policy is not None
+        if (isinstance(obj, torch.utils.data.DataLoader) and policy.cast_batch
+                and policy.mode != "audit" and not isinstance(obj.collate_fn, PrecisionCollator)):
+            # accelerate rebuilds the loader from its attributes, collate_fn included
+            model = self._guarded[0].root if self._guarded else None
+            obj.collate_fn = PrecisionCollator(obj.collate_fn, policy, model=model)
+        return obj
+
+    def _hook_optimizer(self, optimizer: Any) -> None:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if not hasattr(inner, "register_step_pre_hook"):  # DeepSpeed's own optimizers
+            logger.info("hf-precision: %s has no step pre-hook; dtypes are checked at "
+                        "evaluations only", type(inner).__name__)
+            return
+        self._optimizers.append(inner)
+        if self.check_every:
+            self._handles.append(inner.register_step_pre_hook(self._step_pre_hook))
+
+    def _step_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.steps += 1
+        if self.steps % self.check_every:
+            return
+        for g in self._guarded:
+            # Cheap: one dtype read per parameter tensor; the full check runs only on a change.
+            if tuple(p.dtype for p in g.params) != g.dtypes:
+                self.verify(g.model, "before_optimizer_step", check_ranks=False)
+
+    # ------------------------------------------------------------------ any loop
+    def setup(self, model: nn.Module) -> nn.Module:
+        """Before wrapping: cast to the policy, install the guards, check the ranks agree.
+
+        Usable without accelerate (e.g. before ``fully_shard``); follow with :meth:`verify`.
+        """
+        if self.policy is None:
+            self.policy = self._with_overrides(PrecisionPolicy.from_model(model))
+        if self.report and self._reporter is None:
+            self._reporter = self._make_reporter()
+        root, _ = unwrap_model(model)
+        entry = next((g for g in self._guarded if g.root is root), None)
+        if entry is None:
+            entry = _Guarded(model, root, find_module_groups(root))
+            self._guarded.append(entry)
+        self.verify(model, "setup")
+        return model
+
+    def verify(self, model: nn.Module | None = None, event: str = "verify", *,
+               check_ranks: bool = True) -> EnforceReport:
+        """Verify ``model`` against the policy and repair drift where that is safe.
+
+        Without a wrapper (or under DDP, back to the dtypes it was wrapped with) drift is cast
+        back in ``fix`` mode. Parameters FSDP or DeepSpeed hold are never cast: expected
+        differences are logged, others raise :class:`PrecisionError` (a warning in ``audit``).
+        """
+        policy = self.policy
+        if policy is None or (model is not None and not any(
+                g.root is unwrap_model(model)[0] for g in self._guarded)):
+            if model is None:
+                raise PrecisionError("PrecisionGuardPlugin.verify(): no model yet. Fix: call "
+                                     "guard.prepare(accelerator, model, ...) first.")
+            return self.verify(self.setup(model), event, check_ranks=check_ranks)
+        g = self._entry(model)
+        if model is not None and model is not g.model and model is not g.root:
+            g.model = model  # a wrapper made outside prepare (FSDP1, DDP) around the same model
+        where = f"PrecisionGuardPlugin.{event}"
+        settle_shards(g.model)  # FSDP2 keeps the root unsharded after forward: read the shards
+        wrapper = wrapper_of(g.model)
+        audit = enforce_policy(g.model, policy, groups=g.groups, mode="audit")
+        report, found = audit, len(audit.changes)
+        if wrapper in ("FSDP", "FSDP2", "DeepSpeed"):
+            check = check_wrapped(g.model, policy, g.groups, wrapper=wrapper,
+                                  deepspeed_dtype=self.deepspeed_dtype)
+            found = len(check.violations)
+            for why, n in check.expected.items():
+                logger.info("hf-precision %s: %d parameter(s) %s (expected)", event, n, why)
+            for note in check.notes[:8]:
+                warnings.warn(f"{where}: {note}", PrecisionWarning, stacklevel=2)
+            if check and policy.mode != "audit":
+                raise check.error(where, policy)
+            if check:
+                warnings.warn(str(check.error(where, policy)), PrecisionWarning, stacklevel=2)
+        elif audit.changes and policy.mode != "audit":
+            if wrapper == "DDP":
+                self._check_ddp_restore(g, audit, where)
+            report = enforce_policy(g.model, policy, groups=g.groups, mode=policy.mode,
+                                    optimizer=self._optimizers[0] if self._optimizers else None)
+        if found and event != "setup":
+            verb = "repaired" if policy.mode == "fix" and wrapper not in (
+                "FSDP", "FSDP2", "DeepSpeed") else "found"
+            first = audit.changes[0].describe() if audit.changes else ""
+            warnings.warn(f"{where}: dtype drift {verb}: {found} tensor(s) did not match "
+                          f"{policy.describe()}{', e.g. ' + first if first else ''}",
+                          PrecisionWarning, stacklevel=2)
+        self.last_report = report
+        g.handle = install_guards(g.model, policy, report, groups=g.groups)
+        g.params = tuple(g.model.parameters())
+        g.dtypes = tuple(p.dtype for p in g.params)
+        self.events.append((event, found))
+        if event != "before_optimizer_step" or found:  # the step check logs only drift
+            self._log(event, g, report if found else None)
+        if check_ranks and self.check_ranks:
+            check_model_ranks(g.model, g.groups, policy=policy, where=where)
+        return report
+
+    def _check_ddp_restore(self, g: _Guarded, audit: EnforceReport, where: str) -> None:
+        """DDP built its gradient buckets for the dtypes at wrapping time: only going back to
+        those is safe."""
+        named = dict(g.root.named_parameters())
+        bad = [c for c in audit.changes if c.kind == "param" and c.name in named
+               and dtype_name(g.wrap_dtypes.get(id(named[c.name]), named[c.name].dtype))
+               != c.after]
+        if bad:
+            raise PrecisionError(
+                f"{where}: {len(bad)} parameter(s) would change dtype under DDP, whose gradient "
+                "buckets were built for the dtypes at wrapping time:\n  "
+                + "\n  ".join(c.describe() for c in bad[:8])
+                + "\nFix: let guard.prepare cast before accelerator.prepare wraps the model.")
+
+    def _log(self, event: str, g: _Guarded, report: EnforceReport | None) -> None:
+        if self._reporter is not None:
+            self._reporter.log_event(event, g.model, step=self.steps, policy=self.policy,
+                                     groups=g.groups, report=report)
+
+    def _entry(self, model: nn.Module | None) -> _Guarded:
+        if not self._guarded:
+            raise PrecisionError("PrecisionGuardPlugin: no model is guarded yet. Fix: call "
+                                 "guard.prepare(accelerator, model, ...) first.")
+        if model is None:
+            return self._guarded[0]
+        root, _ = unwrap_model(model)
+        for g in self._guarded:
+            if g.root is root or g.model is model:
+                return g
+        raise PrecisionError(f"PrecisionGuardPlugin: {type(model).__name__} was not prepared by "
+                             "this guard. Fix: pass it to guard.prepare(accelerator, ...).")
+
+    @contextmanager
+    def evaluating(self, model: nn.Module | None = None) -> Iterator[nn.Module]:
+        """Verify (and repair) before the block and after it; ranks are compared after.
+
+        >>> guard = PrecisionGuardPlugin("fp32", report=False)  # doctest: +SKIP
+        >>> with guard.evaluating(model):  # doctest: +SKIP
+        ...     model.generate(**inputs)
+        """
+        g = self._entry(model)
+        self.verify(g.model, "before_evaluate", check_ranks=False)
+        ok = False
+        try:
+            yield g.model
+            ok = True
+        finally:
+            # after an error, repair locally but skip the collective: other ranks may not be here
+            self.verify(g.model, "after_evaluate", check_ranks=ok)
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """What ``accelerator.save_state`` stores for the guard: the policy and the step."""
+        assert self.policy is not None
+        return {"version": _STATE_VERSION, "policy": self.policy.to_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the policy (``accelerator.load_state``) and verify the models against it."""
+        if state.get("version") != _STATE_VERSION or "policy" not in state:
+            raise PrecisionError(f"PrecisionGuardPlugin.load_state_dict: unknown state "
+                                 f"{sorted(state)} (version {state.get('version')!r}). Fix: "
+                                 "load a checkpoint saved by this hf-precision version.")
+        loaded = PrecisionPolicy.from_dict(state["policy"])
+        if self.policy is not None and loaded != self.policy:
+            warnings.warn(f"PrecisionGuardPlugin.load_state: the checkpoint's policy "
+                          f"{loaded.describe()} replaces {self.policy.describe()}.",
+                          PrecisionWarning, stacklevel=2)
+        self.policy = loaded
+        self.steps = int(state.get("steps", 0))
+        for g in self._guarded:
+            self.verify(g.model, "load_state", check_ranks=False)
+
+    def _save_state_hook(self, models: list[nn.Module], weights: list[Any], output_dir: str
+                         ) -> None:
+        if self.policy is not None and getattr(self._accelerator, "is_main_process", True):
+            Path(output_dir, POLICY_FILE).write_text(self.policy.to_json())
+
+    def remove(self) -> None:
+        """Take the guards, the optimizer hooks and the save hook off."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for g in self._guarded:
+            remove_guards(g.model)
+
+    def __repr__(self) -> str:
+        policy = self.policy.describe() if self.policy is not None else "inferred at prepare"
+        return f"PrecisionGuardPlugin({policy}, models={len(self._guarded)})"
+
+
+__all__ = ["POLICY_FILE", "PrecisionGuardPlugin", "policy_from_checkpoint"]

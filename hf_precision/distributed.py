@@ -1,0 +1,377 @@
+"""Several processes, one policy: rank agreement, wrapper detection, DeepSpeed config checks.
+
+* :func:`check_ranks_agree` gathers every rank's :meth:`DtypeMap.digest` (``all_gather_object``)
+  and raises a :class:`PrecisionError` naming the ranks and modules that differ. Without an
+  initialised process group (or with one process) it returns at once.
+* :func:`detect_wrapper` says who holds the parameters: ``"FSDP2"`` (``fully_shard``, DTensor
+  parameters), ``"FSDP"`` (FSDP1), ``"DeepSpeed"``, ``"DDP"`` or ``None``. After such a wrapper
+  exists the guard never casts parameters it owns; it verifies and explains.
+* :func:`wrapper_compute_dtypes` maps each FSDP-owned parameter to the dtype FSDP computes it in
+  (``MixedPrecisionPolicy.param_dtype``), which is not its storage dtype.
+* :func:`check_deepspeed_config` (from :mod:`hf_precision.deepspeed_config`) checks a DeepSpeed
+  JSON's ``bf16``/``fp16`` sections against the ``--bf16``/``--fp16`` flags (the LLaVA
+  "``--bf16 True`` but the JSON says fp16" failure), ``"auto"`` understood, without DeepSpeed.
+
+>>> from hf_precision.distributed import check_deepspeed_config
+>>> check_deepspeed_config({"bf16": {"enabled": "auto"}}, bf16=True, fp16=False)
+torch.bfloat16
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .deepspeed_config import (
+    check_deepspeed_config,
+    check_training_args,
+    deepspeed_config_of,
+    load_deepspeed_config,
+)
+from .dtype_map import DtypeMap, dtype_map
+from .dtypes import dtype_name, is_castable
+from .enforce import EnforceReport
+from .errors import PrecisionError
+from .groups import ModuleGroups, clean_name, find_module_groups, unwrap_model
+from .policy import PrecisionPolicy
+
+_MAX_LISTED = 8
+__all__ = [
+    "WRAPPERS", "WrapperCheck", "check_deepspeed_config", "check_model_ranks",
+    "check_ranks_agree", "check_training_args", "check_wrapped", "deepspeed_config_of",
+    "detect_wrapper", "explain_wrapped", "gather_objects", "is_distributed",
+    "load_deepspeed_config", "planned_wrapper", "rank", "rank_digest", "settle_shards",
+    "wrapper_compute_dtypes", "wrapper_of",
+]
+
+# ------------------------------------------------------------------------------- processes
+
+
+def is_distributed() -> bool:
+    """True when a process group with more than one rank is initialised."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """``[obj of rank 0, obj of rank 1, ...]``; ``[obj]`` in a single process. Collective."""
+    if not is_distributed():
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _signatures(dmap: DtypeMap, *, with_numel: bool = True) -> dict[str, tuple[Any, ...]]:
+    """What :meth:`DtypeMap.digest` hashes, per module (device indices dropped). Without numel
+    (FSDP1 flat shards, ZeRO-3 partitions: each rank holds a different slice) only the dtypes
+    and devices are compared."""
+    out: dict[str, tuple[Any, ...]] = {}
+    for path, r in dmap.records.items():
+        devs = tuple(sorted({d.split(":")[0] for d in r.devices}))
+        if with_numel:
+            out[path] = (tuple(sorted(r.params.items())), tuple(sorted(r.buffers.items())),
+                         devs, r.trainable)
+        else:  # a rank may hold no element of a parameter: trainable counts say nothing here
+            out[path] = (tuple((d, 0) for d in sorted(r.params)),
+                         tuple((d, 0) for d in sorted(r.buffers)), devs, "-")
+    return out
+
+
+def rank_digest(dmap: DtypeMap, *, with_numel: bool = True) -> str:
+    """:meth:`DtypeMap.digest`, or its numel-free variant for wrappers that shard in place."""
+    if with_numel:
+        return dmap.digest()
+    text = repr(sorted(_signatures(dmap, with_numel=False).items())).encode()
+    return hashlib.sha256(text).hexdigest()[:16]
+
+
+def _describe(sig: tuple[Any, ...] | None) -> str:
+    if sig is None:
+        return "(absent)"
+    params, buffers, devices, trainable = sig
+    dts = "/".join(d for d, _ in params) or "-"
+    bufs = f", buffers {'/'.join(d for d, _ in buffers)}" if buffers else ""
+    train = f", {trainable} trainable" if trainable != "-" else ""
+    return f"{dts}{bufs} on {'/'.join(devices) or '-'}{train}"
+
+
+def check_ranks_agree(dmap: DtypeMap, *, where: str = "check_ranks_agree",
+                      with_numel: bool = True) -> None:
+    """Raise :class:`PrecisionError` unless every rank holds the same dtype map. Collective:
+    every rank must call it at the same point.
+
+    Digests travel first (16 characters per rank); only when they differ do the per-module
+    signatures follow, so the error can name the modules. The reference is the digest most
+    ranks share (rank 0's on a tie).
+
+    >>> from hf_precision import dtype_map
+    >>> from hf_precision.tiny import tiny_llava
+    >>> check_ranks_agree(dtype_map(tiny_llava()))  # one process: nothing to compare
+    """
+    if not is_distributed():
+        return
+    digests = gather_objects(rank_digest(dmap, with_numel=with_numel))
+    if len(set(digests)) == 1:
+        return
+    # every rank saw the same digests, so all of them enter this second collective
+    sigs = gather_objects(_signatures(dmap, with_numel=with_numel))
+    counts = Counter(digests)
+    ref_digest = max(counts, key=lambda d: (counts[d], -digests.index(d)))
+    ref = digests.index(ref_digest)
+    bad = [r for r, d in enumerate(digests) if d != ref_digest]
+    lines = []
+    for r in bad:
+        paths = sorted(set(sigs[ref]) | set(sigs[r]))
+        diff = [p for p in paths if sigs[ref].get(p) != sigs[r].get(p)]
+        lines.append(f"rank {r} differs from rank {ref} in {len(diff)} module(s):")
+        for p in diff[:_MAX_LISTED]:
+            lines.append(f"    {p or '<model>'}: rank {ref} {_describe(sigs[ref].get(p))}; "
+                         f"rank {r} {_describe(sigs[r].get(p))}")
+        if len(diff) > _MAX_LISTED:
+            lines.append(f"    ... and {len(diff) - _MAX_LISTED} more")
+    raise PrecisionError(
+        f"{where}: the ranks disagree on the model's dtypes (digests "
+        f"{', '.join(f'rank {r}={d}' for r, d in enumerate(digests))}):\n  "
+        + "\n  ".join(lines)
+        + "\nFix: every rank must load, freeze and cast the model the same way and use the same "
+        "policy (look for code under `if accelerator.is_main_process:` / `if rank == 0:` that "
+        "changes the model, or a policy read from a per-rank setting).")
+
+
+def check_model_ranks(model: nn.Module, groups: ModuleGroups | None = None, *, policy: Any = None,
+                      where: str = "check_model_ranks") -> None:
+    """:func:`check_ranks_agree` on ``dtype_map(model)``; free in a single process."""
+    if is_distributed():
+        in_place = wrapper_of(model) in ("FSDP", "DeepSpeed")  # per-rank slices: numel differs
+        check_ranks_agree(dtype_map(model, groups, policy=policy), where=where,
+                          with_numel=not in_place)
+
+
+# ------------------------------------------------------------------------------- wrappers
+
+WRAPPERS = ("FSDP2", "FSDP", "DeepSpeed", "DDP")
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" or type(getattr(t, "data", None)).__name__ == "DTensor"
+
+
+def _is_fsdp2_module(m: nn.Module) -> bool:
+    return callable(getattr(type(m), "_get_fsdp_state", None)) and hasattr(m, "reshard")
+
+
+def wrapper_of(model: nn.Module) -> str | None:
+    """Who holds ``model``'s parameters right now (one of :data:`WRAPPERS`), or ``None``."""
+    if type(model).__name__ == "DeepSpeedEngine":
+        return "DeepSpeed"
+    ddp = type(model).__name__ in ("DistributedDataParallel", "DataParallel")
+    inner = getattr(model, "module", model) if ddp else model
+    for m in inner.modules():
+        if _is_fsdp2_module(m):
+            return "FSDP2"
+        if type(m).__name__ == "FullyShardedDataParallel":
+            return "FSDP"
+    for p in inner.parameters():
+        if _is_dtensor(p):
+            return "FSDP2"
+        if getattr(p, "_is_flat_param", False):
+            return "FSDP"
+        if hasattr(p, "ds_id"):  # DeepSpeed ZeRO-3 partitions parameters in place
+            return "DeepSpeed"
+    return "DDP" if ddp else None
+
+
+def planned_wrapper(accelerator: Any = None, args: Any = None) -> str | None:
+    """The wrapper ``accelerator.prepare`` (or ``Trainer``) will put around the model."""
+    if accelerator is not None:
+        kind = str(getattr(getattr(accelerator, "distributed_type", None), "value", "") or "")
+        if kind == "DEEPSPEED":
+            return "DeepSpeed"
+        if kind == "FSDP":
+            return "FSDP2" if getattr(accelerator, "is_fsdp2", False) else "FSDP"
+        if kind.startswith("MULTI_") and int(getattr(accelerator, "num_processes", 1)) > 1:
+            return "DDP"
+    if args is not None:
+        if getattr(args, "deepspeed", None):
+            return "DeepSpeed"
+        if getattr(args, "fsdp", None):
+            cfg = getattr(args, "fsdp_config", None) or {}
+            return "FSDP2" if str(cfg.get("version", cfg.get("fsdp_version", 1))) == "2" else "FSDP"
+        if int(getattr(args, "world_size", 1) or 1) > 1:
+            return "DDP"
+    return None
+
+
+def detect_wrapper(model: nn.Module | None = None, *, accelerator: Any = None,
+                   args: Any = None) -> str | None:
+    """``"FSDP2"``, ``"FSDP"``, ``"DeepSpeed"``, ``"DDP"`` or ``None``: the model's wrapper if it
+    has one, else the one the accelerator / ``TrainingArguments`` will add.
+
+    >>> from hf_precision.tiny import tiny_llava
+    >>> detect_wrapper(tiny_llava()) is None
+    True
+    """
+    found = wrapper_of(model) if model is not None else None
+    return found or planned_wrapper(accelerator, args)
+
+
+def settle_shards(model: nn.Module) -> int:
+    """Re-register FSDP2's sharded parameters where a forward left unsharded ones (the root
+    unit keeps them after forward), so dtypes read the stored weights; local, no collective.
+    Returns how many FSDP2 modules were resharded."""
+    n = 0
+    for m in model.modules():
+        if _is_fsdp2_module(m) and not all(getattr(g, "is_sharded", True)
+                                           for g in _param_groups(m)):
+            m.reshard()  # type: ignore[operator]
+            n += 1
+    return n
+
+
+def _param_groups(m: nn.Module) -> list[Any]:
+    state = m._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # older torch: one group per state
+        one = getattr(state, "_fsdp_param_group", None)
+        groups = [one] if one is not None else []
+    return list(groups)
+
+
+def wrapper_compute_dtypes(model: nn.Module) -> dict[int, torch.dtype]:
+    """``id(parameter) -> dtype`` FSDP computes it in, for parameters whose FSDP mixed precision
+    casts them (FSDP2 ``MixedPrecisionPolicy.param_dtype``, FSDP1 ``MixedPrecision.param_dtype``).
+    Empty for models no FSDP wraps, so it is cheap to call."""
+    out: dict[int, torch.dtype] = {}
+    for m in model.modules():  # pre-order: inner FSDP1 units override outer ones
+        if _is_fsdp2_module(m):
+            for group in _param_groups(m):
+                # as FSDPParam.init_dtype_attrs decides it, which runs only at the first forward
+                want = getattr(getattr(group, "mp_policy", None), "param_dtype", None)
+                for fp in getattr(group, "fsdp_params", ()):
+                    p = fp.sharded_param
+                    out[id(p)] = want if want is not None and p.is_floating_point() else p.dtype
+        elif type(m).__name__ == "FullyShardedDataParallel":
+            mp = getattr(m, "mixed_precision", None)
+            dtype = getattr(mp, "param_dtype", None)
+            if dtype is not None:
+                for p in m.parameters():
+                    if p.is_floating_point():
+                        out[id(p)] = dtype
+    return out
+
+
+@dataclass
+class WrapperCheck:
+    """What :func:`check_wrapped` found on a model a wrapper holds (nothing was cast)."""
+
+    wrapper: str
+    violations: list[str] = field(default_factory=list)  # the policy is broken: cannot cast
+    names: set[str] = field(default_factory=set)  # parameters behind the violations
+    expected: dict[str, int] = field(default_factory=dict)  # why deviations are fine -> count
+    notes: list[str] = field(default_factory=list)  # allowed but worth a warning
+
+    def __bool__(self) -> bool:
+        return bool(self.violations)
+
+    def error(self, where: str, policy: PrecisionPolicy) -> PrecisionError:
+        listed = self.violations[:_MAX_LISTED]
+        more = len(self.violations) - len(listed)
+        return PrecisionError(
+            f"{where}: {len(self.violations)} parameter(s) violate {policy.describe()} and "
+            f"{self.wrapper} holds them, so the guard will not cast them:\n  "
+            + "\n  ".join(listed + ([f"... and {more} more"] if more > 0 else []))
+            + "\nFix: let the guard cast before wrapping (guard.prepare(accelerator, model, ...) "
+            "or PrecisionGuardCallback in Trainer(callbacks=[...])), or load the model in the "
+            "policy's dtypes; for FSDP set MixedPrecisionPolicy(param_dtype=...) to the policy's "
+            "compute dtype.")
+
+
+_KEEP_REASONS = ("keep_fp32", "model._keep", "rotary")
+
+
+def check_wrapped(model: nn.Module, policy: PrecisionPolicy, groups: ModuleGroups | None = None,
+                  *, wrapper: str | None = None,
+                  deepspeed_dtype: torch.dtype | None = None) -> WrapperCheck:
+    """Verify, without casting, a model FSDP (1 or 2) or DeepSpeed holds.
+
+    Expected and not drift: FSDP's upcast of trainable parameters to fp32 (accelerate does it,
+    the fp32 copy is the master weight); weights stored in one dtype that FSDP mixed precision
+    computes in the policy's dtype; DeepSpeed holding every weight in its config's dtype (its
+    optimizer keeps fp32 master weights). Anything else is a violation.
+    """
+    settle_shards(model)  # after an evaluation FSDP2's root unit holds unsharded bf16 views
+    root, _ = unwrap_model(model)
+    groups = groups or find_module_groups(root)
+    wrapper = wrapper or wrapper_of(model) or "the wrapper"
+    compute = wrapper_compute_dtypes(model)
+    keep = tuple(getattr(root, "_keep_in_fp32_modules", None) or ())
+    out = WrapperCheck(wrapper)
+    for raw, p in root.named_parameters():
+        if not is_castable(p):
+            continue
+        name = clean_name(raw)
+        group = groups.group_of(name)
+        target, reason = policy.target_dtype(name, group, trainable=p.requires_grad,
+                                             model_patterns=keep)
+        storage, runs = p.dtype, compute.get(id(p), p.dtype)
+        if reason.startswith(_KEEP_REASONS):
+            if storage == target == runs:
+                continue
+            if storage == target or wrapper == "DeepSpeed":
+                out.notes.append(f"{name} [{group}] should stay float32 ({reason}) but {wrapper} "
+                                 f"computes it in {dtype_name(runs)}")
+                continue
+            why = None
+        elif runs not in (target, policy.compute_dtype):
+            why = None
+        elif storage == target:
+            continue
+        elif runs == target:
+            why = f"stored {dtype_name(storage)}, computed {dtype_name(runs)} by {wrapper}"
+        elif wrapper in ("FSDP", "FSDP2") and p.requires_grad and storage == torch.float32:
+            why = f"trainable weights upcast to float32 by {wrapper} (master weights)"
+        elif wrapper == "DeepSpeed" and storage == (deepspeed_dtype or storage):
+            why = f"held in {dtype_name(storage)} by DeepSpeed (fp32 master weights: optimizer)"
+        else:
+            why = None
+        if why is not None:
+            out.expected[why] = out.expected.get(why, 0) + 1
+            continue
+        how = f", computed in {dtype_name(runs)}" if runs != storage else ""
+        out.names.add(name)
+        out.violations.append(f"{name} [{group}]: {dtype_name(storage)}{how}; the policy wants "
+                              f"{dtype_name(target)} ({reason})")
+    return out
+
+
+def explain_wrapped(model: nn.Module, policy: PrecisionPolicy, groups: ModuleGroups,
+                    audit: EnforceReport, *, args: Any = None, where: str) -> EnforceReport:
+    """Drop from an audit what FSDP/DeepSpeed do on purpose (see :func:`check_wrapped`); raise
+    for the rest unless the policy only audits. Without such a wrapper ``audit`` is returned."""
+    wrapper = detect_wrapper(model, args=args)
+    if wrapper not in ("FSDP", "FSDP2", "DeepSpeed"):
+        return audit
+    check = check_wrapped(model, policy, groups, wrapper=wrapper,
+                          deepspeed_dtype=check_training_args(args) if args is not None else None)
+    if check and policy.mode != "audit":
+        raise check.error(where, policy)
+    kept = copy.copy(audit)
+    kept.changes = [c for c in audit.changes if clean_name(c.name) in check.names]
+    return kept

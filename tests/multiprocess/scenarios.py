@@ -1,0 +1,344 @@
+"""Multi-process scenarios, run by ``tests/test_distributed.py`` in ONE torchrun launch::
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 tests/multiprocess/scenarios.py \
+        OUT_DIR plain_loop plain_disagree trainer trainer_disagree fsdp2 fsdp1
+
+Each scenario runs on every rank (gloo, CPU) and writes ``OUT_DIR/<scenario>/rank<r>.json``:
+what it observed, or the error it raised. The pytest side asserts on those files. Scenarios run
+one after another in the same processes (imports dominate the cost), separated by barriers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+warnings.simplefilter("ignore")
+os.environ.setdefault("WANDB_MODE", "offline")
+torch.set_num_threads(1)
+
+SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {}
+
+
+def scenario(fn: Callable[[Path], dict[str, Any]]) -> Callable[[Path], dict[str, Any]]:
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def rank() -> int:
+    return dist.get_rank()
+
+
+def group_dtypes(model: torch.nn.Module) -> dict[str, list[str]]:
+    from hf_precision import dtype_map
+
+    return {g: list(s.dtypes) for g, s in dtype_map(model).groups.items()}
+
+
+def split_llava(freeze_projector: bool = False) -> torch.nn.Module:
+    """The planted split: vision tower loaded in fp16 and frozen, the rest fp32 and trained."""
+    from hf_precision.tiny import tiny_llava
+
+    model = tiny_llava(seed=0)
+    model.model.vision_tower.to(torch.float16).requires_grad_(False)
+    if freeze_projector:
+        model.model.multi_modal_projector.requires_grad_(False)
+    return model
+
+
+def rows_of(model: torch.nn.Module, n: int = 4) -> list[dict[str, torch.Tensor]]:
+    from hf_precision.tiny import tiny_batch
+
+    batch = tiny_batch(model, batch_size=2)
+    return [{k: v[i % 2] for k, v in batch.items()} for i in range(n)]
+
+
+def reset_accelerate() -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def loop(accelerator: Any, model: Any, optimizer: Any, loader: Any) -> float:
+    loss = torch.tensor(float("nan"))
+    for batch in loader:
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    return float(loss)
+
+
+# ----------------------------------------------------------------------------- plain loop
+@scenario
+def plain_loop(out: Path) -> dict[str, Any]:
+    from accelerate import Accelerator
+
+    from hf_precision import PrecisionGuardPlugin, dtype_map
+    from hf_precision.accelerate_plugin import POLICY_FILE
+
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16", project_dir=str(out))
+    model = split_llava()
+    loader = torch.utils.data.DataLoader(rows_of(model), batch_size=2)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    guard = PrecisionGuardPlugin()
+    model, optimizer, loader = guard.prepare(accelerator, model, optimizer, loader)
+    loss = loop(accelerator, model, optimizer, loader)
+    first = next(iter(loader))
+    with guard.evaluating(model), torch.no_grad():
+        inputs = {k: v for k, v in first.items() if k != "labels"}
+        generated = accelerator.unwrap_model(model).generate(**inputs, max_new_tokens=2)
+    ckpt = out / "ckpt"
+    accelerator.save_state(str(ckpt))
+    accelerator.wait_for_everyone()
+    accelerator.load_state(str(ckpt))
+    return {"wrapped": type(model).__name__, "loss": loss, "generated": list(generated.shape),
+            "digest": dtype_map(model).digest(), "groups": group_dtypes(model),
+            "policy": guard.policy.name if guard.policy else None, "events": guard.events,
+            "written": [p.name for p in guard._reporter.written],
+            "policy_file": (ckpt / POLICY_FILE).is_file(), "steps": guard.steps}
+
+
+@scenario
+def plain_disagree(out: Path) -> dict[str, Any]:
+    """Rank 1 freezes the projector too (code under a rank-dependent branch)."""
+    from accelerate import Accelerator
+
+    from hf_precision import PrecisionGuardPlugin
+
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16", project_dir=str(out))
+    model = split_llava(freeze_projector=rank() == 1)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    guard = PrecisionGuardPlugin(report=False)
+    guard.prepare(accelerator, model, optimizer)  # raises on both ranks, before DDP exists
+    return {"wrapped": "no error"}
+
+
+# ----------------------------------------------------------------------------- Trainer
+def _trainer(out: Path, callback: Any, model: torch.nn.Module) -> Any:
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=str(out), use_cpu=True, bf16=True, report_to=[], max_steps=2,
+        per_device_train_batch_size=2, per_device_eval_batch_size=2, eval_strategy="steps",
+        eval_steps=1, save_strategy="no", remove_unused_columns=False, disable_tqdm=True,
+        dataloader_num_workers=0, learning_rate=1e-3, seed=0, ddp_backend="gloo",
+        ddp_timeout=60)
+    data = rows_of(model)
+    return Trainer(model=model, args=args, train_dataset=data, eval_dataset=data,
+                   callbacks=[callback])
+
+
+@scenario
+def trainer(out: Path) -> dict[str, Any]:
+    from hf_precision import PrecisionGuardCallback, dtype_map
+
+    model = split_llava()
+    cb = PrecisionGuardCallback()
+    t = _trainer(out, cb, model)
+    result = t.train()
+    metrics = t.evaluate()
+    return {"world_size": t.args.world_size, "loss": result.training_loss,
+            "eval_loss": metrics["eval_loss"], "digest": dtype_map(model).digest(),
+            "groups": group_dtypes(model), "events": cb.events,
+            "written": [p.name for p in cb._reporter.written]}
+
+
+@scenario
+def trainer_disagree(out: Path) -> dict[str, Any]:
+    """A policy read from a per-rank setting: rank 1 keeps the vision encoder in fp16. DDP would
+    broadcast rank 0's bf16 bytes into rank 1's fp16 tensors without a word."""
+    from hf_precision import PrecisionGuardCallback, PrecisionPolicy
+
+    policy = PrecisionPolicy.from_preset(
+        "bf16", group_dtypes={"vision_encoder": "fp16"} if rank() == 1 else {})
+    cb = PrecisionGuardCallback(policy, report=False)
+    _trainer(out, cb, split_llava()).train()
+    return {"trained": True}
+
+
+# ----------------------------------------------------------------------------- FSDP
+def _mesh() -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+@scenario
+def fsdp2(out: Path) -> dict[str, Any]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from hf_precision import PrecisionError, PrecisionGuardPlugin, dtype_map
+    from hf_precision.distributed import detect_wrapper, wrapper_compute_dtypes
+    from hf_precision.tiny import tiny_batch
+
+    model = split_llava()
+    guard = PrecisionGuardPlugin("bf16", report_dir=str(out / "precision"))
+    guard.setup(model)  # casts before sharding: the vision tower fp16 -> bf16
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = _mesh()
+    for layer in model.model.language_model.layers:
+        fully_shard(layer, mp_policy=mp, mesh=mesh)
+    fully_shard(model, mp_policy=mp, mesh=mesh)
+    before = {n: (str(p.dtype), type(p).__name__) for n, p in model.named_parameters()}
+    report = guard.verify(model, "after_wrap")  # FSDP2 detected: verify, never cast
+    after = {n: (str(p.dtype), type(p).__name__) for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    batch = tiny_batch(model)
+    out_ = model(**batch)
+    out_.loss.backward()
+    optimizer.step()
+    with guard.evaluating(model), torch.no_grad():
+        logits_dtype = str(model(**batch).logits.dtype)
+    dmap = dtype_map(model)
+    # A guard whose policy computes in fp16 meets FSDP computing in bf16: explained, not cast
+    try:
+        PrecisionGuardPlugin("fp16", report=False).verify(model, "after_wrap")
+        wrong = "no error"
+    except PrecisionError as err:
+        wrong = str(err)
+    unchanged = {n: (str(p.dtype), type(p).__name__) for n, p in model.named_parameters()}
+    return {"wrapper": detect_wrapper(model), "cast": before != after,
+            "cast_by_wrong_policy": after != unchanged, "skipped": len(report.skipped),
+            "all_dtensor": all(t == "DTensor" for _, t in after.values()),
+            "compute": sorted({str(d) for d in wrapper_compute_dtypes(model).values()}),
+            "groups": group_dtypes(model), "digest": dmap.digest(),
+            "sharded": sum(r.sharded for r in dmap), "numel": dmap.total_params,
+            "loss": float(out_.loss), "logits": logits_dtype, "wrong_policy": wrong,
+            "written": [p.name for p in guard._reporter.written]}
+
+
+@scenario
+def fsdp1(out: Path) -> dict[str, Any]:
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+
+    from hf_precision import PrecisionGuardPlugin
+    from hf_precision.distributed import detect_wrapper, rank_digest
+    from hf_precision.dtype_map import dtype_map
+    from hf_precision.tiny import tiny_batch
+
+    model = split_llava()
+    guard = PrecisionGuardPlugin("bf16", report=False)
+    guard.setup(model)
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kw = dict(device_id=torch.device("cpu"), use_orig_params=True, mixed_precision=mp)
+    # FSDP1 flattens one dtype per unit: the frozen bf16 vision tower gets its own unit
+    model.model.vision_tower = FullyShardedDataParallel(model.model.vision_tower, **kw)
+    wrapped = FullyShardedDataParallel(model, **kw)
+    before = [str(p.dtype) for p in wrapped.parameters()]
+    guard.verify(wrapped, "after_wrap")
+    after = [str(p.dtype) for p in wrapped.parameters()]
+    out_ = wrapped(**tiny_batch(model))
+    out_.loss.backward()
+    dmap = dtype_map(wrapped)
+    return {"wrapper": detect_wrapper(wrapped), "cast": before != after,
+            "loss": float(out_.loss), "digest": dmap.digest(),
+            "digest_no_numel": rank_digest(dmap, with_numel=False), "groups": group_dtypes(wrapped)}
+
+
+# ----------------------------------------------------------------------------- GPU (accelerate)
+def _gpu_run(out: Path, *, fsdp: int = 0, zero: int = 0, bf16_true: bool = False
+             ) -> dict[str, Any]:
+    """accelerate wraps the model itself (FSDP1/FSDP2/DeepSpeed): the guard casts before and
+    verifies after; accelerate's fp32 upcast of trainable weights is expected."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+
+    from hf_precision import PrecisionGuardPlugin, dtype_map
+    from hf_precision.distributed import check_wrapped, rank_digest, wrapper_of
+    from hf_precision.tiny import tiny_llava
+
+    kw: dict[str, Any] = {}
+    if fsdp:
+        kw["fsdp_plugin"] = FullyShardedDataParallelPlugin(
+            fsdp_version=fsdp, auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer", "CLIPEncoderLayer"],
+            **({"use_orig_params": True} if fsdp == 1 else {}))
+    if zero:
+        kw["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config={
+            "zero_optimization": {"stage": zero}, "bf16": {"enabled": "auto"},
+            "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1})
+    accelerator = Accelerator(mixed_precision="bf16", **kw)
+    model = tiny_llava(dtype=torch.bfloat16 if bf16_true else None)
+    loader = torch.utils.data.DataLoader(rows_of(model), batch_size=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = PrecisionGuardPlugin("bf16-true" if bf16_true else None,
+                                 report_dir=str(out / "precision"))
+    model, optimizer, loader = guard.prepare(accelerator, model, optimizer, loader)
+    loss = loop(accelerator, model, optimizer, loader)
+    with guard.evaluating(model), torch.no_grad():
+        model(**next(iter(loader)))
+    wrapper = wrapper_of(model) or ("DeepSpeed" if zero else None)
+    assert guard.policy is not None
+    check = check_wrapped(model, guard.policy, wrapper=wrapper,
+                          deepspeed_dtype=guard.deepspeed_dtype)
+    return {"wrapper": wrapper, "expected_wrapper": "DeepSpeed" if zero else f"FSDP{fsdp}"
+            .replace("FSDP1", "FSDP"), "violations": check.violations,
+            "expected": check.expected, "loss_finite": bool(torch.isfinite(torch.tensor(loss))),
+            "events": guard.events,
+            "digest": rank_digest(dtype_map(model), with_numel=wrapper == "FSDP2")}
+
+
+@scenario
+def gpu_fsdp2(out: Path) -> dict[str, Any]:
+    return _gpu_run(out, fsdp=2)
+
+
+@scenario
+def gpu_fsdp1(out: Path) -> dict[str, Any]:
+    return _gpu_run(out, fsdp=1)
+
+
+@scenario
+def gpu_fsdp2_bf16_true(out: Path) -> dict[str, Any]:
+    return _gpu_run(out, fsdp=2, bf16_true=True)
+
+
+@scenario
+def gpu_deepspeed_zero2(out: Path) -> dict[str, Any]:
+    return _gpu_run(out, zero=2)
+
+
+@scenario
+def gpu_deepspeed_zero3(out: Path) -> dict[str, Any]:
+    return _gpu_run(out, zero=3)
+
+
+# ----------------------------------------------------------------------------- harness
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    names = sys.argv[2:] or [n for n in SCENARIOS if not n.startswith("gpu_")]
+    backend = "nccl" if any(n.startswith("gpu_") for n in names) else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=timedelta(seconds=120))
+    for name in names:
+        where = out_dir / name
+        where.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        try:
+            result = {"ok": True, **SCENARIOS[name](where)}
+        except Exception as err:  # recorded for the pytest side, which asserts on it
+            result = {"ok": False, "error": type(err).__name__, "message": str(err),
+                      "traceback": traceback.format_exc()}
+        result["seconds"] = round(time.perf_counter() - t0, 2)
+        (where / f"rank{rank()}.json").write_text(json.dumps(result, indent=1, default=str))
+        reset_accelerate()
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,475 @@
+"""Multi-process correctness: rank agreement, FSDP/DeepSpeed detection, DeepSpeed config checks.
+
+Single-process tests use a real one-rank gloo group where a process group is needed. The
+two-process tests share ONE ``torchrun`` launch (tests/multiprocess/scenarios.py) whose results
+the tests below read back.
+"""
+
+from __future__ import annotations
+
+import base64
+import doctest
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from hf_precision import (
+    PrecisionError,
+    PrecisionGuardCallback,
+    PrecisionPolicy,
+    dtype_map,
+    enforce_policy,
+    install_guards,
+)
+from hf_precision.distributed import (
+    check_deepspeed_config,
+    check_ranks_agree,
+    check_training_args,
+    check_wrapped,
+    detect_wrapper,
+    explain_wrapped,
+    load_deepspeed_config,
+    planned_wrapper,
+    rank_digest,
+    settle_shards,
+    wrapper_compute_dtypes,
+    wrapper_of,
+)
+from hf_precision.hooks import guard_targets
+from hf_precision.tiny import tiny_batch, tiny_llava
+
+SCENARIOS = Path(__file__).parent / "multiprocess" / "scenarios.py"
+
+# LLaVA's scripts/zero2.json: every precision value follows the command line
+LLAVA_ZERO2 = {"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+               "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+               "zero_optimization": {"stage": 2, "overlap_comm": True}}
+
+
+# ----------------------------------------------------------------------------- DeepSpeed config
+def test_auto_sections_follow_the_flags():
+    assert check_deepspeed_config(LLAVA_ZERO2, bf16=True, fp16=False) == torch.bfloat16
+    assert check_deepspeed_config(LLAVA_ZERO2, bf16=False, fp16=True) == torch.float16
+    assert check_deepspeed_config(LLAVA_ZERO2, bf16=False, fp16=False) == torch.float32
+    # a missing section is filled by accelerate from the flags
+    assert check_deepspeed_config({"zero_optimization": {"stage": 3}}, bf16=True,
+                                  fp16=False) == torch.bfloat16
+
+
+def test_llava_bf16_flag_with_fp16_json_is_named(tmp_path):
+    cfg = {**LLAVA_ZERO2, "fp16": {"enabled": True}, "bf16": {"enabled": "auto"}}
+    path = tmp_path / "zero2.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(PrecisionError) as err:
+        check_deepspeed_config(path, bf16=True, fp16=False)
+    text = str(err.value)
+    assert f"check_deepspeed_config({str(path)!r}, bf16=True, fp16=False)" in text
+    assert 'the JSON says "fp16": {"enabled": true} but --fp16 is False' in text
+    assert "the JSON enables both bf16 and fp16" in text  # auto bf16 -> True, plus fp16 true
+    assert '"enabled": "auto"' in text  # the fix
+
+
+def test_bf16_flag_with_json_that_disables_mixed_precision():
+    cfg = {"bf16": {"enabled": False}, "fp16": {"enabled": "false"}}
+    with pytest.raises(PrecisionError, match=r'"bf16": \{"enabled": false\} but --bf16 is True'):
+        check_deepspeed_config(cfg, bf16=True, fp16=False)
+    # the bfloat16 alias DeepSpeed also reads
+    with pytest.raises(PrecisionError, match=r'"bfloat16": \{"enabled": false\}'):
+        check_deepspeed_config({"bfloat16": {"enabled": False}}, bf16=True, fp16=False)
+
+
+def test_fp32_run_with_json_that_enables_fp16():
+    with pytest.raises(PrecisionError, match=r"no --bf16/--fp16 \(fp32\)"):
+        check_deepspeed_config({"fp16": {"enabled": True}}, bf16=False, fp16=False)
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"bf16": {"enabled": "yes"}}, r"bf16.enabled='yes'; allowed: true, false"),
+    ({"bf16": True}, r"'bf16' must be an object"),
+    ({"bf16": {"enabled": "auto"}, "amp": {"enabled": True}}, r'apex "amp" together with bf16'),
+])
+def test_bad_values_are_explained(cfg, match):
+    with pytest.raises(PrecisionError, match=match):
+        check_deepspeed_config(cfg, bf16=True, fp16=False)
+
+
+def test_both_flags_and_unreadable_configs(tmp_path):
+    with pytest.raises(PrecisionError, match="bf16 and fp16 are both set"):
+        check_deepspeed_config({}, bf16=True, fp16=True)
+    with pytest.raises(PrecisionError, match="no such file, and not JSON text or base64"):
+        check_deepspeed_config(tmp_path / "missing.json", bf16=True, fp16=False)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(PrecisionError, match="not valid JSON"):
+        load_deepspeed_config(bad)
+
+
+def test_json_text_and_base64_forms():
+    text = json.dumps({"bf16": {"enabled": "true"}})
+    assert load_deepspeed_config(text) == {"bf16": {"enabled": "true"}}
+    encoded = base64.urlsafe_b64encode(text.encode()).decode()
+    assert check_deepspeed_config(encoded, bf16=True, fp16=False) == torch.bfloat16
+
+
+def test_training_args_are_checked(tmp_path):
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16=True, report_to=[])
+    assert check_training_args(args) is None  # no DeepSpeed
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"fp16": {"enabled": True}}))
+    # TrainingArguments(deepspeed=...) needs DeepSpeed installed; the field is read the same way
+    args.deepspeed = str(path)
+    with pytest.raises(PrecisionError, match=r"--fp16 is False"):
+        check_training_args(args)
+    args.deepspeed = {"bf16": {"enabled": "auto"}}
+    assert check_training_args(args) == torch.bfloat16
+    # the callback runs the same check when it sets up
+    cb = PrecisionGuardCallback(report=False)
+    args.deepspeed = str(path)
+    with pytest.raises(PrecisionError, match="contradicts the precision flags"):
+        cb.on_init_end(args, None, None, model=tiny_llava())
+
+
+# ----------------------------------------------------------------------------- wrappers
+@pytest.fixture
+def one_rank(tmp_path):
+    """A real one-process gloo group (FSDP and DDP need one); destroyed afterwards."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _sharded_llava(policy: str = "bf16") -> tuple[nn.Module, PrecisionPolicy]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = tiny_llava()
+    model.model.vision_tower.to(torch.float16).requires_grad_(False)
+    pol = PrecisionPolicy.from_preset(policy)
+    enforce_policy(model, pol)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model.model.language_model.layers:
+        fully_shard(layer, mp_policy=mp, mesh=mesh)
+    fully_shard(model, mp_policy=mp, mesh=mesh)
+    return model, pol
+
+
+def test_plain_model_has_no_wrapper():
+    model = tiny_llava()
+    assert wrapper_of(model) is None and detect_wrapper(model) is None
+    assert wrapper_compute_dtypes(model) == {}
+    assert settle_shards(model) == 0
+
+
+def test_fsdp2_is_detected_verified_and_guarded_in_its_compute_dtype(one_rank):
+    model, policy = _sharded_llava()
+    assert wrapper_of(model) == "FSDP2" and detect_wrapper(model) == "FSDP2"
+    compute = wrapper_compute_dtypes(model)  # before the first forward (no lazy init yet)
+    assert len(compute) == len(list(model.parameters()))
+    assert set(compute.values()) == {torch.bfloat16}
+    before = {n: p.dtype for n, p in model.named_parameters()}
+    audit = enforce_policy(model, policy, mode="fix")
+    assert not audit.changes and len(audit.skipped) == len(before)  # sharded: never cast
+    check = check_wrapped(model, policy)
+    assert not check and check.wrapper == "FSDP2" and not check.notes
+    assert check.expected == {}  # enforced before sharding: storage already as the policy says
+    # guards follow what FSDP computes in (bf16), not the fp32 storage of trainable weights
+    install_guards(model, policy, audit)
+    targets = guard_targets(model)
+    assert targets["model.multi_modal_projector"] == ("boundary", "bfloat16")
+    out = model(**tiny_batch(model))
+    out.loss.backward()
+    assert out.logits.dtype == torch.bfloat16
+    assert settle_shards(model) == 0  # backward resharded everything
+    with torch.no_grad():  # an evaluation: the root unit keeps unsharded bf16 views after it
+        model(**tiny_batch(model))
+    assert {p.dtype for p in model.model.multi_modal_projector.parameters()} == {torch.bfloat16}
+    assert settle_shards(model) == 1  # the shards are registered again
+    assert {n: p.dtype for n, p in model.named_parameters()} == before
+    dmap = dtype_map(model)
+    assert sum(r.sharded for r in dmap) == dmap.total_params
+    assert dmap.groups["projector"].dtypes == ("float32",)
+    assert dmap.groups["vision_encoder"].dtypes == ("bfloat16",)
+
+
+def test_fsdp2_compute_dtype_that_contradicts_the_policy_is_explained(one_rank):
+    model, _ = _sharded_llava()
+    fp16 = PrecisionPolicy.from_preset("fp16")
+    check = check_wrapped(model, fp16)
+    assert check and len(check.violations) == len(list(model.parameters()))
+    assert "computed in bfloat16; the policy wants float32 (trainable)" in "\n".join(
+        check.violations)
+    err = check.error("where", fp16)
+    assert "FSDP2 holds them, so the guard will not cast them" in str(err)
+    assert "MixedPrecisionPolicy(param_dtype=...)" in str(err)
+    audit = enforce_policy(model, fp16, mode="audit")
+    with pytest.raises(PrecisionError, match="FSDP2 holds them"):
+        explain_wrapped(model, fp16, audit.groups, audit, where="where")
+
+
+def test_fsdp_upcast_of_trainable_weights_is_expected(one_rank):
+    """accelerate upcasts trainable weights to fp32 before fully_shard under mixed precision:
+    under a bf16-true policy that is expected, not drift."""
+    model = tiny_llava(dtype=torch.bfloat16)
+    policy = PrecisionPolicy.from_preset("bf16-true")
+    for p in model.parameters():
+        p.data = p.data.float()  # what accelerate's fsdp2_prepare_model does to trainables
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+                mesh=init_device_mesh("cpu", (1,)))
+    check = check_wrapped(model, policy)
+    assert not check.violations
+    assert check.expected == {"stored float32, computed bfloat16 by FSDP2": 64}
+    audit = enforce_policy(model, policy, mode="audit")
+    kept = explain_wrapped(model, policy, audit.groups, audit, where="w")
+    assert kept.changes == []
+
+
+def test_fsdp1_and_ddp_are_detected(one_rank):
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+
+    ddp = nn.parallel.DistributedDataParallel(tiny_llava())
+    assert wrapper_of(ddp) == "DDP"
+    fsdp = FullyShardedDataParallel(tiny_llava(), device_id=torch.device("cpu"),
+                                    use_orig_params=True,
+                                    mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    assert wrapper_of(fsdp) == "FSDP"
+    assert set(wrapper_compute_dtypes(fsdp).values()) == {torch.bfloat16}
+    assert not check_wrapped(fsdp, PrecisionPolicy.from_preset("bf16"))
+
+
+def test_deepspeed_is_detected_and_its_dtype_expected():
+    # DeepSpeed cannot run here (no GPU, not installed): a stand-in named like its engine, and
+    # the attribute ZeRO-3 puts on partitioned parameters. The real runs are under `gpu`.
+    class DeepSpeedEngine(nn.Module):
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+    model = tiny_llava().to(torch.bfloat16)  # DeepSpeed bf16 casts the whole module
+    engine = DeepSpeedEngine(model)
+    assert wrapper_of(engine) == "DeepSpeed"
+    zero3 = tiny_llava()
+    next(zero3.parameters()).ds_id = 0
+    assert wrapper_of(zero3) == "DeepSpeed"
+    policy = PrecisionPolicy.from_preset("bf16", keep_fp32=("lm_head",))
+    check = check_wrapped(engine, policy, wrapper="DeepSpeed", deepspeed_dtype=torch.bfloat16)
+    assert not check.violations
+    assert list(check.expected.values()) == [sum(1 for _ in model.parameters()) - 1]
+    assert check.notes == ["lm_head.weight [lm_head] should stay float32 (keep_fp32 'lm_head') "
+                           "but DeepSpeed computes it in bfloat16"]
+
+
+def test_planned_wrappers_from_accelerator_and_args(tmp_path):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    try:
+        assert planned_wrapper(Accelerator(cpu=True)) is None
+    finally:
+        AcceleratorState._reset_state(True)
+    ns = types.SimpleNamespace  # the TrainingArguments fields read (FSDP/DeepSpeed need a GPU)
+    assert planned_wrapper(args=ns(deepspeed="ds.json")) == "DeepSpeed"
+    assert planned_wrapper(args=ns(deepspeed=None, fsdp="full_shard",
+                                   fsdp_config={"version": 2})) == "FSDP2"
+    assert planned_wrapper(args=ns(deepspeed=None, fsdp="full_shard", fsdp_config={})) == "FSDP"
+    assert planned_wrapper(args=ns(deepspeed=None, fsdp="", world_size=2)) == "DDP"
+
+
+# ----------------------------------------------------------------------------- ranks (1 process)
+def test_rank_check_is_free_in_one_process(one_rank):
+    check_ranks_agree(dtype_map(tiny_llava()))  # world size 1: nothing to compare
+
+
+def test_numel_free_digest_ignores_shard_sizes():
+    a, b = tiny_llava(), tiny_llava()
+    b.lm_head.weight = nn.Parameter(b.lm_head.weight.detach()[:3])  # another rank's FSDP1 slice
+    da, db = dtype_map(a), dtype_map(b)
+    assert rank_digest(da) != rank_digest(db)
+    assert rank_digest(da, with_numel=False) == rank_digest(db, with_numel=False)
+    b.lm_head.to(torch.bfloat16)
+    assert rank_digest(da, with_numel=False) != rank_digest(dtype_map(b), with_numel=False)
+
+
+@pytest.mark.parametrize("name", ["distributed", "deepspeed_config"])
+def test_module_doctests(name):
+    import importlib
+
+    mod = importlib.import_module(f"hf_precision.{name}")
+    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0 and result.attempted >= 2
+
+
+# ----------------------------------------------------------------------------- two processes
+def _launch(out: Path, names: list[str], nproc: int = 2, timeout: int = 240) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", str(SCENARIOS), str(out), *names]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    results: dict[str, Any] = {"_log": proc.stdout[-4000:] + proc.stderr[-4000:]}
+    for name in names:
+        results[name] = [json.loads((out / name / f"rank{r}.json").read_text())
+                         if (out / name / f"rank{r}.json").is_file() else None
+                         for r in range(nproc)]
+    return results
+
+
+CPU_SCENARIOS = ["plain_loop", "plain_disagree", "trainer", "trainer_disagree", "fsdp2", "fsdp1"]
+
+
+@pytest.fixture(scope="session")
+def two_ranks(tmp_path_factory):
+    """One torchrun launch, two CPU processes (gloo), every scenario in sequence.
+
+    Launched once per test run even when xdist spreads the "torchrun" group over workers
+    (pytest 9.2 + xdist 3.8 ignore ``xdist_group`` here): the first worker launches under a file
+    lock in the folder all workers share, the others read its results."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent
+    out = shared / "torchrun"
+    with FileLock(str(shared / "torchrun.lock")):
+        done = out / "results.json"
+        if not done.is_file():
+            out.mkdir(exist_ok=True)
+            done.write_text(json.dumps(_launch(out, CPU_SCENARIOS)))
+        return out, json.loads(done.read_text())
+
+
+def _ok(results: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    ranks = results[name]
+    assert all(r is not None for r in ranks), results["_log"]
+    for r in ranks:
+        assert r["ok"], r.get("traceback")
+    return ranks
+
+
+@pytest.mark.multiprocess
+@pytest.mark.xdist_group("torchrun")
+def test_plain_loop_on_two_ranks(two_ranks):
+    out, results = two_ranks
+    r0, r1 = _ok(results, "plain_loop")
+    assert r0["wrapped"] == r1["wrapped"] == "DistributedDataParallel"
+    assert r0["digest"] == r1["digest"]
+    assert r0["groups"] == r1["groups"] == {"vision_encoder": ["bfloat16"],
+                                            "projector": ["float32"],
+                                            "language_model": ["float32"],
+                                            "lm_head": ["float32"]}
+    assert r0["events"] == r1["events"] and r0["events"][0] == ["setup", 39]
+    assert r0["generated"] == r1["generated"] and r0["policy"] == "bf16"
+    assert r0["written"] and r1["written"] == []  # only the main process writes
+    files = sorted(p.name for p in (out / "plain_loop" / "precision").iterdir())
+    assert files == sorted(r0["written"] + ["precision.log"])
+    assert r0["policy_file"] and r1["policy_file"]  # one shared checkpoint folder
+
+
+@pytest.mark.multiprocess
+@pytest.mark.xdist_group("torchrun")
+def test_plain_loop_disagreement_names_ranks_and_modules(two_ranks):
+    _, results = two_ranks
+    for r in results["plain_disagree"]:
+        assert r is not None and not r["ok"] and r["error"] == "PrecisionError"
+        msg = r["message"]
+        assert msg.startswith("PrecisionGuardPlugin.setup: the ranks disagree")
+        assert "rank 1 differs from rank 0 in 2 module(s)" in msg
+        assert ("model.multi_modal_projector.linear_1: rank 0 float32 on cpu, 1056 trainable; "
+                "rank 1 bfloat16 on cpu, 0 trainable") in msg
+
+
+@pytest.mark.multiprocess
+@pytest.mark.xdist_group("torchrun")
+def test_trainer_and_callback_on_two_ranks(two_ranks):
+    out, results = two_ranks
+    r0, r1 = _ok(results, "trainer")
+    assert r0["world_size"] == 2
+    assert r0["digest"] == r1["digest"] == results["plain_loop"][0]["digest"]
+    assert r0["events"] == r1["events"]
+    assert [e for e, _ in r0["events"]][:2] == ["on_init_end", "on_train_begin"]
+    assert r0["eval_loss"] == r1["eval_loss"]
+    assert r0["written"] and r1["written"] == []
+    files = {p.name for p in (out / "trainer" / "precision").glob("*.json")}
+    assert files == {w for w in r0["written"] if w.endswith(".json")}
+    assert "000000-on_train_begin.json" in files
+
+
+@pytest.mark.multiprocess
+@pytest.mark.xdist_group("torchrun")
+def test_trainer_disagreement_stops_at_train_begin(two_ranks):
+    _, results = two_ranks
+    for r in results["trainer_disagree"]:
+        assert r is not None and not r["ok"] and r["error"] == "PrecisionError"
+        msg = r["message"]
+        assert msg.startswith("PrecisionGuardCallback.on_train_begin: the ranks disagree")
+        assert "rank 1 differs from rank 0 in 21 module(s)" in msg
+        assert ("model.vision_tower.encoder.layers.0.mlp.fc1: rank 0 bfloat16 on cpu, 0 "
+                "trainable; rank 1 float16 on cpu, 0 trainable") in msg
+
+
+@pytest.mark.multiprocess
+@pytest.mark.xdist_group("torchrun")
+def test_fsdp2_on_two_ranks_verifies_without_casting(two_ranks):
+    _, results = two_ranks
+    r0, r1 = _ok(results, "fsdp2")
+    for r in (r0, r1):
+        assert r["wrapper"] == "FSDP2" and r["all_dtensor"]
+        assert not r["cast"] and not r["cast_by_wrong_policy"]
+        assert r["skipped"] == 64 and r["compute"] == ["torch.bfloat16"]
+        assert r["sharded"] == r["numel"]  # the map counts whole parameters, not shards
+        assert r["logits"] == "torch.bfloat16"
+        assert "FSDP2 holds them, so the guard will not cast them" in r["wrong_policy"]
+    assert r0["groups"] == r1["groups"] == results["plain_loop"][0]["groups"]
+    assert r0["digest"] == r1["digest"] == results["plain_loop"][0]["digest"]
+    assert r0["loss"] == r1["loss"]
+    assert r0["written"] and r1["written"] == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.xdist_group("torchrun")
+def test_fsdp1_on_two_ranks(two_ranks):
+    _, results = two_ranks
+    r0, r1 = _ok(results, "fsdp1")
+    assert r0["wrapper"] == r1["wrapper"] == "FSDP" and not r0["cast"]
+    assert r0["digest"] != r1["digest"]  # each rank holds another slice of the flat params
+    assert r0["digest_no_numel"] == r1["digest_no_numel"]  # what the rank check compares
+    assert r0["groups"] == r1["groups"]
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.multiprocess
+@pytest.mark.xdist_group("torchrun")
+def test_accelerate_fsdp_and_deepspeed_on_gpu(tmp_path):
+    """accelerate's FSDP1/FSDP2 (and DeepSpeed ZeRO when installed) on the GPUs there are
+    (one is enough: torchrun with one process still makes accelerate wrap the model)."""
+    names = ["gpu_fsdp2", "gpu_fsdp1", "gpu_fsdp2_bf16_true"]
+    try:
+        import deepspeed  # noqa: F401
+
+        names += ["gpu_deepspeed_zero2", "gpu_deepspeed_zero3"]
+    except ImportError:
+        pass
+    nproc = min(2, torch.cuda.device_count())
+    results = _launch(tmp_path, names, nproc=nproc, timeout=420)
+    for name in names:
+        for r in _ok(results, name):
+            assert not r["violations"], (name, r)
+            assert r["wrapper"] == r["expected_wrapper"], (name, r)
+            assert r["loss_finite"], (name, r)
+        digests = {r["digest"] for r in results[name]}
+        assert len(digests) == 1, (name, digests)
