@@ -11,7 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ["errors", "dtypes", "policy", "groups", "dtype_map", "enforce", "batch", "hooks",
-           "callback"]
+           "callback", "reporting", "plot", "diagnostics", "diagnosis", "diffusion",
+           "accelerate_plugin", "distributed", "deepspeed_config"]
 
 
 @pytest.mark.parametrize("name", MODULES)
