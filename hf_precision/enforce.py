@@ -127,6 +127,23 @@ def _walk(root: nn.Module, groups: ModuleGroups) -> Iterator[tuple[str, str, nn.
         group = lookup.get(path) or (group_at.get(parent, OTHER) if path else lookup.get("", OTHER))
         group_at[path] = group
         yield path, group, mod
+    # Modules held outside the module tree (OmniLMM's tune_clip=False keeps its vision tower in a
+    # list, so model.to() never reaches it) are walked too: that is the seed's device bug.
+    for group, hidden_path in groups.hidden.items():
+        hidden = hidden_module(root, hidden_path)
+        if hidden is not None:
+            for sub, mod in hidden.named_modules(prefix=hidden_path):
+                yield sub, group, mod
+
+
+def hidden_module(root: nn.Module, path: str) -> nn.Module | None:
+    """The module at ``path`` reached by attribute access (not a registered submodule)."""
+    obj: Any = root
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if isinstance(obj, (list, tuple)) and len(obj) == 1:
+            obj = obj[0]
+    return obj if isinstance(obj, nn.Module) else None
 
 
 def _cast_optimizer_state(optimizer: Any, p: torch.Tensor, dtype: torch.dtype,
@@ -188,11 +205,38 @@ def enforce_policy(model: nn.Module, policy: PrecisionPolicy | str | None = None
             _plan_one(report, todo, meta, mod, pname, p, full, pgroup, "param", policy,
                       model_keep, device, mode)
         for bname, b in mod._buffers.items():
-            if b is None or not is_castable(b):
+            if b is None:
                 continue
             full = f"{path}.{bname}" if path else bname
+            if not is_castable(b):  # integer buffers (CLIP's position_ids) follow the device only
+                if device is not None and b.device != device and b.device.type != "meta":
+                    dt = dtype_name(b.dtype)
+                    change = Change(full, "buffer", group, dt, dt, "device", str(b.device),
+                                    str(device))
+                    report.changes.append(change)
+                    todo.append((mod, bname, b, change, b.dtype, device))
+                continue
             _plan_one(report, todo, meta, mod, bname, b, full, group, "buffer", policy,
                       model_keep, device, mode)
+
+    if report.overflow:
+        # A module computes in one dtype: the parameters beside one kept for its range stay in
+        # its dtype too (an fp32 weight next to an fp16 bias fails inside F.linear).
+        named = dict(root.named_parameters())
+        held = {n.rpartition(".")[0]: named[n].dtype for n, _ in report.overflow if n in named}
+        for item in list(todo):
+            change, t, dtype = item[3], item[2], item[4]
+            owner = change.name.rpartition(".")[0]
+            if change.kind != "param" or owner not in held or dtype == held[owner]:
+                continue
+            todo.remove(item)
+            report.changes.remove(change)
+            report.group_dtypes.setdefault(change.group, set()).add(held[owner])
+            if held[owner] != t.dtype or item[5] != t.device:
+                change.after = dtype_name(held[owner])
+                change.reason += f", kept with {owner}'s out-of-range tensor"
+                todo.append((*item[:4], held[owner], item[5]))
+                report.changes.append(change)
 
     if meta and device is not None:
         msg = (f"enforce_policy: {len(meta)} tensor(s) are on the meta device while the model "
@@ -224,6 +268,21 @@ def enforce_policy(model: nn.Module, policy: PrecisionPolicy | str | None = None
     return report
 
 
+def _range_checked(src: torch.dtype, dst: torch.dtype, kind: str) -> bool:
+    """Downcasts worth a range check (a read pass over the tensor): every one to a narrower
+    exponent range (fp16); to bf16, which keeps fp32's range short of its top 0.4%, only buffers,
+    where sentinels such as ``finfo(float32).min`` live (a weight that large overflows anyway)."""
+    if not narrows_range(src, dst):
+        return False
+    return kind == "buffer" or torch.finfo(dst).max < torch.finfo(src).max / 2
+
+
+def _amax(t: torch.Tensor) -> float:
+    """max |t| without a ``|t|`` temporary, so the check adds no memory to the cast."""
+    lo, hi = torch.aminmax(t.detach())
+    return float(torch.maximum(lo.neg(), hi))
+
+
 def _plan_one(report: EnforceReport, todo: list, meta: list[str], mod: nn.Module, key: str,
               t: torch.Tensor, full: str, group: str, kind: str, policy: PrecisionPolicy,
               model_keep: tuple[str, ...], device: torch.device | None, mode: str) -> None:
@@ -249,8 +308,8 @@ def _plan_one(report: EnforceReport, todo: list, meta: list[str], mod: nn.Module
         else:
             target_dev = device
     final = target
-    if target != t.dtype and narrows_range(t.dtype, target) and dev.type != "meta":
-        amax = float(t.detach().abs().amax()) if t.numel() else 0.0
+    if target != t.dtype and _range_checked(t.dtype, target, kind) and dev.type != "meta":
+        amax = _amax(t) if t.numel() else 0.0
         if amax > torch.finfo(target).max:
             report.overflow.append((full, amax))
             if mode != "raise":

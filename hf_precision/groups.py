@@ -486,9 +486,11 @@ def _warn_hidden(root: nn.Module, hidden: Mapping[str, str]) -> None:
     where = ", ".join(f"{g}={p!r}" for g, p in hidden.items())
     warnings.warn(
         f"find_module_groups({type(root).__name__}): {where} is reachable as an attribute but is "
-        "not a registered submodule (e.g. hidden in a list), so model.to(dtype) and "
-        "enforce_policy cannot cast it; its output is cast at the next group's boundary.\n"
-        "Fix: register it as a submodule (OmniLMM: tune_clip=True), or cast it yourself.",
+        "not a registered submodule (e.g. hidden in a list), so model.to(dtype/device), "
+        "state_dict() and the optimizer's model.parameters() never see it. enforce_policy and "
+        "the guards reach it by attribute and cast/move it with its group.\n"
+        "Fix: register it as a submodule (OmniLMM: tune_clip=True) so the rest of the stack "
+        "sees it too.",
         PrecisionWarning, stacklevel=3)
 
 

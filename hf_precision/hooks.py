@@ -27,7 +27,7 @@ Targets are computed at install time; the per-call cost is a dtype comparison.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,11 +208,21 @@ class GuardHandle:
                 f"leaf={len(self.leaf)})")
 
 
+_HIDDEN_ATTR = "_hf_precision_hidden"
+
+
+def _all_modules(root: nn.Module) -> Iterator[nn.Module]:
+    """``root.modules()`` plus guarded modules held outside the tree (see ``_group_roots``)."""
+    yield from root.modules()
+    for hidden in root.__dict__.get(_HIDDEN_ATTR, ()):
+        yield from hidden.modules()
+
+
 def remove_guards(model: nn.Module) -> int:
     """Remove every hf-precision hook from ``model``; returns how many were removed."""
     root, _ = unwrap_model(model)
     n = 0
-    for mod in root.modules():
+    for mod in list(_all_modules(root)):
         if _ATTR in mod.__dict__:
             _uninstall(mod)
             n += 1
@@ -222,7 +232,7 @@ def remove_guards(model: nn.Module) -> int:
 def installed_guards(model: nn.Module) -> int:
     """How many modules carry an hf-precision hook."""
     root, _ = unwrap_model(model)
-    return sum(1 for m in root.modules() if _ATTR in m.__dict__)
+    return sum(1 for m in _all_modules(root) if _ATTR in m.__dict__)
 
 
 def _own_weight(mod: nn.Module) -> torch.Tensor | None:
@@ -265,6 +275,22 @@ def receiving_dtypes(model: nn.Module, groups: ModuleGroups | None = None, *,
             if dtype is not None:
                 out[group] = dtype
                 break
+    return out
+
+
+def _group_roots(root: nn.Module, groups: ModuleGroups) -> list[tuple[str, nn.Module]]:
+    """(path, module) of every group root, those held outside the module tree included."""
+    from .enforce import hidden_module
+
+    out = [(path, mod) for group in groups.names
+           for path, mod in zip(groups.paths.get(group, ()), groups.modules(group), strict=True)]
+    hidden = []
+    for path in groups.hidden.values():
+        mod = hidden_module(root, path)
+        if mod is not None:
+            out.append((path, mod))
+            hidden.append(mod)
+    root.__dict__[_HIDDEN_ATTR] = hidden  # so remove_guards/installed_guards reach them
     return out
 
 
@@ -333,16 +359,14 @@ def install_guards(model: nn.Module, policy: PrecisionPolicy | str | None = None
                               skip_keys=policy.batch_skip_keys, arg_names=_arg_names(root)),
             handle.batch)
     if policy.boundary_guards:
-        for group in groups.names:
-            for path, mod in zip(groups.paths.get(group, ()), groups.modules(group), strict=True):
-                if mod is root:
-                    continue
+        for path, mod in _group_roots(root, groups):
+            if mod is not root:  # the root's own inputs are the batch guard's
                 dtype, device = _receiving(mod, compute)
                 if dtype is not None:
                     put(mod, _GuardState("boundary", path, dtype, device if move else None,
                                          policy.mode, ref=_ref_param(mod, dtype, compute)),
                         handle.boundary)
-                _put_entry(mod, path, policy, compute, move, put, handle)
+            _put_entry(mod, path, policy, compute, move, put, handle)
     if leaf_groups is None:
         if policy.leaf_guards == "on":
             leaf_groups = (*groups.names, OTHER)
@@ -364,7 +388,7 @@ def install_guards(model: nn.Module, policy: PrecisionPolicy | str | None = None
             dev = w.device if move and w.device.type != "meta" else None
             put(mod, _GuardState("leaf", path, compute.get(id(w), w.dtype), dev, policy.mode,
                                  ref=None if id(w) in compute else w), handle.leaf)
-    for mod in root.modules():  # guards no longer wanted (e.g. a group stopped mixing dtypes)
+    for mod in list(_all_modules(root)):  # guards no longer wanted (a group stopped mixing)
         if _ATTR in mod.__dict__ and id(mod) not in wanted:
             _uninstall(mod)
     return handle
