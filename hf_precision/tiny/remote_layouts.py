@@ -50,6 +50,15 @@ class RemoteConfig:
     hidden_size: int = 32
     vocab_size: int = 256
     image_token_id: int = IMAGE_TOKEN_ID
+    # Special ids of the tiny tokenizer (Trainer aligns them with the tokenizer's).
+    pad_token_id: int = 0
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+
+    def get_text_config(self, decoder: bool | None = None) -> RemoteConfig:
+        """As ``PreTrainedConfig.get_text_config`` (real remote configs are PreTrainedConfigs;
+        ``Trainer.train`` calls it when given a processor)."""
+        return self
 
 
 def get_2d_sincos_pos_embed(embed_dim: int, grid_size: int | tuple[int, int]) -> np.ndarray:
