@@ -41,6 +41,9 @@ from .groups import OTHER, ModuleGroups, find_module_groups, unwrap_model
 from .policy import PrecisionPolicy
 
 _ATTR = "_hf_precision_guard"
+#: Modules whose whole forward is one op autocast runs in its own dtype (F.linear, F.conv*).
+_AUTOCAST_OPS: frozenset[type[nn.Module]] = frozenset(
+    (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
 #: Leaves whose inputs are integer ids: a hook there would only cost time.
 _SKIP_LEAVES: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
 
@@ -83,6 +86,12 @@ def _cast_value(st: _GuardState, module: nn.Module, value: Any, key: str) -> Any
             if not wrong_device and torch.is_autocast_enabled(value.device.type):
                 return value  # autocast computes this op in its own dtype: not a failure
             raise _fix_error(st, module, key, value)
+        if wrong_dtype and not wrong_device and type(module) in _AUTOCAST_OPS \
+                and torch.is_autocast_enabled(value.device.type):
+            # autocast runs this op in its own dtype whatever the input's: a cast here would be
+            # undone at once, two kernels per call and two more in backward (a bf16 LoRA step
+            # would upcast every lora_B input for nothing)
+            return value
         if wrong_dtype:
             return cast_tensor(value, st.dtype, st.device, key=key, where=st.path)
         return value.to(st.device)  # ids and masks follow the receiver's device too
@@ -322,7 +331,7 @@ def _put_entry(mod: nn.Module, path: str, policy: PrecisionPolicy,
         if w is None:
             continue
         dev = w.device if move and w.device.type != "meta" else None
-        put(sub, _GuardState("entry", f"{path}.{sub_path}", compute.get(id(w), w.dtype), dev,
+        put(sub, _GuardState("entry", f"{path}.{sub_path}" if path else sub_path, compute.get(id(w), w.dtype), dev,
                              policy.mode, ref=None if id(w) in compute else w), handle.boundary)
         return
 
