@@ -186,8 +186,10 @@ def test_seed2_omnilmm_hidden_vpm_is_reached_by_the_guard(trainer_for, record_in
 @pytest.mark.gpu
 def test_seed2_on_cuda_hidden_vpm_left_on_cpu(trainer_for):
     """The seed's exact failure: the list-held tower stays on the CPU when the model moves."""
-    base = OmniLMMTiny(torch.float16, tune_clip=False)
-    base.to("cuda")  # the hidden tower stays behind on the CPU
+    base = OmniLMMTiny(tune_clip=False)
+    base.to(torch.float16)
+    base.vpm.half()  # loaded with torch_dtype=float16 like the rest (from_pretrained casts all)
+    base.to("cuda")  # ... but .cuda()/.to() never reaches the list-held tower: it stays on CPU
     assert {p.device.type for p in base.vpm.parameters()} == {"cpu"}
     batch = {k: v.cuda() for k, v in base.batch().items()}
     with pytest.raises(RuntimeError, match=SEED2_CUDA):
