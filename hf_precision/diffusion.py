@@ -70,7 +70,7 @@ from .groups import (
     register_group_rule,
     unwrap_model,
 )
-from .hooks import GuardHandle, install_guards
+from .hooks import LEAF_GUARDED_GROUPS, GuardHandle, install_guards
 from .policy import (
     DEFAULT_KEY_GROUPS,
     DEFAULT_SKIP_KEYS,
@@ -101,6 +101,8 @@ _TEXT_ENCODER_CLASSES = frozenset({"CLIPTextModel", "CLIPTextModelWithProjection
 
 for _group in DIFFUSION_GROUPS:
     register_group(_group)
+# Denoisers make their sinusoidal timestep embedding in fp32 inside forward: leaf guards there.
+LEAF_GUARDED_GROUPS.update({"unet", "transformer"})
 
 
 # ------------------------------------------------------------------------------ recognition

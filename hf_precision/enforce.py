@@ -18,6 +18,7 @@ CLIPVisionModel(...)
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,6 +33,10 @@ from .groups import OTHER, ModuleGroups, find_module_groups, unwrap_model
 from .policy import PrecisionPolicy
 
 _MAX_LISTED = 12
+#: Adapter weights whose layers cast their own input to the adapter dtype and the result back
+#: (peft LoRA's ``_cast_input_dtype``): fp32 LoRA beside bf16 base weights does not make a group
+#: "mixed", so a LoRA model gets no leaf guard on every Linear of its language model.
+_SELF_CASTING = re.compile(r"(^|\.)lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
 
 
 @dataclass
@@ -319,7 +324,7 @@ def _plan_one(report: EnforceReport, todo: list, meta: list[str], mod: nn.Module
                     f"of becoming inf. Fix: keep_fp32=[{full!r}] to say so explicitly, or use "
                     "bf16, whose range matches fp32.")
             final = t.dtype
-    if kind == "param":
+    if kind == "param" and not _SELF_CASTING.search(full):
         report.group_dtypes.setdefault(group, set()).add(final)
     if final == t.dtype and target_dev == dev:
         return

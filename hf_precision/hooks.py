@@ -44,6 +44,11 @@ _ATTR = "_hf_precision_guard"
 #: Modules whose whole forward is one op autocast runs in its own dtype (F.linear, F.conv*).
 _AUTOCAST_OPS: frozenset[type[nn.Module]] = frozenset(
     (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
+#: Groups that build tensors inside forward, so their leaves are guarded under
+#: ``leaf_guards="auto"`` even when their weights agree: resamplers (MiniCPM-V 2.x's numpy sin-cos
+#: table is fp32 whatever the weights are) and, registered by :mod:`hf_precision.diffusion`,
+#: denoisers (the sinusoidal timestep embedding is made in fp32).
+LEAF_GUARDED_GROUPS: set[str] = {"resampler"}
 #: Leaves whose inputs are integer ids: a hook there would only cost time.
 _SKIP_LEAVES: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
 
@@ -331,8 +336,9 @@ def _put_entry(mod: nn.Module, path: str, policy: PrecisionPolicy,
         if w is None:
             continue
         dev = w.device if move and w.device.type != "meta" else None
-        put(sub, _GuardState("entry", f"{path}.{sub_path}" if path else sub_path, compute.get(id(w), w.dtype), dev,
-                             policy.mode, ref=None if id(w) in compute else w), handle.boundary)
+        where = f"{path}.{sub_path}" if path else sub_path
+        put(sub, _GuardState("entry", where, compute.get(id(w), w.dtype), dev, policy.mode,
+                             ref=None if id(w) in compute else w), handle.boundary)
         return
 
 
@@ -380,9 +386,7 @@ def install_guards(model: nn.Module, policy: PrecisionPolicy | str | None = None
         if policy.leaf_guards == "on":
             leaf_groups = (*groups.names, OTHER)
         elif policy.leaf_guards == "auto" and report is not None:
-            # Resamplers build tensors inside forward (MiniCPM-V 2.x's numpy sin-cos table is
-            # fp32 whatever the weights are): their leaves are guarded even when weights agree.
-            leaf_groups = (*report.mixed_groups, "resampler")
+            leaf_groups = (*report.mixed_groups, *sorted(LEAF_GUARDED_GROUPS))
         else:
             leaf_groups = ()
     if leaf_groups:
