@@ -1,0 +1,125 @@
+"""The benchmark harness runs (``--quick`` smoke) and measures what it says; ratios themselves
+are not asserted on CPU (the figures live in ``benchmarks/RESULTS.md``), except on a GPU."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
+from benchmarks import audit, batch_cost, enforce_cost, gpu, step_overhead
+from benchmarks.__main__ import main, table
+from benchmarks.common import Figure, interleave
+from benchmarks.models import build_meta, llava15_7b_config, qwen2_vl_72b_config
+
+
+def _by_id(figures: list[Figure]) -> dict[str, Figure]:
+    return {f.id: f for f in figures}
+
+
+def test_interleave_rotates_arms_and_takes_median_ratios() -> None:
+    order: list[str] = []
+    runs = interleave(
+        {
+            "a": lambda: order.append("a"),
+            "b": lambda: order.append("b"),
+            "c": lambda: order.append("c"),
+        },
+        reps=3,
+        warmup=0,
+    )
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert len(runs.cpu["a"]) == 3 and len(runs.wall["c"]) == 3
+    slow = interleave({"slow": lambda: sum(range(200000)), "fast": lambda: None}, reps=2)
+    assert slow.ratio("slow", "fast") > 1
+
+
+def test_full_size_configs_have_published_sizes() -> None:
+    llava = build_meta(llava15_7b_config())
+    assert round(sum(p.numel() for p in llava.parameters()) / 1e9, 2) == 7.06
+    qwen = build_meta(qwen2_vl_72b_config())
+    assert round(sum(p.numel() for p in qwen.parameters()) / 1e9, 1) == 73.4
+
+
+def test_scan_records_rules_groups_and_errors() -> None:
+    rows, largest, largest_type = audit.scan(["llava", "git", "no_such_model_type"])
+    by_type = {r["model_type"]: r for r in rows}
+    assert by_type["llava"]["rule"] == "llava" and by_type["llava"]["params_B"] > 7
+    assert "language_model" in by_type["git"]["groups"] and by_type["git"]["audit_s"] > 0
+    assert "error" in by_type["no_such_model_type"]
+    assert largest_type == "llava" and largest is not None
+
+
+def test_step_overhead_quick_installs_and_counts_guards() -> None:
+    figs = _by_id(step_overhead.run(quick=True))
+    boundary, leaf = figs["step_boundary"].detail, figs["step_leaf"].detail
+    assert boundary["hooks"] >= 5 and leaf["hooks"] > boundary["hooks"]
+    assert 0 < boundary["hooked_calls_per_step"] < leaf["hooked_calls_per_step"]
+    assert boundary["hook_cost_us"] >= 0
+    assert all(
+        f.value is not None and math.isfinite(f.value) and f.value > 0 for f in figs.values()
+    )
+
+
+def test_enforce_memory_is_measured_and_everything_cast() -> None:
+    out = enforce_cost.measure_memory("bf16-true", quick=True)
+    assert out["not_cast"] == 0
+    assert out["largest_bytes"] == 4000 * 128 * 4  # the quick model's embedding, fp32
+    assert out["method"] in ("VmHWM", "sampling") and out["extra_bytes"] >= 0
+
+
+def test_batch_quick_casts_pixel_values() -> None:
+    figs = _by_id(batch_cost.run(quick=True, reps=1))
+    assert figs["batch_processor"].detail["pixel_values"][0] == 2
+    assert figs["batch_stack"].value is not None
+
+
+def test_gpu_benchmark_code_path_on_cpu() -> None:
+    figs = _by_id(gpu.run(quick=True, reps=1, device="cpu"))
+    detail = figs["gpu_lora_guard"].detail
+    assert detail["mixed_groups"] == []  # LoRA adapters alone do not make a group mixed
+    assert detail["hooks"] > 5 and detail["trainable_M"] > 0
+    assert figs["gpu_lora_leaf"].detail["hooks"] > detail["hooks"]
+    # Under autocast the only cast is the batch's: none on the LoRA linears, whose op autocast
+    # runs in bf16 anyway (an fp32 upcast of every lora_B input would be undone at once).
+    assert detail["guard_casts"] == {
+        "batch -> LlavaForConditionalGeneration: float32 -> bfloat16": 1
+    }
+
+
+def test_cli_writes_json_and_prints_table(tmp_path: Any, capsys: Any) -> None:
+    out = tmp_path / "results.json"
+    assert main(["--quick", "--only", "batch", "--reps", "1", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["quick"] is True and data["machine"]["torch"] == torch.__version__
+    assert {f["id"] for f in data["figures"]} == {"batch_processor", "batch_stack"}
+    assert "batch_processor" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--only", "nonsense"])
+
+
+@pytest.mark.parametrize("name", ["common", "models", "audit"])
+def test_module_examples_run(name: str) -> None:
+    result = doctest.testmod(importlib.import_module(f"benchmarks.{name}"))
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_table_marks_missed_targets() -> None:
+    text = table([Figure("x", "t", 1.2, 1.1), Figure("y", "u", 0.9, 1.0)])
+    assert "MISSED" in text.splitlines()[2] and " ok " in text.splitlines()[3]
+
+
+@pytest.mark.gpu
+def test_gpu_lora_step_overhead() -> None:
+    figs = _by_id(gpu.run(reps=15))
+    guard = figs["gpu_lora_guard"]
+    assert guard.value is not None and guard.value < 1.05, guard.detail
+    assert guard.detail["hooks"] > 5
