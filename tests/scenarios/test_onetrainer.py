@@ -38,49 +38,26 @@ from torch import nn
 
 pytest.importorskip("diffusers")
 from diffusers import (
-    AutoencoderKL,
     DDPMScheduler,
     StableDiffusionPipeline,
-    UNet2DConditionModel,
 )
-from transformers import CLIPTextConfig, CLIPTextModel
 
 from hf_precision import PrecisionCollator, PrecisionGuardPlugin, PrecisionPolicy
 from hf_precision.diffusion import guard_diffusion
-from hf_precision.tiny import OneTrainerTiny, collate_onetrainer, onetrainer_examples
+from hf_precision.tiny import OneTrainerTiny
+from hf_precision.tiny.diffusion import (
+    collate_onetrainer,
+    onetrainer_examples,
+    tiny_text_encoder,
+    tiny_unet,
+    tiny_vae,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 HALF = torch.float16
 MAT = "mat1 and mat2 must have the same dtype, but got Float and Half"
 HALF_INTO_FP32 = r"Input type \(c10::Half\) and bias type \(float\) should be the same"
 FP32_INTO_HALF = r"Input type \(float\) and bias type \(c10::Half\) should be the same"
-
-
-def tiny_unet(in_channels: int = 4) -> Any:  # diffusers models are untyped for mypy
-    torch.manual_seed(0)
-    unet: Any = UNet2DConditionModel(
-        sample_size=8, in_channels=in_channels, out_channels=4, layers_per_block=1,
-        block_out_channels=(8, 16), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16,
-        attention_head_dim=4, norm_num_groups=4)
-    return unet.requires_grad_(False)
-
-
-def tiny_vae() -> Any:
-    torch.manual_seed(0)
-    vae: Any = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        norm_num_groups=4, layers_per_block=1, sample_size=16)
-    return vae.requires_grad_(False)
-
-
-def tiny_text_encoder() -> Any:
-    torch.manual_seed(0)
-    return CLIPTextModel(CLIPTextConfig(
-        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, max_position_embeddings=8, bos_token_id=0, eos_token_id=1,
-        pad_token_id=0)).requires_grad_(False)
 
 
 @pytest.fixture
