@@ -35,33 +35,10 @@ from hf_precision.dtypes import dtype_name
 from hf_precision.hooks import installed_guards
 
 from .common import Figure, interleave, param_count, ratio_figure, smoke
-from .models import build, llava_config, vlm_1b_config, vlm_batch
+from .models import build, quick_llava_config, vlm_1b_config, vlm_batch
 
 FAMILY = "gpu"
 LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj)"
-
-
-def _quick_config() -> Any:
-    return llava_config(
-        vision=dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            image_size=32,
-            patch_size=8,
-        ),
-        text=dict(
-            vocab_size=1000,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-        ),
-        image_token_index=999,
-    )
 
 
 def lora_model(config: Any, device: str) -> tuple[Any, Any]:
@@ -123,7 +100,7 @@ def run(quick: bool = False, reps: int | None = None, device: str | None = None)
             )
         ]
     start = time.perf_counter()
-    config = _quick_config() if quick else vlm_1b_config()
+    config = quick_llava_config() if quick else vlm_1b_config()
     model, report = lora_model(config, device)
     model.train()
     batch = vlm_batch(

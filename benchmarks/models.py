@@ -210,3 +210,27 @@ def vlm_batch(
         "labels": torch.cat([torch.full_like(img, -100), text], dim=1),
     }
     return {k: v.to(device) for k, v in batch.items()}
+
+
+def quick_llava_config() -> Any:
+    """A small LLaVA config for the `--quick` smoke runs of the step and GPU families."""
+    return llava_config(
+        vision=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=8,
+        ),
+        text=dict(
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        ),
+        image_token_index=999,
+    )

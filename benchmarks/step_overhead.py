@@ -28,32 +28,9 @@ from hf_precision import PrecisionPolicy, enforce_policy, install_guards, remove
 from hf_precision.hooks import guard_targets, installed_guards
 
 from .common import Figure, interleave, param_count, ratio_figure, smoke
-from .models import build, llava_100m_config, llava_config, vlm_batch
+from .models import build, llava_100m_config, quick_llava_config, vlm_batch
 
 FAMILY = "step"
-
-
-def _quick_config() -> object:
-    return llava_config(
-        vision=dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            image_size=32,
-            patch_size=8,
-        ),
-        text=dict(
-            vocab_size=1000,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-        ),
-        image_token_index=999,
-    )
 
 
 def _guarded_calls(
@@ -109,7 +86,7 @@ def _hook_cost(calls: int = 20000) -> float:
 
 def run(quick: bool = False, reps: int | None = None) -> list[Figure]:
     start = time.perf_counter()
-    config = _quick_config() if quick else llava_100m_config()
+    config = quick_llava_config() if quick else llava_100m_config()
     model = build(config)
     model.train()
     batch = vlm_batch(config, batch_size=2, text_len=8 if quick else 32)
