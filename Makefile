@@ -16,7 +16,9 @@ $(BIN)/python:
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build
 	$(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	# DS_BUILD_OPS=0: DeepSpeed installs without compiling its CUDA ops (it JIT-builds the one
+	# small CPU comm op it needs on first use)
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q "torch==2.13.0" -e ".[dev]"
 	touch $@
 
 setup: $(VENV)/.installed
