@@ -61,7 +61,7 @@ from .enforce import EnforceReport, enforce_policy
 from .errors import PrecisionError, PrecisionWarning
 from .groups import ModuleGroups, find_module_groups, unwrap_model
 from .hooks import GuardHandle, install_guards, remove_guards
-from .policy import PrecisionPolicy
+from .policy import PrecisionPolicy, policy_call, resolve_policy, with_overrides
 
 logger = logging.getLogger("hf_precision")
 
@@ -116,15 +116,14 @@ class PrecisionGuardPlugin:
                  report_dir: str | os.PathLike[str] | None = None, check_every: int = 1,
                  check_ranks: bool = True) -> None:
         self._mode, self._leaf_guards = mode, leaf_guards
-        if mode is not None or leaf_guards is not None:  # validate now, not inside the loop
-            PrecisionPolicy.from_preset("fp32", **{k: v for k, v in
-                                                   (("mode", mode), ("leaf_guards", leaf_guards))
-                                                   if v is not None})
+        self._call = policy_call("PrecisionGuardPlugin", policy, mode=mode, leaf_guards=leaf_guards)
         if not isinstance(check_every, int) or check_every < 0:
             raise PrecisionError(f"PrecisionGuardPlugin(check_every={check_every!r}): expected "
                                  "an int >= 0 (0 turns the optimizer-step check off).")
-        self.policy: PrecisionPolicy | None = (
-            None if policy is None else self._with_overrides(PrecisionPolicy.resolve(policy)))
+        # bad values fail now, not at train time, naming the user's call; nothing the caller
+        # passed in changes (a policy is a value)
+        given = self._with_overrides(resolve_policy(policy, call=self._call))
+        self.policy: PrecisionPolicy | None = None if policy is None else given
         self.report, self.report_dir = report, report_dir
         self.check_every, self.check_ranks = check_every, check_ranks
         self.steps = 0  # optimizer steps seen
@@ -138,12 +137,8 @@ class PrecisionGuardPlugin:
         self._reporter: Any = None
 
     def _with_overrides(self, policy: PrecisionPolicy) -> PrecisionPolicy:
-        if self._mode is not None:
-            policy.mode = self._mode
-        if self._leaf_guards is not None:
-            policy.leaf_guards = self._leaf_guards
-        policy.__post_init__()
-        return policy
+        return with_overrides(policy, call=self._call, mode=self._mode,
+                              leaf_guards=self._leaf_guards)
 
     # ------------------------------------------------------------------ accelerate
     def prepare(self, accelerator: Any, *objects: Any, **kwargs: Any) -> Any:

@@ -32,7 +32,7 @@ from .enforce import EnforceReport, enforce_policy
 from .errors import PrecisionError, PrecisionWarning
 from .groups import ModuleGroups, find_module_groups, unwrap_model
 from .hooks import GuardHandle, install_guards
-from .policy import PrecisionPolicy
+from .policy import PrecisionPolicy, policy_call, resolve_policy, with_overrides
 
 logger = logging.getLogger("hf_precision")
 
@@ -82,12 +82,12 @@ class PrecisionGuardCallback(TrainerCallback):
         self._policy_arg = policy
         self._mode = mode
         self._leaf_guards = leaf_guards
-        if mode is not None or leaf_guards is not None:  # validate now, not at train time
-            PrecisionPolicy.from_preset("fp32", **{k: v for k, v in
-                                                   (("mode", mode), ("leaf_guards", leaf_guards))
-                                                   if v is not None})
-        self.policy: PrecisionPolicy | None = (
-            None if policy is None else self._with_overrides(PrecisionPolicy.resolve(policy)))
+        self._call = policy_call("PrecisionGuardCallback", policy, mode=mode,
+                                 leaf_guards=leaf_guards)
+        # bad values fail now, not at train time, naming the user's call; nothing the caller
+        # passed in changes (a policy is a value)
+        given = self._with_overrides(resolve_policy(policy, call=self._call))
+        self.policy: PrecisionPolicy | None = None if policy is None else given
         self.report = report
         self.report_dir = report_dir
         self.report_to = report_to
@@ -102,12 +102,8 @@ class PrecisionGuardCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ setup
     def _with_overrides(self, policy: PrecisionPolicy) -> PrecisionPolicy:
-        if self._mode is not None:
-            policy.mode = self._mode
-        if self._leaf_guards is not None:
-            policy.leaf_guards = self._leaf_guards
-        policy.__post_init__()
-        return policy
+        return with_overrides(policy, call=self._call, mode=self._mode,
+                              leaf_guards=self._leaf_guards)
 
     def _setup(self, args: Any, model: nn.Module | None) -> bool:
         if model is None:
@@ -120,7 +116,7 @@ class PrecisionGuardCallback(TrainerCallback):
             self.policy = self._with_overrides(PrecisionPolicy.from_training_args(args, root))
         elif self.policy.full_eval_dtype is None:
             flags = PrecisionPolicy.from_training_args(args)
-            self.policy.full_eval_dtype = flags.full_eval_dtype
+            self.policy = self.policy.replace(full_eval_dtype=flags.full_eval_dtype)
         self._check_args(args, root)
         self.groups = find_module_groups(root)
         if self.report and self._reporter is None:

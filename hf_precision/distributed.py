@@ -329,7 +329,7 @@ def check_wrapped(model: nn.Module, policy: PrecisionPolicy, groups: ModuleGroup
         name = clean_name(raw)
         group = groups.group_of(name)
         target, reason = policy.target_dtype(name, group, trainable=p.requires_grad,
-                                             model_patterns=keep)
+                                             model_patterns=keep, current=p.dtype)
         storage, runs = p.dtype, compute.get(id(p), p.dtype)
         if reason.startswith(_KEEP_REASONS):
             if storage == target == runs:

@@ -184,6 +184,10 @@ def enforce_policy(model: nn.Module, policy: PrecisionPolicy | str | None = None
     report = EnforceReport(policy, groups, applied=False, device=device)
 
     # name -> every alias of a tied parameter, to keep the tie and warn on conflicting targets
+    # Parameters of modules held outside the module tree are frozen by construction: the
+    # optimizer (built from model.parameters()) never sees them, whatever requires_grad says.
+    unseen = {id(p) for hp in groups.hidden.values()
+              if (m := hidden_module(root, hp)) is not None for p in m.parameters()}
     aliases: dict[int, list[tuple[str, str]]] = {}
     todo: list[tuple[nn.Module, str, torch.Tensor, Change, torch.dtype, torch.device]] = []
     meta: list[str] = []
@@ -193,14 +197,15 @@ def enforce_policy(model: nn.Module, policy: PrecisionPolicy | str | None = None
                 continue
             full = f"{path}.{pname}" if path else pname
             pgroup = groups._lookup.get(full, group)
+            trainable = p.requires_grad and id(p) not in unseen
             seen = aliases.setdefault(id(p), [])
             seen.append((full, pgroup))
             if len(seen) > 1:
                 first_name, first_group = seen[0]
-                want, _ = policy.target_dtype(full, pgroup, trainable=p.requires_grad,
-                                              model_patterns=model_keep)
-                have, _ = policy.target_dtype(first_name, first_group, trainable=p.requires_grad,
-                                              model_patterns=model_keep)
+                want, _ = policy.target_dtype(full, pgroup, trainable=trainable,
+                                              model_patterns=model_keep, current=p.dtype)
+                have, _ = policy.target_dtype(first_name, first_group, trainable=trainable,
+                                              model_patterns=model_keep, current=p.dtype)
                 if want != have:
                     report.warnings.append(
                         f"{full} is tied to {first_name}: policy wants {dtype_name(want)} for "
@@ -208,7 +213,7 @@ def enforce_policy(model: nn.Module, policy: PrecisionPolicy | str | None = None
                         f"{dtype_name(have)} so the tie holds.")
                 continue
             _plan_one(report, todo, meta, mod, pname, p, full, pgroup, "param", policy,
-                      model_keep, device, mode)
+                      model_keep, device, mode, trainable)
         for bname, b in mod._buffers.items():
             if b is None:
                 continue
@@ -222,7 +227,7 @@ def enforce_policy(model: nn.Module, policy: PrecisionPolicy | str | None = None
                     todo.append((mod, bname, b, change, b.dtype, device))
                 continue
             _plan_one(report, todo, meta, mod, bname, b, full, group, "buffer", policy,
-                      model_keep, device, mode)
+                      model_keep, device, mode, False)
 
     if report.overflow:
         # A module computes in one dtype: the parameters beside one kept for its range stay in
@@ -290,14 +295,15 @@ def _amax(t: torch.Tensor) -> float:
 
 def _plan_one(report: EnforceReport, todo: list, meta: list[str], mod: nn.Module, key: str,
               t: torch.Tensor, full: str, group: str, kind: str, policy: PrecisionPolicy,
-              model_keep: tuple[str, ...], device: torch.device | None, mode: str) -> None:
+              model_keep: tuple[str, ...], device: torch.device | None, mode: str,
+              trainable: bool) -> None:
     if not is_castable(t):
         if t.is_floating_point() or kind == "param":
             report.skipped.append((full, f"quantized storage ({dtype_name(t.dtype)})"))
         return
-    trainable = kind == "param" and t.requires_grad
     target, reason = policy.target_dtype(full, group, trainable=trainable,
-                                         is_buffer=kind == "buffer", model_patterns=model_keep)
+                                         is_buffer=kind == "buffer", model_patterns=model_keep,
+                                         current=t.dtype)
     if reason.startswith(("keep_fp32", "model._keep", "rotary")):
         report.kept_fp32.append((full, reason))
     if _is_sharded(t):

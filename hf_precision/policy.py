@@ -11,8 +11,9 @@ Precedence for one parameter (first that applies):
 
 1. keep-in-fp32 (``keep_fp32`` patterns, the model's ``_keep_in_fp32_modules``, rotary
    ``inv_freq`` buffers) -> float32;
-2. trainable parameter -> ``trainable_dtype`` (fp32 under mixed presets: the optimizer and the
-   fp16 GradScaler need fp32 weights and gradients);
+2. trainable parameter -> float32 if it is float32 and ``keep_trainable_fp32`` (set when the
+   policy is inferred with no precision flag), else ``trainable_dtype`` (fp32 under mixed
+   presets: the optimizer and the fp16 GradScaler need fp32 weights and gradients);
 3. its group has an override in ``group_dtypes`` -> that dtype;
 4. otherwise -> ``frozen_dtype``.
 """
@@ -119,12 +120,18 @@ def match_pattern(pattern: str, name: str) -> bool:
     return ("." + pattern + ".") in ("." + name + ".")
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrecisionPolicy:
     """One precision policy for the whole model, its batches and its eval/generate paths.
 
     Build one from a preset (:meth:`from_preset`), from ``TrainingArguments``
-    (:meth:`from_training_args`) or an ``Accelerator`` (:meth:`from_accelerator`).
+    (:meth:`from_training_args`) or an ``Accelerator`` (:meth:`from_accelerator`). A policy is a
+    value: it cannot be changed in place; :meth:`replace` returns a new one.
+
+    >>> p = PrecisionPolicy.from_preset("bf16")
+    >>> q = p.replace(mode="audit")
+    >>> p.mode, q.mode
+    ('fix', 'audit')
     """
 
     compute_dtype: torch.dtype = field(
@@ -139,6 +146,9 @@ class PrecisionPolicy:
     keep_fp32: tuple[str, ...] = field(
         default=(), metadata={"help": "patterns (exact, path prefix, component, 're:' regex) "
                                       "of parameters/buffers that stay fp32"})
+    keep_trainable_fp32: bool = field(
+        default=False, metadata={"help": "trainable weights loaded in fp32 stay fp32 (set by "
+                                         "inference when no precision flag is given)"})
     honour_model_keep_fp32: bool = field(
         default=True, metadata={"help": "keep model._keep_in_fp32_modules in fp32"})
     mode: str = field(default="fix", metadata={"help": "audit | fix | raise"})
@@ -159,19 +169,22 @@ class PrecisionPolicy:
 
     def __post_init__(self) -> None:
         call = "PrecisionPolicy(...)" if self.name is None else f"PrecisionPolicy[{self.name}]"
-        self.compute_dtype = parse_dtype(self.compute_dtype, call=f"{call}.compute_dtype")
-        self.frozen_dtype = parse_dtype(
-            self.compute_dtype if self.frozen_dtype is None else self.frozen_dtype,
-            call=f"{call}.frozen_dtype")
+        set_ = object.__setattr__  # frozen: normalise once, here
+        compute = parse_dtype(self.compute_dtype, call=f"{call}.compute_dtype")
+        set_(self, "compute_dtype", compute)
+        set_(self, "frozen_dtype", parse_dtype(
+            compute if self.frozen_dtype is None else self.frozen_dtype,
+            call=f"{call}.frozen_dtype"))
         if self.trainable_dtype is not None:
-            self.trainable_dtype = parse_dtype(self.trainable_dtype, call=f"{call}.trainable_dtype")
+            set_(self, "trainable_dtype",
+                 parse_dtype(self.trainable_dtype, call=f"{call}.trainable_dtype"))
         if self.full_eval_dtype is not None:
-            self.full_eval_dtype = parse_dtype(self.full_eval_dtype, call=f"{call}.full_eval_dtype")
-        self.group_dtypes = _parse_mapping(self.group_dtypes, call=f"{call}.group_dtypes")
-        if isinstance(self.keep_fp32, str):
-            self.keep_fp32 = (self.keep_fp32,)
-        self.keep_fp32 = tuple(self.keep_fp32)
-        for pat in self.keep_fp32:
+            set_(self, "full_eval_dtype",
+                 parse_dtype(self.full_eval_dtype, call=f"{call}.full_eval_dtype"))
+        set_(self, "group_dtypes", _parse_mapping(self.group_dtypes, call=f"{call}.group_dtypes"))
+        keep = (self.keep_fp32,) if isinstance(self.keep_fp32, str) else tuple(self.keep_fp32)
+        set_(self, "keep_fp32", keep)
+        for pat in keep:
             if pat.startswith("re:"):
                 try:
                     re.compile(pat[3:])
@@ -179,17 +192,26 @@ class PrecisionPolicy:
                     raise PrecisionError(
                         f"{call}.keep_fp32: bad regex {pat!r}: {err}. Fix: escape it or drop "
                         "the 're:' prefix for a plain path.") from err
-        self.mode = _choice(self.mode, MODES, call=f"{call}.mode", what="mode")
-        self.leaf_guards = _choice(self.leaf_guards, LEAF_GUARDS, call=f"{call}.leaf_guards",
-                                   what="leaf_guards value")
-        self.batch_skip_keys = tuple(self.batch_skip_keys)
+        set_(self, "mode", _choice(self.mode, MODES, call=f"{call}.mode", what="mode"))
+        set_(self, "leaf_guards", _choice(self.leaf_guards, LEAF_GUARDS,
+                                          call=f"{call}.leaf_guards", what="leaf_guards value"))
+        set_(self, "batch_skip_keys", tuple(self.batch_skip_keys))
+        set_(self, "batch_key_groups", dict(self.batch_key_groups))
         known = group_names()
         for key, group in self.batch_key_groups.items():
             _choice(group, known, call=f"{call}.batch_key_groups[{key!r}]", what="group")
-        if self.compute_dtype == torch.float16 and self.trainable_dtype == torch.float16:
-            # Legal for inference; training would hit the GradScaler error. Said where it matters
-            # (from_training_args), not here, so fp16-true inference stays quiet.
-            pass
+
+    __hash__ = None  # type: ignore[assignment]  # dict fields: equal by value, not hashable
+
+    def replace(self, **changes: Any) -> PrecisionPolicy:
+        """A new policy with ``changes`` applied (this one is unchanged)."""
+        known = {f.name for f in dataclasses.fields(self)}
+        bad = sorted(set(changes) - known)
+        if bad:
+            raise PrecisionError(
+                f"PrecisionPolicy.replace({', '.join(f'{b}=...' for b in bad)}): unknown "
+                f"field(s) {bad}.\nAllowed: {', '.join(sorted(known))}.")
+        return dataclasses.replace(self, **changes)
 
     # ---------------------------------------------------------------- constructors
 
@@ -241,23 +263,34 @@ class PrecisionPolicy:
 
     @classmethod
     def from_model(cls, model: nn.Module, **overrides: Any) -> PrecisionPolicy:
-        """No mixed-precision flag: the dtype most weights were loaded in, applied to all."""
-        from .groups import unwrap_model
+        """No mixed-precision flag: keep what the model was loaded in.
 
-        root, _ = unwrap_model(model)
-        from .dtypes import is_castable
+        Frozen weights follow the dtype most of the model was loaded in (``bf16-true``,
+        ``fp16-true`` or ``fp32``). Trainable weights loaded in fp32 stay fp32
+        (``keep_trainable_fp32``: PEFT's adapters, a projector trained in fp32): half-precision
+        trainable weights lose updates below their resolution, and fp16 cannot even hold
+        AdamW's ``eps``. Trainable weights loaded in the half dtype stay in it. Only a named
+        ``*-true`` preset or an explicit ``trainable_dtype`` lowers an fp32 trainable weight.
 
-        dt = majority_dtype((p.dtype, p.numel()) for p in root.parameters() if is_castable(p))
-        if dt is None or dt == torch.float32:
-            return cls.from_preset("fp32", **overrides)
-        return cls.from_preset(f"{'bf16' if dt == torch.bfloat16 else 'fp16'}-true", **overrides)
+        >>> from hf_precision.tiny import tiny_llava
+        >>> model = tiny_llava().to(torch.bfloat16)
+        >>> _ = model.model.multi_modal_projector.float()       # trained in fp32
+        >>> policy = PrecisionPolicy.from_model(model)
+        >>> policy.name, policy.keep_trainable_fp32
+        ('bf16-true', True)
+        >>> policy.target_dtype("model.multi_modal_projector.linear_1.weight", "projector",
+        ...                     trainable=True, current=torch.float32)
+        (torch.float32, 'keep_trainable_fp32')
+        """
+        return cls.from_preset(infer_preset(model), **{"keep_trainable_fp32": True, **overrides})
 
     @classmethod
     def from_training_args(cls, args: Any, model: nn.Module | None = None,
                            **overrides: Any) -> PrecisionPolicy:
         """Infer from ``TrainingArguments``: ``bf16=True`` -> ``bf16`` (frozen bf16, trainable
-        fp32); ``fp16=True`` -> ``fp16`` (frozen fp16, trainable fp32); no flag -> the dtype the
-        model was mostly loaded in, applied to every group."""
+        fp32); ``fp16=True`` -> ``fp16`` (frozen fp16, trainable fp32); no flag ->
+        :meth:`from_model` (frozen weights in the dtype most of the model was loaded in,
+        fp32 trainable weights kept fp32)."""
         if getattr(args, "bf16", False) and getattr(args, "fp16", False):
             raise PrecisionError(
                 "PrecisionPolicy.from_training_args(args): bf16=True and fp16=True together. "
@@ -271,9 +304,9 @@ class PrecisionPolicy:
         else:
             policy = cls.from_preset("fp32", **overrides)
         if getattr(args, "bf16_full_eval", False):
-            policy.full_eval_dtype = torch.bfloat16
-        elif getattr(args, "fp16_full_eval", False):
-            policy.full_eval_dtype = torch.float16
+            return policy.replace(full_eval_dtype=torch.bfloat16)
+        if getattr(args, "fp16_full_eval", False):
+            return policy.replace(full_eval_dtype=torch.float16)
         return policy
 
     @classmethod
@@ -323,11 +356,15 @@ class PrecisionPolicy:
         return None
 
     def target_dtype(self, name: str, group: str, *, trainable: bool, is_buffer: bool = False,
-                     model_patterns: Iterable[str] = ()) -> tuple[torch.dtype, str]:
-        """The dtype the policy wants for one parameter/buffer, and the rule that decided."""
+                     model_patterns: Iterable[str] = (), current: torch.dtype | None = None
+                     ) -> tuple[torch.dtype, str]:
+        """The dtype the policy wants for one parameter/buffer (now in ``current``), and the
+        rule that decided."""
         reason = self.keep_fp32_reason(name, is_buffer=is_buffer, model_patterns=model_patterns)
         if reason is not None:
             return torch.float32, reason
+        if trainable and self.keep_trainable_fp32 and current == torch.float32:
+            return torch.float32, "keep_trainable_fp32"
         if trainable and self.trainable_dtype is not None:
             return self.trainable_dtype, "trainable"
         if group in self.group_dtypes:
@@ -376,10 +413,60 @@ class PrecisionPolicy:
     def describe(self) -> str:
         """One line for logs: ``bf16 (frozen bfloat16, trainable float32, compute bfloat16)``."""
         train = dtype_name(self.trainable_dtype) if self.trainable_dtype else "as frozen"
+        if self.keep_trainable_fp32 and self.trainable_dtype != torch.float32:
+            train += " (float32 ones kept)"
         extra = "".join(f", {g}={dtype_name(d)}" for g, d in self.group_dtypes.items())
         frozen = dtype_name(self.frozen_dtype)  # type: ignore[arg-type]
         return (f"{self.name or 'custom'} (frozen {frozen}, trainable "
                 f"{train}, compute {dtype_name(self.compute_dtype)}{extra}; mode={self.mode})")
+
+
+def infer_preset(model: nn.Module) -> str:
+    """The preset :meth:`PrecisionPolicy.from_model` starts from: ``fp32`` when most weights
+    are fp32 (or none is floating), else ``bf16-true`` / ``fp16-true``."""
+    from .dtypes import is_castable
+    from .groups import unwrap_model
+
+    root, _ = unwrap_model(model)
+    dt = majority_dtype((p.dtype, p.numel()) for p in root.parameters() if is_castable(p))
+    if dt == torch.bfloat16:
+        return "bf16-true"
+    if dt == torch.float16:
+        return "fp16-true"
+    return "fp32"
+
+
+def policy_call(owner: str, policy: Any, **kwargs: Any) -> str:
+    """How the user called ``owner``, for error messages: ``PrecisionGuardPlugin('bf16',
+    mode='rasie')``."""
+    args = [] if policy is None else [repr(policy) if isinstance(policy, str) else
+                                      type(policy).__name__ + "(...)"]
+    args += [f"{k}={v!r}" for k, v in kwargs.items() if v is not None]
+    return f"{owner}({', '.join(args)})"
+
+
+def with_overrides(policy: PrecisionPolicy, *, call: str, **overrides: Any) -> PrecisionPolicy:
+    """``policy`` with the non-``None`` ``overrides`` applied, as a new policy; a bad value
+    raises a :class:`PrecisionError` that repeats ``call`` (the user's own call)."""
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    if not changes:
+        return policy
+    try:
+        return policy.replace(**changes)
+    except PrecisionError as err:
+        detail = str(err).split(": ", 1)[-1]
+        raise PrecisionError(f"{call}: {detail}") from None
+
+
+def resolve_policy(value: PrecisionPolicy | str | Mapping[str, Any] | None, *, call: str
+                   ) -> PrecisionPolicy:
+    """:meth:`PrecisionPolicy.resolve` for a front end: errors repeat ``call``; ``None`` gives
+    the ``fp32`` preset (a stand-in, to validate overrides before the model is known)."""
+    try:
+        return PrecisionPolicy.resolve("fp32" if value is None else value)
+    except PrecisionError as err:
+        detail = str(err).split(": ", 1)[-1]
+        raise PrecisionError(f"{call}: {detail}") from None
 
 
 _PRESET_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9.-]*$")

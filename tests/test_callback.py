@@ -52,11 +52,21 @@ def test_bf16_flag_infers_mixed_policy_and_trains(make_trainer):
 
 def test_no_flag_uses_loaded_dtype_coherently(make_trainer):
     model = tiny_llava(dtype=torch.bfloat16)
-    model.model.multi_modal_projector.to(torch.float32)  # the odd one out
+    model.model.multi_modal_projector.to(torch.float32).requires_grad_(False)  # the odd one out
     cb = PrecisionGuardCallback(report=False)
     make_trainer(model, tiny_batch(model), callbacks=[cb])
     assert cb.policy is not None and cb.policy.name == "bf16-true"
     assert _dtypes(model.parameters()) == {torch.bfloat16}
+
+
+def test_no_flag_keeps_a_trainable_fp32_projector(make_trainer):
+    model = tiny_llava(dtype=torch.bfloat16)
+    model.model.multi_modal_projector.to(torch.float32)  # trained, in fp32 on purpose
+    cb = PrecisionGuardCallback(report=False)
+    make_trainer(model, tiny_batch(model), callbacks=[cb])
+    assert cb.policy is not None and cb.policy.keep_trainable_fp32
+    assert _dtypes(model.model.multi_modal_projector.parameters()) == {torch.float32}
+    assert _dtypes(model.model.language_model.parameters()) == {torch.bfloat16}
 
 
 def test_add_callback_after_construction_enforces_at_train_begin(make_trainer):

@@ -41,13 +41,17 @@ def test_guard_casts_the_groups_together(trainer_for):
     )
     assert guard.policy is not None and guard.policy.name == "bf16-true"  # the majority dtype
     dmap = dtype_map(model)
-    for group in ("vision_encoder", "projector", "language_model", "lm_head"):
+    for group in ("vision_encoder", "language_model", "lm_head"):
         assert dmap.groups[group].dtypes == ("bfloat16",), group
+    # the projector is trained and was saved in fp32 on purpose: no flag lowers it
+    assert dmap.groups["projector"].dtypes == ("float32",)
 
     out = trainer.train()
 
     assert out.global_step == 2 and torch.isfinite(torch.tensor(out.training_loss))
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    projector = {id(p) for p in model.model.multi_modal_projector.parameters()}
+    assert {p.dtype for p in model.parameters() if id(p) not in projector} == {torch.bfloat16}
+    assert {p.dtype for p in model.model.multi_modal_projector.parameters()} == {torch.float32}
     assert guard.events[0] == ("on_init_end", guard.events[0][1]) and guard.events[0][1] > 0
     assert all(n == 0 for _, n in guard.events[1:])  # nothing drifted afterwards
     seq = model.generate(
