@@ -151,7 +151,7 @@ class PrecisionGuardCallback(TrainerCallback):
         assert policy is not None and self.groups is not None
         mode = policy.mode
         audit = enforce_policy(model, policy, groups=self.groups, mode="audit")
-        if audit.changes and not allow_cast:  # FSDP upcasts / DeepSpeed's dtype are no drift
+        if not allow_cast:  # FSDP upcasts / DeepSpeed's dtype are no drift; its casts are warned
             audit = explain_wrapped(model, policy, self.groups, audit, args=args,
                                     where=f"PrecisionGuardCallback.{event}")
         if audit.changes and mode == "fix" and not allow_cast:
@@ -178,7 +178,8 @@ class PrecisionGuardCallback(TrainerCallback):
         self.last_report = report
         self.handle = install_guards(model, policy, report, groups=self.groups)
         self.events.append((event, len(audit.changes)))
-        self._log(event, model, state, report if audit.changes else None)
+        self._log(event, model, state,
+                  report if audit.changes or audit.wrapper_casts else None)
         if event in ("on_train_begin", "on_evaluate", "on_predict"):  # collective, every rank
             check_model_ranks(model, self.groups, policy=policy,
                               where=f"PrecisionGuardCallback.{event}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,9 +36,9 @@ from .deepspeed_config import (
     load_deepspeed_config,
 )
 from .dtype_map import DtypeMap, dtype_map
-from .dtypes import dtype_name, is_castable
-from .enforce import EnforceReport
-from .errors import PrecisionError
+from .dtypes import dtype_name, is_castable, zero3_dtype
+from .enforce import Change, EnforceReport
+from .errors import PrecisionError, PrecisionWarning
 from .groups import ModuleGroups, clean_name, find_module_groups, unwrap_model
 from .policy import PrecisionPolicy
 
@@ -286,9 +287,31 @@ class WrapperCheck:
     names: set[str] = field(default_factory=set)  # parameters behind the violations
     expected: dict[str, int] = field(default_factory=dict)  # why deviations are fine -> count
     notes: list[str] = field(default_factory=list)  # allowed but worth a warning
+    #: parameters the wrapper itself cast against the policy (a keep-fp32 or fp32 group held in
+    #: DeepSpeed's dtype): (name, group, held dtype, wanted dtype, rule)
+    casts: list[tuple[str, str, torch.dtype, torch.dtype, str]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.violations)
+
+    def cast_message(self, where: str) -> str:
+        """One message naming what the wrapper cast against the policy, and the fix."""
+        by_group: dict[str, list[str]] = {}
+        for name, group, _, _, _ in self.casts:
+            by_group.setdefault(group, []).append(name)
+        _, _, held, want, rule = self.casts[0]
+        listed = "; ".join(f"{g}: {len(n)} parameter(s), e.g. {n[0]}" for g, n in by_group.items())
+        fix = ("DeepSpeed casts every parameter to the dtype its config enables when the engine "
+               "is built (bf16/fp16 'enabled'), and has no setting that keeps one module in "
+               "float32. Fix: accept it by dropping the float32 rule (keep_fp32 / group_dtypes) "
+               "from the policy, or train that part without DeepSpeed's half precision "
+               "(bf16/fp16 'enabled': false and autocast)"
+               if self.wrapper == "DeepSpeed" else
+               f"Fix: configure {self.wrapper}'s mixed precision to leave these parameters in "
+               f"{dtype_name(want)}, or drop the rule from the policy")
+        return (f"{where}: {self.wrapper} holds {len(self.casts)} parameter(s) in "
+                f"{dtype_name(held)} that the policy keeps in {dtype_name(want)} ({rule}): "
+                f"{listed}. {fix}; mode='raise' stops here instead of warning.")
 
     def error(self, where: str, policy: PrecisionPolicy) -> PrecisionError:
         listed = self.violations[:_MAX_LISTED]
@@ -330,15 +353,24 @@ def check_wrapped(model: nn.Module, policy: PrecisionPolicy, groups: ModuleGroup
         group = groups.group_of(name)
         target, reason = policy.target_dtype(name, group, trainable=p.requires_grad,
                                              model_patterns=keep, current=p.dtype)
-        storage, runs = p.dtype, compute.get(id(p), p.dtype)
+        storage = zero3_dtype(p) or p.dtype
+        runs = compute.get(id(p), storage)
+        ds_cast = (wrapper == "DeepSpeed" and storage != target
+                   and storage == (deepspeed_dtype or storage))
         if reason.startswith(_KEEP_REASONS):
             if storage == target == runs:
+                continue
+            if ds_cast:
+                out.casts.append((name, group, storage, target, reason))
                 continue
             if storage == target or wrapper == "DeepSpeed":
                 out.notes.append(f"{name} [{group}] should stay float32 ({reason}) but {wrapper} "
                                  f"computes it in {dtype_name(runs)}")
                 continue
             why = None
+        elif ds_cast and not p.requires_grad and target == torch.float32:
+            out.casts.append((name, group, storage, target, reason))
+            continue
         elif runs not in (target, policy.compute_dtype):
             why = None
         elif storage == target:
@@ -364,7 +396,9 @@ def check_wrapped(model: nn.Module, policy: PrecisionPolicy, groups: ModuleGroup
 def explain_wrapped(model: nn.Module, policy: PrecisionPolicy, groups: ModuleGroups,
                     audit: EnforceReport, *, args: Any = None, where: str) -> EnforceReport:
     """Drop from an audit what FSDP/DeepSpeed do on purpose (see :func:`check_wrapped`); raise
-    for the rest unless the policy only audits. Without such a wrapper ``audit`` is returned."""
+    for the rest unless the policy only audits. What the wrapper cast against the policy (a
+    keep-fp32 group held in bf16) is warned about (raised in ``raise`` mode) and listed in
+    ``wrapper_casts``. Without such a wrapper ``audit`` is returned."""
     wrapper = detect_wrapper(model, args=args)
     if wrapper not in ("FSDP", "FSDP2", "DeepSpeed"):
         return audit
@@ -372,6 +406,14 @@ def explain_wrapped(model: nn.Module, policy: PrecisionPolicy, groups: ModuleGro
                           deepspeed_dtype=check_training_args(args) if args is not None else None)
     if check and policy.mode != "audit":
         raise check.error(where, policy)
+    if check.casts:
+        if policy.mode == "raise":
+            raise PrecisionError(check.cast_message(where))
+        warnings.warn(check.cast_message(where), PrecisionWarning, stacklevel=3)
     kept = copy.copy(audit)
     kept.changes = [c for c in audit.changes if clean_name(c.name) in check.names]
+    kept.wrapper_casts = [
+        Change(name, "param", group, dtype_name(held), dtype_name(want), f"cast by {wrapper}; "
+               f"the policy wants {dtype_name(want)} ({rule})")
+        for name, group, held, want, rule in check.casts]
     return kept

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .dtypes import dtype_name, is_quantized
+from .dtypes import dtype_name, is_quantized, zero3_dtype
 from .groups import OTHER, ModuleGroups, clean_name, find_module_groups, unwrap_model
 
 #: Tensor types that are never DTensors nor packed quantized storage.
@@ -48,7 +48,7 @@ class ModuleRecord:
     devices: list[str] = field(default_factory=list)
     trainable: int = 0
     quantized: int = 0
-    sharded: int = 0  # numel held as DTensor (FSDP2): the wrapper owns their dtype
+    sharded: int = 0  # numel held as DTensor (FSDP2) or ZeRO-3 partitions: the wrapper's dtype
     tied: list[str] = field(default_factory=list)  # "name -> first owner"
     kept_fp32: str | None = None
 
@@ -292,6 +292,9 @@ def _dtype_map(model: nn.Module, groups: ModuleGroups | None, policy: Any) -> Dt
             # Hot loop (a 70B model has thousands of tensors): per-dtype facts and device names
             # are computed once; plain Parameters skip the subclass checks.
             n, dtype, plain = p.numel(), p.dtype, type(p) in _PLAIN
+            zero3 = n == 0 and hasattr(p, "ds_id")  # partitioned by DeepSpeed ZeRO-3
+            if zero3:  # count the whole parameter in its partition's dtype (no gather)
+                n, dtype = int(getattr(p, "ds_numel", 0)), zero3_dtype(p) or dtype
             info = dt_info.get(dtype) if plain else None
             if info is None:
                 info = (dtype_name(dtype), p.element_size(), is_quantized(p))
@@ -311,7 +314,7 @@ def _dtype_map(model: nn.Module, groups: ModuleGroups | None, policy: Any) -> Dt
                 rec.trainable += n
             if quant:
                 rec.quantized += n
-            if not plain and _is_dtensor(p):
+            if zero3 or (not plain and _is_dtensor(p)):
                 rec.sharded += n
             summary = summaries.get(pgroup)
             if summary is None:

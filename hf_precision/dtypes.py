@@ -96,6 +96,15 @@ def is_castable(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() and not is_quantized(tensor)
 
 
+def zero3_dtype(p: torch.Tensor) -> torch.dtype | None:
+    """The storage dtype of a parameter DeepSpeed ZeRO-3 partitioned (its ``ds_tensor``, the
+    local partition), or ``None`` for any other tensor. Metadata only: nothing is gathered."""
+    if not hasattr(p, "ds_id"):
+        return None
+    part = getattr(p, "ds_tensor", None)
+    return part.dtype if isinstance(part, torch.Tensor) else p.dtype
+
+
 def narrows_range(src: torch.dtype, dst: torch.dtype) -> bool:
     """True when ``dst`` cannot hold every finite value of ``src`` (e.g. fp32/bf16 -> fp16)."""
     if not (src.is_floating_point and dst.is_floating_point):

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .dtypes import dtype_name, is_castable, narrows_range
+from .dtypes import dtype_name, is_castable, narrows_range, zero3_dtype
 from .errors import PrecisionError, PrecisionWarning
 from .groups import OTHER, ModuleGroups, find_module_groups, unwrap_model
 from .policy import PrecisionPolicy
@@ -71,6 +71,8 @@ class EnforceReport:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     group_dtypes: dict[str, set[torch.dtype]] = field(default_factory=dict)
+    #: what a wrapper (DeepSpeed, FSDP) cast against the policy: reported, never cast back
+    wrapper_casts: list[Change] = field(default_factory=list)
     device: torch.device | None = None
 
     def __bool__(self) -> bool:
@@ -101,6 +103,7 @@ class EnforceReport:
     def to_dict(self) -> dict[str, Any]:
         return {"policy": self.policy.to_dict(), "applied": self.applied,
                 "changes": [c.__dict__ for c in self.changes],
+                "wrapper_casts": [c.__dict__ for c in self.wrapper_casts],
                 "kept_fp32": self.kept_fp32, "overflow": self.overflow, "skipped": self.skipped,
                 "mixed_groups": list(self.mixed_groups), "rule": self.groups.rule}
 
@@ -306,10 +309,15 @@ def _plan_one(report: EnforceReport, todo: list, meta: list[str], mod: nn.Module
                                          current=t.dtype)
     if reason.startswith(("keep_fp32", "model._keep", "rotary")):
         report.kept_fp32.append((full, reason))
-    if _is_sharded(t):
-        report.skipped.append((full, f"sharded by FSDP2 ({dtype_name(t.dtype)}); not cast"))
+    zero3 = zero3_dtype(t) if kind == "param" else None
+    if zero3 is not None or _is_sharded(t):
+        # The wrapper owns these tensors: writing .data would desynchronise them from its
+        # partitions (ZeRO-3's ds_tensor) or shards. Verified elsewhere, never cast.
+        held = zero3 or t.dtype
+        owner = "partitioned by DeepSpeed ZeRO-3" if zero3 is not None else "sharded by FSDP2"
+        report.skipped.append((full, f"{owner} ({dtype_name(held)}); not cast"))
         if kind == "param":
-            report.group_dtypes.setdefault(group, set()).add(t.dtype)
+            report.group_dtypes.setdefault(group, set()).add(held)
         return
     dev = t.device
     target_dev = dev

@@ -165,7 +165,8 @@ def drift_rows(
     previous event."""
     rows: list[dict[str, Any]] = []
     applied = bool(getattr(report, "applied", False))
-    for c in getattr(report, "changes", None) or ():
+    casts = list(getattr(report, "wrapper_casts", None) or ())
+    for c in [*(getattr(report, "changes", None) or ()), *casts]:
         rows.append(
             {
                 "event": event,
@@ -178,11 +179,15 @@ def drift_rows(
                 "device_before": c.device_before,
                 "device_after": c.device_after,
                 "reason": c.reason,
-                "repaired": applied,
+                "repaired": applied and c not in casts,
+                "mismatch": True,
             }
         )
     for ch in diff or ():
         before, after = ch.before, ch.after
+        if (before is not None and after is not None and before.dtypes == after.dtypes
+                and before.devices == after.devices):
+            continue  # counts or trainability changed, not precision: no drift
         rec = after if after is not None else before
         rows.append(
             {
@@ -197,6 +202,7 @@ def drift_rows(
                 "device_after": "/".join(after.devices) if after else "",
                 "reason": f"map changed since {previous_event}",
                 "repaired": False,
+                "mismatch": False,
             }
         )
     return rows
@@ -311,7 +317,8 @@ class PrecisionReporter:
             return dmap
         self.events.append((event, step))
         drift = drift_rows(event, step, report, diff, previous)
-        mismatches = len(getattr(report, "changes", None) or ())
+        mismatches = len(getattr(report, "changes", None) or ()) + len(
+            getattr(report, "wrapper_casts", None) or ())
         rows, aggregated = module_table_rows(dmap, self.max_table_rows)
         stem = f"{step:06d}-{event}"
         png = self._render_png(dmap, event, step)
@@ -332,6 +339,7 @@ class PrecisionReporter:
                 "dtype_map": dmap.to_dict(),
                 "drift": drift,
                 "changes": report.to_dict()["changes"] if report is not None else [],
+                "wrapper_casts": report.to_dict()["wrapper_casts"] if report is not None else [],
                 "picture": png_path.name if png_path is not None else None,
             }
             path.write_text(json.dumps(payload, indent=1))

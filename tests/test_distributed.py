@@ -253,8 +253,8 @@ def test_fsdp1_and_ddp_are_detected(one_rank):
 
 
 def test_deepspeed_is_detected_and_its_dtype_expected():
-    # DeepSpeed cannot run here (no GPU, not installed): a stand-in named like its engine, and
-    # the attribute ZeRO-3 puts on partitioned parameters. The real runs are under `gpu`.
+    # A unit test of the check alone: a stand-in named like its engine, and the attribute ZeRO-3
+    # puts on partitioned parameters. Real DeepSpeed runs in the torchrun scenarios below.
     class DeepSpeedEngine(nn.Module):
         def __init__(self, module: nn.Module) -> None:
             super().__init__()
@@ -270,8 +270,15 @@ def test_deepspeed_is_detected_and_its_dtype_expected():
     check = check_wrapped(engine, policy, wrapper="DeepSpeed", deepspeed_dtype=torch.bfloat16)
     assert not check.violations
     assert list(check.expected.values()) == [sum(1 for _ in model.parameters()) - 1]
-    assert check.notes == ["lm_head.weight [lm_head] should stay float32 (keep_fp32 'lm_head') "
-                           "but DeepSpeed computes it in bfloat16"]
+    # DeepSpeed cast the keep-fp32 head: reported as its cast, with the fix
+    assert check.notes == []
+    assert check.casts == [("lm_head.weight", "lm_head", torch.bfloat16, torch.float32,
+                            "keep_fp32 'lm_head'")]
+    msg = check.cast_message("where")
+    assert msg.startswith("where: DeepSpeed holds 1 parameter(s) in bfloat16 that the policy "
+                          "keeps in float32 (keep_fp32 'lm_head'): lm_head: 1 parameter(s), "
+                          "e.g. lm_head.weight.")
+    assert "no setting that keeps one module in float32. Fix:" in msg
 
 
 def test_planned_wrappers_from_accelerator_and_args(tmp_path):
