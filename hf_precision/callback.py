@@ -99,6 +99,7 @@ class PrecisionGuardCallback(TrainerCallback):
         self.restored = 0  # tensors given back their exact values after a *_full_eval cast
         self._reporter: Any = None
         self._root: nn.Module | None = None
+        self._wrapper_casts: set[str] = set()  # what a wrapper cast against the policy (warned)
 
     # ------------------------------------------------------------------ setup
     def _with_overrides(self, policy: PrecisionPolicy) -> PrecisionPolicy:
@@ -154,6 +155,10 @@ class PrecisionGuardCallback(TrainerCallback):
         if not allow_cast:  # FSDP upcasts / DeepSpeed's dtype are no drift; its casts are warned
             audit = explain_wrapped(model, policy, self.groups, audit, args=args,
                                     where=f"PrecisionGuardCallback.{event}")
+            casts = {c.name for c in audit.wrapper_casts}
+            if casts and casts != self._wrapper_casts:  # once, not at every evaluation
+                warnings.warn(audit.warnings[-1], PrecisionWarning, stacklevel=3)
+            self._wrapper_casts = casts
         if audit.changes and mode == "fix" and not allow_cast:
             wrapper = owned_by_wrapper(model, args)
             raise PrecisionError(

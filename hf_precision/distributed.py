@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +37,7 @@ from .deepspeed_config import (
 from .dtype_map import DtypeMap, dtype_map
 from .dtypes import dtype_name, is_castable, zero3_dtype
 from .enforce import Change, EnforceReport
-from .errors import PrecisionError, PrecisionWarning
+from .errors import PrecisionError
 from .groups import ModuleGroups, clean_name, find_module_groups, unwrap_model
 from .policy import PrecisionPolicy
 
@@ -397,8 +396,9 @@ def explain_wrapped(model: nn.Module, policy: PrecisionPolicy, groups: ModuleGro
                     audit: EnforceReport, *, args: Any = None, where: str) -> EnforceReport:
     """Drop from an audit what FSDP/DeepSpeed do on purpose (see :func:`check_wrapped`); raise
     for the rest unless the policy only audits. What the wrapper cast against the policy (a
-    keep-fp32 group held in bf16) is warned about (raised in ``raise`` mode) and listed in
-    ``wrapper_casts``. Without such a wrapper ``audit`` is returned."""
+    keep-fp32 group held in bf16) is listed in ``wrapper_casts`` with a message (with the fix)
+    in ``warnings``, and raised in ``raise`` mode. Without such a wrapper ``audit`` is
+    returned."""
     wrapper = detect_wrapper(model, args=args)
     if wrapper not in ("FSDP", "FSDP2", "DeepSpeed"):
         return audit
@@ -406,11 +406,10 @@ def explain_wrapped(model: nn.Module, policy: PrecisionPolicy, groups: ModuleGro
                           deepspeed_dtype=check_training_args(args) if args is not None else None)
     if check and policy.mode != "audit":
         raise check.error(where, policy)
-    if check.casts:
-        if policy.mode == "raise":
-            raise PrecisionError(check.cast_message(where))
-        warnings.warn(check.cast_message(where), PrecisionWarning, stacklevel=3)
+    if check.casts and policy.mode == "raise":
+        raise PrecisionError(check.cast_message(where))
     kept = copy.copy(audit)
+    kept.warnings = [*audit.warnings, check.cast_message(where)] if check.casts else audit.warnings
     kept.changes = [c for c in audit.changes if clean_name(c.name) in check.names]
     kept.wrapper_casts = [
         Change(name, "param", group, dtype_name(held), dtype_name(want), f"cast by {wrapper}; "

@@ -292,9 +292,9 @@ def _dtype_map(model: nn.Module, groups: ModuleGroups | None, policy: Any) -> Dt
             # Hot loop (a 70B model has thousands of tensors): per-dtype facts and device names
             # are computed once; plain Parameters skip the subclass checks.
             n, dtype, plain = p.numel(), p.dtype, type(p) in _PLAIN
-            zero3 = n == 0 and hasattr(p, "ds_id")  # partitioned by DeepSpeed ZeRO-3
-            if zero3:  # count the whole parameter in its partition's dtype (no gather)
-                n, dtype = int(getattr(p, "ds_numel", 0)), zero3_dtype(p) or dtype
+            zero3 = plain and hasattr(p, "ds_id")  # partitioned by DeepSpeed ZeRO-3
+            if zero3:  # the whole parameter, in its partition's dtype (no gather)
+                n, dtype = int(getattr(p, "ds_numel", n)), zero3_dtype(p) or dtype
             info = dt_info.get(dtype) if plain else None
             if info is None:
                 info = (dtype_name(dtype), p.element_size(), is_quantized(p))

@@ -325,7 +325,8 @@ def test_module_doctests(name):
 # ----------------------------------------------------------------------------- two processes
 def _launch(out: Path, names: list[str], nproc: int = 2, timeout: int = 240) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+           "DS_ACCELERATOR": "cuda" if torch.cuda.is_available() else "cpu"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", str(SCENARIOS), str(out), *names]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -337,7 +338,11 @@ def _launch(out: Path, names: list[str], nproc: int = 2, timeout: int = 240) -> 
     return results
 
 
-CPU_SCENARIOS = ["plain_loop", "plain_disagree", "trainer", "trainer_disagree", "fsdp2", "fsdp1"]
+CPU_SCENARIOS = ["plain_loop", "plain_disagree", "trainer", "trainer_disagree", "fsdp2", "fsdp1",
+                 # real DeepSpeed on CPU, last (ZeRO-3 leaves global state behind)
+                 "ds_zero2_fp32", "ds_zero2_bf16_keep_fp32_tower",
+                 "ds_zero2_keep_fp32_tower_raise", "ds_zero3_init_bf16", "ds_zero3_fp32",
+                 "ds_json_contradicts_flag"]
 
 
 @pytest.fixture(scope="session")
@@ -455,6 +460,70 @@ def test_fsdp1_on_two_ranks(two_ranks):
     assert r0["digest"] != r1["digest"]  # each rank holds another slice of the flat params
     assert r0["digest_no_numel"] == r1["digest_no_numel"]  # what the rank check compares
     assert r0["groups"] == r1["groups"]
+
+
+# ----------------------------------------------------------------------------- DeepSpeed (CPU)
+@pytest.mark.multiprocess
+@pytest.mark.xdist_group("torchrun")
+def test_deepspeed_zero2_and_zero3_fp32_train_with_the_callback(two_ranks):
+    _, results = two_ranks
+    for name in ("ds_zero2_fp32", "ds_zero3_fp32"):
+        r0, r1 = _ok(results, name)
+        for r in (r0, r1):
+            assert r["engine"] == "DeepSpeedEngine" and r["policy"] == "fp32"
+            assert r["warnings"] == [] and all(n == 0 for _, n in r["events"][1:])
+        assert r0["eval_loss"] == r1["eval_loss"]
+        assert torch.isfinite(torch.tensor([r0["loss"], r0["eval_loss"]])).all()
+    assert results["ds_zero2_fp32"][0]["dtypes"] == ["torch.float32"]
+    assert results["ds_zero3_fp32"][0]["partition_dtypes"] == ["torch.float32"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.xdist_group("torchrun")
+def test_deepspeed_zero3_partitioned_load_is_never_cast(two_ranks):
+    _, results = two_ranks
+    r0, r1 = _ok(results, "ds_zero3_init_bf16")
+    for r in (r0, r1):
+        assert r["engine"] == "DeepSpeedEngine" and r["partitioned"]
+        # Trainer() ran on_init_end: the partitioned parameters were left alone (data and
+        # ds_tensor agree, no cast recorded), each one verified and skipped
+        assert r["same_after_init"] and r["init_changes"] == 0 and r["init_skipped"] == r["params"]
+        assert r["data_vs_partition"] == [["torch.bfloat16", "torch.bfloat16"]]
+        assert all(n == 0 for _, n in r["events"]) and r["warnings"] == []
+        # dtype maps count whole parameters (ds_numel), not the empty local pieces
+        assert r["numel"] == r["sharded"] == 58624
+        assert all(n > 0 for sizes in r["groups"].values() for n in sizes)
+    assert r0["groups"] == r1["groups"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.xdist_group("torchrun")
+def test_deepspeed_cast_of_a_keep_fp32_tower_is_warned_and_reported(two_ranks):
+    _, results = two_ranks
+    r0, r1 = _ok(results, "ds_zero2_bf16_keep_fp32_tower")
+    for r in (r0, r1):
+        assert r["engine"] == "DeepSpeedEngine" and r["tower"] == ["torch.bfloat16"]
+        assert len(r["warnings"]) == 1  # once, at on_train_begin, not at every evaluation
+        msg = r["warnings"][0]
+        assert msg.startswith("PrecisionGuardCallback.on_train_begin: DeepSpeed holds 39 "
+                              "parameter(s) in bfloat16 that the policy keeps in float32 "
+                              "(group_dtypes['vision_encoder']): vision_encoder: 39")
+        assert "model.vision_tower.embeddings.class_embedding" in msg and "Fix:" in msg
+    assert r0["mismatches"] == r0["cast_rows"] == 39  # mismatch rows, not neutral drift
+    for r in results["ds_zero2_keep_fp32_tower_raise"]:
+        assert r is not None and not r["ok"] and r["error"] == "PrecisionError"
+        assert r["message"].startswith("PrecisionGuardCallback.on_train_begin: DeepSpeed holds "
+                                       "39 parameter(s) in bfloat16 that the policy keeps in "
+                                       "float32 (keep_fp32 'model.vision_tower')")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.xdist_group("torchrun")
+def test_deepspeed_json_that_contradicts_the_flag_stops_before_training(two_ranks):
+    _, results = two_ranks
+    for r in results["ds_json_contradicts_flag"]:
+        assert r is not None and not r["ok"] and r["error"] == "PrecisionError"
+        assert 'the JSON says "bf16": {"enabled": false} but --bf16 is True' in r["message"]
 
 
 # ----------------------------------------------------------------------------- GPU

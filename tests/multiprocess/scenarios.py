@@ -248,6 +248,186 @@ def fsdp1(out: Path) -> dict[str, Any]:
             "digest_no_numel": rank_digest(dmap, with_numel=False), "groups": group_dtypes(wrapped)}
 
 
+# ----------------------------------------------------------------------------- DeepSpeed (CPU)
+# Real DeepSpeed on CPU: DS_ACCELERATOR=cpu (set by the launcher) selects its CPU accelerator,
+# which uses gloo when the oneCCL bindings are absent. TrainingArguments(use_cpu=True,
+# deepspeed=<dict>) makes the Trainer build a real DeepSpeedEngine on the two ranks.
+def ds_config(stage: int, **extra: Any) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:  # partition tiny tensors too, and gather them for save_pretrained
+        zero.update(stage3_param_persistence_threshold=0,
+                    stage3_gather_16bit_weights_on_model_save=True)
+    return {"zero_optimization": zero, "bf16": {"enabled": "auto"},
+            "fp16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+            # the Trainer's torch AdamW, not DeepSpeed's CPU Adam (a compiled op)
+            "zero_force_ds_cpu_optimizer": False, **extra}
+
+
+def ds_args(out: Path, stage: int, *, bf16: bool, config: dict[str, Any] | None = None) -> Any:
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=str(out), use_cpu=True, bf16=bf16,
+        deepspeed=ds_config(stage, **(config or {})),
+        report_to=[], max_steps=2, per_device_train_batch_size=2, per_device_eval_batch_size=2,
+        eval_strategy="steps", eval_steps=1, save_strategy="no", remove_unused_columns=False,
+        disable_tqdm=True, dataloader_num_workers=0, learning_rate=1e-3, seed=0,
+        ddp_backend="gloo", ddp_timeout=60)
+
+
+def ds_done() -> None:
+    """Forget the ZeRO-3 config transformers keeps globally (later models must not be
+    partitioned at construction)."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+
+
+def ds_run(out: Path, model: torch.nn.Module, args: Any, cb: Any,
+           rows: list[dict[str, torch.Tensor]],
+           after_init: Callable[[], None] | None = None) -> dict[str, Any]:
+    from transformers import Trainer
+
+    from hf_precision import PrecisionWarning
+
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", PrecisionWarning)
+            t = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows,
+                        callbacks=[cb])
+            if after_init is not None:
+                after_init()
+            result = t.train()
+            metrics = t.evaluate()
+    finally:
+        warnings.simplefilter("ignore")
+        ds_done()
+    return {"engine": type(t.model_wrapped).__name__, "loss": result.training_loss,
+            "eval_loss": metrics["eval_loss"], "events": cb.events,
+            "warnings": [str(w.message) for w in seen if w.category is PrecisionWarning]}
+
+
+@scenario
+def ds_zero2_fp32(out: Path) -> dict[str, Any]:
+    from hf_precision import PrecisionGuardCallback
+
+    model = split_llava()
+    rows = rows_of(model)
+    cb = PrecisionGuardCallback(report=False)
+    res = ds_run(out, model, ds_args(out, 2, bf16=False), cb, rows)
+    return {**res, "policy": cb.policy.name if cb.policy else None,
+            "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+
+
+@scenario
+def ds_zero2_bf16_keep_fp32_tower(out: Path) -> dict[str, Any]:
+    """The policy keeps the frozen vision tower fp32; DeepSpeed bf16 casts the whole model at
+    engine init. The guard says so at on_train_begin and reports the rows as mismatches."""
+    from hf_precision import PrecisionGuardCallback, PrecisionPolicy
+
+    model = split_llava()
+    rows = rows_of(model)
+    policy = PrecisionPolicy.from_preset("bf16", group_dtypes={"vision_encoder": "fp32"})
+    cb = PrecisionGuardCallback(policy, report_dir=str(out / "precision"))
+    res = ds_run(out, model, ds_args(out, 2, bf16=True), cb, rows)
+    report = json.loads((out / "precision" / "000000-on_train_begin.json").read_text())
+    return {**res, "tower": sorted({str(p.dtype) for p in model.model.vision_tower.parameters()}),
+            "mismatches": report["mismatches"],
+            "cast_rows": sum(r["mismatch"] and r["reason"].startswith("cast by DeepSpeed")
+                             for r in report["drift"])}
+
+
+@scenario
+def ds_zero2_keep_fp32_tower_raise(out: Path) -> dict[str, Any]:
+    from hf_precision import PrecisionGuardCallback, PrecisionPolicy
+
+    model = split_llava()
+    model.model.vision_tower.float()  # as the policy wants it: nothing to cast at on_init_end
+    rows = rows_of(model)
+    policy = PrecisionPolicy.from_preset("bf16", keep_fp32=("model.vision_tower",),
+                                         mode="raise")
+    ds_run(out, model, ds_args(out, 2, bf16=True), PrecisionGuardCallback(policy, report=False),
+           rows)
+    return {"trained": True}
+
+
+def _zero3_load(out: Path, *, bf16: bool) -> tuple[Any, Any, list[dict[str, torch.Tensor]]]:
+    """Save a tiny LLaVA, make ZeRO-3 TrainingArguments, then from_pretrained: transformers
+    builds the model under deepspeed.zero.Init, so every parameter is partitioned before the
+    Trainer exists."""
+    import deepspeed
+    from transformers import LlavaForConditionalGeneration
+
+    from hf_precision.tiny import tiny_llava
+
+    ckpt = out / "ckpt"
+    source = tiny_llava(torch.bfloat16 if bf16 else None, seed=0)
+    rows = rows_of(source)
+    if rank() == 0:
+        source.save_pretrained(ckpt)
+    dist.barrier()
+    args = ds_args(out, 3, bf16=bf16)
+    # zero.Init sizes its config from deepspeed.comm's world: join DeepSpeed's comm to the gloo
+    # group torchrun made (without it zero.Init sees one process and rejects the batch sizes).
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = LlavaForConditionalGeneration.from_pretrained(
+        ckpt, dtype=torch.bfloat16 if bf16 else torch.float32)
+    model.model.vision_tower.requires_grad_(False)
+    return model, args, rows
+
+
+def _storage(model: torch.nn.Module) -> dict[str, list[str]]:
+    return {n: [str(p.dtype), str(p.ds_tensor.dtype), str(p.numel())]
+            for n, p in model.named_parameters()}
+
+
+@scenario
+def ds_zero3_init_bf16(out: Path) -> dict[str, Any]:
+    from hf_precision import PrecisionGuardCallback, dtype_map
+
+    model, args, rows = _zero3_load(out, bf16=True)
+    before = _storage(model)
+    partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
+    cb = PrecisionGuardCallback(report_dir=str(out / "precision"))
+    seen: dict[str, Any] = {}
+
+    def after_init() -> None:  # Trainer() ran on_init_end: what did the guard do?
+        seen["same_after_init"] = _storage(model) == before
+        report = cb.last_report
+        seen["init_changes"] = len(report.changes) if report is not None else None
+        seen["init_skipped"] = len(report.skipped) if report is not None else None
+
+    res = ds_run(out, model, args, cb, rows, after_init)
+    dmap = dtype_map(model)
+    return {**res, **seen, "partitioned": partitioned, "params": len(before),
+            "numel": dmap.total_params, "sharded": sum(r.sharded for r in dmap),
+            "groups": {g: [s.numel.get(d, 0) for d in s.dtypes] for g, s in dmap.groups.items()},
+            "data_vs_partition": sorted({(str(p.dtype), str(p.ds_tensor.dtype))
+                                         for p in model.parameters()})}
+
+
+@scenario
+def ds_zero3_fp32(out: Path) -> dict[str, Any]:
+    from hf_precision import PrecisionGuardCallback
+
+    model, args, rows = _zero3_load(out, bf16=False)
+    cb = PrecisionGuardCallback(report=False)
+    res = ds_run(out, model, args, cb, rows)
+    return {**res, "policy": cb.policy.name if cb.policy else None,
+            "partition_dtypes": sorted({str(p.ds_tensor.dtype) for p in model.parameters()})}
+
+
+@scenario
+def ds_json_contradicts_flag(out: Path) -> dict[str, Any]:
+    from hf_precision import PrecisionGuardCallback
+
+    model = split_llava()
+    args = ds_args(out, 2, bf16=True, config={"bf16": {"enabled": False}})
+    ds_run(out, model, args, PrecisionGuardCallback(report=False), rows_of(model))
+    return {"trained": True}
+
+
 # ----------------------------------------------------------------------------- GPU (accelerate)
 def _gpu_run(out: Path, *, fsdp: int = 0, zero: int = 0, bf16_true: bool = False
              ) -> dict[str, Any]:
@@ -320,6 +500,8 @@ def gpu_deepspeed_zero3(out: Path) -> dict[str, Any]:
 def main() -> None:
     out_dir = Path(sys.argv[1])
     names = sys.argv[2:] or [n for n in SCENARIOS if not n.startswith("gpu_")]
+    if any(n.startswith("ds_") for n in names):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
     backend = "nccl" if any(n.startswith("gpu_") for n in names) else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
