@@ -127,3 +127,36 @@ def test_resolve():
     assert PrecisionPolicy.resolve(p.to_dict()) == p
     with pytest.raises(PrecisionError, match="expected a PrecisionPolicy"):
         PrecisionPolicy.resolve(3.0)  # type: ignore[arg-type]
+
+
+def test_inference_keeps_fp32_trainables_the_same_way_everywhere():
+    import types
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from hf_precision.tiny import tiny_llava
+
+    model = tiny_llava(torch.bfloat16)
+    model.model.multi_modal_projector.float()  # trained in fp32
+    AcceleratorState._reset_state(True)
+    try:
+        from_acc = PrecisionPolicy.from_accelerator(Accelerator(cpu=True), model)
+    finally:
+        AcceleratorState._reset_state(True)
+    no_flags = types.SimpleNamespace(bf16=False, fp16=False)
+    policies = [PrecisionPolicy.from_model(model), from_acc,
+                PrecisionPolicy.from_training_args(no_flags, model)]
+    assert all(p == policies[0] for p in policies)
+    policy = policies[0]
+    assert policy.name == "bf16-true" and policy.keep_trainable_fp32
+    name = "model.multi_modal_projector.linear_1.weight"
+    assert policy.target_dtype(name, "projector", trainable=True, current=torch.float32) == (
+        torch.float32, "keep_trainable_fp32")
+    # a trainable weight loaded in bf16 stays bf16; a frozen fp32 one follows the majority
+    assert policy.target_dtype(name, "projector", trainable=True, current=torch.bfloat16)[0] \
+        == torch.bfloat16
+    assert policy.target_dtype(name, "projector", trainable=False, current=torch.float32)[0] \
+        == torch.bfloat16
+    # only a named *-true preset lowers fp32 trainables
+    assert not PrecisionPolicy.from_preset("bf16-true").keep_trainable_fp32
