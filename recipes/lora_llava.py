@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 import yaml
+from safetensors.torch import save_file
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 from hf_precision import PrecisionGuardCallback, dtype_map
@@ -87,6 +88,8 @@ class LoraArguments:
                                               "q/k/v/o), projector, vision_encoder, lm_head")
     lora_target_regex: str | None = arg(None, "full-match regex over module names; replaces "
                                               "lora_targets")
+    train_fully: str = arg("", "comma list of modules trained in full next to the adapters "
+                               "(peft modules_to_save): projector, lm_head")
 
 
 # Module names in transformers 5.x LLaVA. The language-model pattern is anchored on
@@ -98,6 +101,8 @@ LORA_TARGETS = {
     "vision_encoder": r"model\.vision_tower\..*\.self_attn\.(q_proj|k_proj|v_proj|out_proj)",
     "lm_head": r"lm_head",
 }
+#: --train_fully names -> the module peft copies and trains in full (modules_to_save)
+FULLY_TRAINED = {"projector": "multi_modal_projector", "lm_head": "lm_head"}
 ARG_CLASSES: tuple[Any, ...] = (ModelArguments, DataArguments, LoraArguments,
                                TrainingArguments)
 
@@ -273,9 +278,14 @@ def apply_lora(model: Any, lora_args: LoraArguments) -> Any:
         if bad:
             raise SystemExit(f"--lora_targets: unknown {bad}; allowed: {sorted(LORA_TARGETS)}")
         regex = "|".join(f"({LORA_TARGETS[n]})" for n in names)
+    full = [t.strip() for t in lora_args.train_fully.split(",") if t.strip()]
+    bad = sorted(set(full) - set(FULLY_TRAINED))
+    if bad:
+        raise SystemExit(f"--train_fully: unknown {bad}; allowed: {sorted(FULLY_TRAINED)}")
     config = LoraConfig(r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha,
                         lora_dropout=lora_args.lora_dropout, target_modules=regex,
-                        task_type="CAUSAL_LM")
+                        task_type="CAUSAL_LM",
+                        modules_to_save=[FULLY_TRAINED[n] for n in full] or None)
     return get_peft_model(model, config)
 
 
@@ -299,7 +309,8 @@ class GenerateEvalTrainer(Trainer):
         if self.generate_rows and self.eval_collator is not None:
             answers = self.generate_answers(self.generate_rows)
             accuracy = sum(a["prediction"] == a["answer"] for a in answers) / len(answers)
-            self.generations.append({"step": self.state.global_step, "answers": answers})
+            self.generations.append({"step": self.state.global_step, "answers": answers,
+                                     "accuracy": accuracy})
             metrics["eval_answer_accuracy"] = accuracy
             self.log({"eval_answer_accuracy": accuracy})
         return metrics
@@ -317,6 +328,27 @@ class GenerateEvalTrainer(Trainer):
         new = out[:, batch["input_ids"].shape[1]:]
         texts = self.eval_collator.processor.batch_decode(new, skip_special_tokens=True)
         return [{"answer": a, "prediction": t.strip()} for a, t in zip(answers, texts)]
+
+
+def answers_table(before: list[dict[str, str]], after: list[dict[str, str]], *, step: int,
+                  rows: int = 8) -> str:
+    """Held-out answers before training and after ``step`` steps, and the accuracy of each."""
+    def acc(answers: list[dict[str, str]]) -> str:
+        right = sum(a["prediction"] == a["answer"] for a in answers)
+        return f"{right}/{len(answers)} = {right / max(len(answers), 1):.0%}"
+
+    lines = [f"\nHeld-out answers (exact match): before training {acc(before)}, after {step} "
+             f"steps {acc(after)}",
+             f"  {'want':<20}{'before training':<24}after"]
+    for b, a in list(zip(before, after))[:rows]:
+        mark = "ok" if a["prediction"] == a["answer"] else "--"
+        was = b["prediction"] if len(b["prediction"]) <= 20 else b["prediction"][:19] + "…"
+        lines.append(f"  {a['answer']:<20}{was:<24}{a['prediction']:<20}{mark}")
+    if len(after) > rows:
+        lines.append(f"... {len(after) - rows} more in precision_report.json")
+    text = "\n".join(lines)
+    print(text)
+    return text
 
 
 def print_group_table(before: Any, after: Any) -> str:
@@ -360,6 +392,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         processing_class=processor, callbacks=callbacks, max_new_tokens=data_args.max_new_tokens,
         generate_rows=[eval_ds[i] for i in range(min(data_args.num_generate, len(eval_ds)))]
         if eval_ds is not None else None)
+    # Answers before any training step (the guard is installed: generate() works on the split
+    # model), for the before/after table.
+    untrained = trainer.generate_answers(trainer.generate_rows) if trainer.generate_rows else []
     trainer.train()
     after = dtype_map(model)
 
@@ -376,8 +411,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with torch.no_grad():
             _, outputs = trainer.compute_loss(model, trainer._prepare_inputs(dict(check)),
                                               return_outputs=True)
-        torch.save({"batch": dict(check), "logits": outputs.logits[:, -1].float().cpu()},
-                   out / "logits_check.pt")
+        # safetensors, not a pickle: nothing in the file runs when it is loaded
+        save_file({**{f"batch.{k}": v.contiguous() for k, v in dict(check).items()},
+                   "logits": outputs.logits[:, -1].float().cpu().contiguous()},
+                  out / "logits_check.safetensors")
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     guard = callbacks[0] if callbacks else None
     report = {
@@ -401,8 +438,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"logged steps ({trend})")
     if trainer.generations:
         last = trainer.generations[-1]
-        print(f"Answers at step {last['step']}: " + "; ".join(
-            f"{a['prediction']!r} (want {a['answer']!r})" for a in last["answers"]))
+        report["answers_before"] = untrained
+        report["accuracy"] = last["accuracy"]
+        report["answers_table"] = answers_table(untrained, last["answers"], step=last["step"])
     print(f"Precision report: {report_path}\nPer-event dtype maps: {out / 'precision'}\n"
           f"Adapter: {adapter_dir}")
     wandb = sys.modules.get("wandb")

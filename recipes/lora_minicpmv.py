@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import yaml
+from safetensors.torch import save_file
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 from hf_precision import PrecisionGuardCallback, dtype_map
@@ -442,8 +443,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with torch.no_grad():
             _, outputs = trainer.compute_loss(model, trainer._prepare_inputs(dict(check)),
                                               return_outputs=True)
-        torch.save({"batch": dict(check), "logits": outputs.logits[:, -1].float().cpu()},
-                   out / "logits_check.pt")
+        # safetensors, not a pickle: nothing in the file runs when it is loaded
+        save_file({**{f"batch.{k}": v.contiguous() for k, v in dict(check).items()},
+                   "logits": outputs.logits[:, -1].float().cpu().contiguous()},
+                  out / "logits_check.safetensors")
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     guard = callbacks[0] if callbacks else None
     report = {

@@ -100,6 +100,7 @@ def test_lora_llava_notebook(kernel_name: str, tmp_path: Path,
     assert mimes.count("image/png") == 3  # before, after, loss curve
     assert (tmp_path / "llava" / "adapter" / "adapter_model.safetensors").is_file()
     assert "bf16 (frozen bfloat16, trainable float32" in text
+    assert "Held-out answers (exact match): before training" in text
 
 
 @pytest.mark.slow

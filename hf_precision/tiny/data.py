@@ -36,7 +36,8 @@ BACKGROUND = (255, 255, 255)
 
 def shape_image(shape: str, colour: str, size: int = 30, rng: random.Random | None = None
                 ) -> Any:
-    """One ``size`` x ``size`` RGB PIL image with a single filled shape (position jittered).
+    """One ``size`` x ``size`` RGB PIL image with a single filled shape, about centred (size and
+    position jittered by a few pixels, so no two images are the same).
 
     >>> shape_image("circle", "red").size
     (30, 30)
@@ -49,8 +50,11 @@ def shape_image(shape: str, colour: str, size: int = 30, rng: random.Random | No
     rng = rng or random.Random(0)
     img = Image.new("RGB", (size, size), BACKGROUND)
     draw = ImageDraw.Draw(img)
-    side = rng.randint(size * 5 // 10, size * 8 // 10)  # large enough to survive a resize
-    x0, y0 = rng.randint(0, size - side), rng.randint(0, size - side)
+    # Large and about centred: each shape covers its own pattern of the vision tower's patches
+    # (corners for a square, a wedge for a triangle), which a tiny model can learn in seconds.
+    side = rng.randint(size * 7 // 10, size * 8 // 10)
+    x0 = (size - side) // 2 + rng.randint(-1, 1)
+    y0 = (size - side) // 2 + rng.randint(-1, 1)
     box = (x0, y0, x0 + side - 1, y0 + side - 1)
     fill = COLOURS[colour]
     if shape == "circle":
