@@ -30,6 +30,39 @@ from .errors import PrecisionWarning
 
 #: Events kept while no run exists (older ones are still in the files).
 MAX_PENDING = 32
+_QUIET_MODES = ("offline", "disabled", "dryrun")
+
+
+def wandb_offline_unless_logged_in(environ: Any = None) -> bool:
+    """Before a run that reports to W&B: with no API key to be found (``WANDB_API_KEY``, or a
+    ``wandb login`` entry in the netrc file) and ``WANDB_MODE`` unset, switch this process to
+    offline mode and say so in one line, instead of letting ``wandb.init`` end the run in a
+    ``UsageError`` traceback. Returns ``True`` when it switched. Reads no network.
+
+    >>> wandb_offline_unless_logged_in({"WANDB_MODE": "offline"})
+    False
+    """
+    import netrc
+    from urllib.parse import urlparse
+
+    env = os.environ if environ is None else environ
+    if str(env.get("WANDB_MODE", "")).lower() in _QUIET_MODES or env.get("WANDB_API_KEY"):
+        return False
+    if str(env.get("WANDB_DISABLED", "")).lower() in ("1", "true", "yes"):
+        return False
+    host = urlparse(env.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or ""
+    home = Path(env.get("HOME", str(Path.home())))
+    for path in filter(None, (env.get("NETRC"), home / ".netrc", home / "_netrc")):
+        try:
+            if netrc.netrc(str(path)).authenticators(host):
+                return False
+        except (OSError, netrc.NetrcParseError):
+            continue
+    env["WANDB_MODE"] = "offline"
+    print("hf-precision: W&B has no API key here (no WANDB_API_KEY, no `wandb login`), so this "
+          "run logs offline; upload it afterwards with `wandb sync <run folder>`, or run "
+          "`wandb login` (or set WANDB_MODE=offline to silence this line).", flush=True)
+    return True
 
 
 @dataclass

@@ -227,6 +227,51 @@ def add_lora(unet: Any, args: RecipeArguments) -> list[torch.nn.Parameter]:
     return [p for p in unet.parameters() if p.requires_grad]
 
 
+#: what diffusers' save_lora_weights writes and load_lora_weights reads
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def save_lora(unet: Any, adapter_dir: Path, is_main_process: bool = True) -> Path:
+    """The UNet's LoRA in diffusers' own format (safetensors, diffusers key names, the LoRA
+    config as metadata): ``pipe.load_lora_weights(adapter_dir)`` loads it back.
+
+    Also ``unet_check.safetensors``: the trained UNet's output (computed in fp32) on fixed
+    inputs, so a reload can be checked against it."""
+    from diffusers import StableDiffusionPipeline
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    adapter_dir.mkdir(parents=True, exist_ok=True)
+    layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
+    StableDiffusionPipeline.save_lora_weights(
+        adapter_dir, unet_lora_layers=layers, is_main_process=is_main_process,
+        unet_lora_adapter_metadata=unet.peft_config["default"].to_dict(),
+        safe_serialization=True)
+    if is_main_process:
+        save_file(unet_check(unet), adapter_dir / "unet_check.safetensors")
+    return adapter_dir
+
+
+@torch.no_grad()
+def unet_check(unet: Any, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Fixed inputs and the UNet's fp32 output on them (a copy is run: ``unet`` is unchanged)."""
+    import copy
+
+    config = unet.config
+    gen = torch.Generator().manual_seed(seed)
+    side = config.sample_size
+    inputs = {"sample": torch.randn(1, config.in_channels, side, side, generator=gen),
+              "timestep": torch.tensor([10]),
+              "encoder_hidden_states": torch.randn(1, 8, config.cross_attention_dim,
+                                                   generator=gen)}
+    from hf_precision import remove_guards
+
+    twin = copy.deepcopy(unet).to("cpu", torch.float32).eval()
+    remove_guards(twin)  # the copied guards would cast its inputs to the run's fp16
+    return {**inputs, "output": twin(**inputs).sample.contiguous()}
+
+
 # ----------------------------------------------------------------------------- 5.-6. main
 
 
@@ -240,6 +285,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if args.report_to == "wandb":
+        from hf_precision.report_wandb import wandb_offline_unless_logged_in
+
+        wandb_offline_unless_logged_in()  # no login: offline, one line, no traceback
     accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=args.cpu,
                               project_dir=str(out),
                               log_with=None if args.report_to == "none" else args.report_to)
@@ -312,11 +361,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             latents = scheduler.step(unet(latents, t, hidden).sample, t, latents).prev_sample
         image = vae.decode(latents / scaling).sample
     unwrapped = accelerator.unwrap_model(unet)
-    adapter_dir = out / "adapter"
-    from peft.utils import get_peft_model_state_dict
-
-    adapter_dir.mkdir(exist_ok=True)
-    torch.save(get_peft_model_state_dict(unwrapped), adapter_dir / "lora.pt")
+    adapter_dir = save_lora(unwrapped, out / "adapter", accelerator.is_main_process)
     maps = {name: dtype_map(model).group_rows()
             for name, model in (("unet", unwrapped), ("vae", vae), ("text_encoder", text_encoder))}
     report = {"guard": args.guard, "precision": args.precision,
@@ -324,7 +369,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "loss": {"first": losses[0], "last": losses[-1], "curve": losses},
               "sample": {"dtype": str(image.dtype), "shape": list(image.shape),
                          "finite": bool(torch.isfinite(image).all())},
-              "dtype_groups": maps, "adapter": str(adapter_dir / "lora.pt")}
+              "dtype_groups": maps, "adapter": str(adapter_dir / LORA_FILE)}
     (out / "precision_report.json").write_text(json.dumps(report, indent=1))
     for name, rows_ in maps.items():
         print(f"{name:<13} " + "; ".join(f"{r['group']}: {r['dtypes']}" for r in rows_))

@@ -39,6 +39,7 @@ from safetensors.torch import save_file
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 from hf_precision import PrecisionGuardCallback, dtype_map
+from hf_precision.report_wandb import wandb_offline_unless_logged_in
 
 # ----------------------------------------------------------------------------- 1. arguments
 
@@ -411,6 +412,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train_args.remove_unused_columns = False
     if train_args.report_to and "wandb" in train_args.report_to:
         os.environ.setdefault("WANDB_DIR", str(Path(train_args.output_dir).resolve()))
+        wandb_offline_unless_logged_in()  # no login: offline, one line, no traceback
     train_ds, eval_ds, folder, eval_folder = load_data(data_args, train_args.output_dir)
     model, processor, layout = load_model(model_args)
     model = apply_lora(model, lora_args, layout)

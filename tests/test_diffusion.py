@@ -385,5 +385,34 @@ def test_recipe_trains_a_few_steps(tmp_path: Path) -> None:
     assert groups["unet"] == {"unet": "float16/float32"}  # frozen fp16, LoRA fp32
     assert report["sample"] == {"dtype": "torch.float32", "shape": [1, 3, 16, 16],
                                 "finite": True}
+    assert Path(report["adapter"]).name == "pytorch_lora_weights.safetensors"
     assert Path(report["adapter"]).is_file()
     assert (tmp_path / "precision_report.json").is_file()
+    assert not list(tmp_path.rglob("*.pt")) and not list(tmp_path.rglob("*.bin"))  # no pickles
+    _reload_into_a_pipeline(recipe, tmp_path / "adapter")
+
+
+def _reload_into_a_pipeline(recipe, adapter_dir: Path) -> None:
+    """A diffusers pipeline built from the same base weights loads the saved LoRA with
+    ``load_lora_weights``, and its UNet then computes what the trained UNet computed."""
+    from diffusers import StableDiffusionPipeline
+    from safetensors.torch import load_file
+
+    models = recipe.tiny_models(16, 0)
+    # the base weights as trained: stored in fp16 (weight_dtype), computed in fp32 for the check
+    for name in ("unet", "vae", "text_encoder"):
+        models[name].to(torch.float16).to(torch.float32)
+    pipe = StableDiffusionPipeline(
+        vae=models["vae"], text_encoder=models["text_encoder"], tokenizer=None,
+        unet=models["unet"], scheduler=models["scheduler"], safety_checker=None,
+        feature_extractor=None, requires_safety_checker=False)
+    check = load_file(adapter_dir / "unet_check.safetensors")
+    inputs = {k: check[k] for k in ("sample", "timestep", "encoder_hidden_states")}
+    with torch.no_grad():
+        base = pipe.unet(**inputs).sample
+    pipe.load_lora_weights(adapter_dir)
+    assert any("lora" in n for n, _ in pipe.unet.named_parameters())
+    with torch.no_grad():
+        tuned = pipe.unet(**inputs).sample
+    torch.testing.assert_close(tuned, check["output"], rtol=0, atol=1e-5)
+    assert (tuned - base).abs().max() > 1e-4  # the LoRA changed the output, as training did

@@ -268,6 +268,25 @@ def test_llava_recipe_end_to_end(tmp_path: Path) -> None:
     reload_and_compare("llava", out, report)
 
 
+def test_report_to_wandb_without_a_login_runs_offline_without_a_traceback(tmp_path: Path) -> None:
+    """The README's override line, copied by someone with no `wandb login`: one line saying
+    the run logs offline and how to sync it, then the run; no UsageError traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path), NETRC=str(tmp_path / "no-netrc"), HF_HUB_OFFLINE="1",
+               WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS="1")
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "recipes" / "lora_llava.py"), "--config",
+           str(ROOT / "recipes/configs/llava/tiny.yaml"), "--output_dir", str(out), *FEW_STEPS,
+           "--report_to", "wandb"]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and "UsageError" not in res.stderr
+    assert res.stdout.count("hf-precision: W&B has no API key here") == 1
+    assert "`wandb sync <run folder>`" in res.stdout
+    assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
 @pytest.mark.slow
 def test_llava_demo_config_learns_the_task(tmp_path: Path) -> None:
     """`make demo`'s config, unshortened: >= 80% exact answers on held-out pictures."""

@@ -316,3 +316,17 @@ def test_module_doctests(name: str) -> None:
     module = importlib.import_module(f"hf_precision.{name}")
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_wandb_goes_offline_only_without_a_login(tmp_path, capsys):
+    from hf_precision.report_wandb import wandb_offline_unless_logged_in
+
+    env = {"HOME": str(tmp_path), "NETRC": str(tmp_path / "netrc")}
+    assert wandb_offline_unless_logged_in(env) is True
+    assert env["WANDB_MODE"] == "offline"
+    assert "wandb sync" in capsys.readouterr().out
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc123\n")
+    logged_in = {"HOME": str(tmp_path), "NETRC": str(tmp_path / "netrc")}
+    assert wandb_offline_unless_logged_in(logged_in) is False and "WANDB_MODE" not in logged_in
+    for env in ({"WANDB_API_KEY": "k"}, {"WANDB_MODE": "disabled"}, {"WANDB_MODE": "offline"}):
+        assert wandb_offline_unless_logged_in(dict(env, HOME=str(tmp_path / "x"))) is False
