@@ -32,7 +32,16 @@ if TYPE_CHECKING:
     from .callback import PrecisionGuardCallback
     from .diagnostics import diagnose
 
-__version__ = "0.1.0"
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hf-precision")
+    except PackageNotFoundError:  # a source checkout that was never installed
+        return "0.0.0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "DtypeMap",
