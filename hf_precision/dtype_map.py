@@ -25,7 +25,14 @@ import torch
 from torch import nn
 
 from .dtypes import dtype_name, is_quantized, zero3_dtype
-from .groups import OTHER, ModuleGroups, clean_name, find_module_groups, unwrap_model
+from .groups import (
+    OTHER,
+    ModuleGroups,
+    clean_name,
+    find_module_groups,
+    hidden_module,
+    unwrap_model,
+)
 
 #: Tensor types that are never DTensors nor packed quantized storage.
 _PLAIN = (nn.Parameter, torch.Tensor)
@@ -260,7 +267,12 @@ def _dtype_map(model: nn.Module, groups: ModuleGroups | None, policy: Any) -> Dt
     dev_names: dict[torch.device, str] = {}
     # named_modules(remove_duplicate=False) order, walked with an explicit stack: the recursive
     # generator costs a frame per nesting level for every module it yields.
-    stack: list[tuple[str, nn.Module, str]] = [("", root, OTHER)]
+    # Group modules held outside the module tree (a list-held tower) are walked last, under
+    # their own group: model.named_modules() never reaches them.
+    stack: list[tuple[str, nn.Module, str]] = [
+        (path, mod, group) for group, path in reversed(groups.hidden.items())
+        if (mod := hidden_module(root, path)) is not None]
+    stack.append(("", root, OTHER))
     while stack:
         raw, mod, parent_group = stack.pop()
         path = clean_name(raw) if "_orig_mod" in raw or "wrapped_module" in raw else raw

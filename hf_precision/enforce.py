@@ -29,7 +29,7 @@ from torch import nn
 
 from .dtypes import dtype_name, is_castable, narrows_range, zero3_dtype
 from .errors import PrecisionError, PrecisionWarning
-from .groups import OTHER, ModuleGroups, find_module_groups, unwrap_model
+from .groups import OTHER, ModuleGroups, find_module_groups, hidden_module, unwrap_model
 from .policy import PrecisionPolicy
 
 _MAX_LISTED = 12
@@ -144,16 +144,6 @@ def _walk(root: nn.Module, groups: ModuleGroups) -> Iterator[tuple[str, str, nn.
                 yield sub, group, mod
 
 
-def hidden_module(root: nn.Module, path: str) -> nn.Module | None:
-    """The module at ``path`` reached by attribute access (not a registered submodule)."""
-    obj: Any = root
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if isinstance(obj, (list, tuple)) and len(obj) == 1:
-            obj = obj[0]
-    return obj if isinstance(obj, nn.Module) else None
-
-
 def _cast_optimizer_state(optimizer: Any, p: torch.Tensor, dtype: torch.dtype,
                           device: torch.device) -> None:
     state = getattr(optimizer, "state", {}).get(p)
@@ -252,8 +242,12 @@ def enforce_policy(model: nn.Module, policy: PrecisionPolicy | str | None = None
                 report.changes.append(change)
 
     if meta and device is not None:
+        unreached = [f"{p} (held in a {groups.held.get(g, 'attribute')}, outside the module "
+                     "tree, so model.to() and from_pretrained never reach it)"
+                     for g, p in groups.hidden.items() if any(m.startswith(p + ".") for m in meta)]
+        where = f" The module {'; '.join(unreached)} was never materialised." if unreached else ""
         msg = (f"enforce_policy: {len(meta)} tensor(s) are on the meta device while the model "
-               f"is on {device} (weights never loaded), e.g. {', '.join(meta[:3])}.\n"
+               f"is on {device} (weights never loaded), e.g. {', '.join(meta[:3])}.{where}\n"
                "Fix: load the weights (from_pretrained / load_state_dict(assign=True)) before "
                "training; the guard cannot move tensors that hold no data.")
         if mode == "audit":

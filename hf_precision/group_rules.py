@@ -133,6 +133,11 @@ for _rule in (
        _attrs("vit", "vision_proj", "model"), vision="vit", projector="vision_proj",
        lm="model", head="output score", extra={"projector": "video_mem_proj"},
        params={"vision": "plora_glb_GN plora_sub_GN"}),
+    # XTuner's LLaVAModel (mmengine, no HF config): llm / visual_encoder / projector; XTuner
+    # wraps the LLM itself with peft (self.llm = get_peft_model(self.llm, ...)).
+    _r("xtuner_llava", "xtuner_llava", _attrs("llm", "visual_encoder", "projector"),
+       vision="visual_encoder", projector="projector", lm="llm",
+       head="llm.lm_head llm.base_model.model.lm_head"),
     _r("internvl_chat", "internvl_chat", _attrs("vision_model", "mlp1", "language_model"),
        vision="vision_model", projector="mlp1", lm="language_model",
        head="language_model.lm_head language_model.output"),

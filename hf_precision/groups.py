@@ -233,6 +233,8 @@ class ModuleGroups:
     model_type: str | None = None
     prefix: str = ""
     hidden: dict[str, str] = field(default_factory=dict)
+    #: how each hidden group module is held: ``"list"``, ``"tuple"``, ``"dict"``, ``"attribute"``
+    held: dict[str, str] = field(default_factory=dict)
     _lookup: dict[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -285,6 +287,8 @@ class ModuleGroups:
             "model_type": self.model_type,
             "groups": {g: list(p) for g, p in self.paths.items()},
             "params": {g: list(p) for g, p in self.params.items()},
+            "hidden": {g: {"path": p, "held": self.held.get(g, "attribute")}
+                       for g, p in self.hidden.items()},
         }
 
     def __str__(self) -> str:
@@ -292,6 +296,9 @@ class ModuleGroups:
         for g in self.names:
             where = list(self.paths.get(g, ())) + [f"{p} (param)" for p in self.params.get(g, ())]
             lines.append(f"  {g:<15} {', '.join(where)}")
+        for g, p in self.hidden.items():
+            lines.append(f"  {g:<15} {p} (hidden: held in a {self.held.get(g, 'attribute')}, "
+                         "not a registered submodule)")
         return "\n".join(lines)
 
 
@@ -312,12 +319,42 @@ def _get(root: nn.Module, path: str) -> nn.Module | None:
     return mod
 
 
+def resolve_hidden(root: nn.Module, path: str) -> tuple[nn.Module, str] | None:
+    """The module at ``path`` when some step of it is not a registered submodule, and how it is
+    held: ``"list"``/``"tuple"``/``"dict"`` (a plain container attribute holding exactly one
+    module: OmniLMM's ``self.vision_tower = [tower]``, which ``nn.Module.__setattr__`` keeps in
+    the instance ``__dict__``) or ``"attribute"`` (an unregistered attribute or ``__getattr__``
+    indirection). ``None`` when nothing is there or every step is registered."""
+    obj: Any = root
+    how = ""
+    for part in path.split("."):
+        if not isinstance(obj, nn.Module):
+            return None
+        if part in obj._modules:
+            obj = obj._modules[part]
+            continue
+        try:
+            obj = getattr(obj, part)
+        except Exception:  # a custom __getattr__ may raise anything for a missing name
+            return None
+        if isinstance(obj, (list, tuple)) and len(obj) == 1 and isinstance(obj[0], nn.Module):
+            how, obj = type(obj).__name__, obj[0]
+        elif isinstance(obj, dict) and len(obj) == 1:
+            how, obj = "dict", next(iter(obj.values()))
+        else:
+            how = how or "attribute"
+    return (obj, how) if how and isinstance(obj, nn.Module) else None
+
+
+def hidden_module(root: nn.Module, path: str) -> nn.Module | None:
+    """The module a hidden group path leads to (see :func:`resolve_hidden`), or ``None``."""
+    found = resolve_hidden(root, path)
+    return found[0] if found is not None else None
+
+
 def _hidden(root: nn.Module, path: str) -> bool:
     """A module reachable by attribute access but not registered (OmniLMM's list-hidden tower)."""
-    try:
-        return isinstance(root.get_submodule(path), nn.Module)
-    except Exception:  # a custom __getattr__ may raise anything for a missing name
-        return False
+    return resolve_hidden(root, path) is not None
 
 
 def _has_param(root: nn.Module, name: str) -> bool:
@@ -329,6 +366,7 @@ def _has_param(root: nn.Module, name: str) -> bool:
 def _apply_rule(rule: GroupRule, root: nn.Module) -> ModuleGroups | None:
     paths: dict[str, tuple[str, ...]] = {}
     hidden: dict[str, str] = {}
+    held: dict[str, str] = {}
     taken: set[str] = set()
     for group, candidates in rule.paths.items():
         for cand in candidates:
@@ -337,9 +375,11 @@ def _apply_rule(rule: GroupRule, root: nn.Module) -> ModuleGroups | None:
                 taken.add(cand)
                 break
         else:
-            seen = next((c for c in candidates if _hidden(root, c)), None)
-            if seen is not None:
-                hidden[group] = seen
+            for cand in candidates:
+                found = resolve_hidden(root, cand)
+                if found is not None:
+                    hidden[group], held[group] = cand, found[1]
+                    break
     for group, extras in rule.extra.items():
         more = tuple(p for p in extras if p not in taken and _get(root, p) is not None)
         if more:
@@ -352,7 +392,8 @@ def _apply_rule(rule: GroupRule, root: nn.Module) -> ModuleGroups | None:
             params[group] = present
     if any(g not in paths and g not in params for g in rule.required):
         return None
-    return ModuleGroups(root, paths, params, rule.name, model_type_of(root), hidden=hidden)
+    return ModuleGroups(root, paths, params, rule.name, model_type_of(root), hidden=hidden,
+                        held=held)
 
 
 _FALLBACK_NAMES: dict[str, tuple[str, ...]] = {
@@ -463,7 +504,7 @@ def find_module_groups(model: nn.Module, *, strict: bool = False) -> ModuleGroup
             if found is not None:
                 found.prefix = prefix
                 if found.hidden:
-                    _warn_hidden(root, found.hidden)
+                    _warn_hidden(root, found)
                 return found
     paths, params, how = _fallback(root)
     if "language_model" not in paths and "vision_encoder" not in paths:
@@ -482,11 +523,12 @@ def find_module_groups(model: nn.Module, *, strict: bool = False) -> ModuleGroup
     return ModuleGroups(root, paths, params, "fallback(" + ", ".join(how) + ")", mt, prefix)
 
 
-def _warn_hidden(root: nn.Module, hidden: Mapping[str, str]) -> None:
-    where = ", ".join(f"{g}={p!r}" for g, p in hidden.items())
+def _warn_hidden(root: nn.Module, found: ModuleGroups) -> None:
+    where = ", ".join(f"{g}={p!r} (held in a {found.held.get(g, 'attribute')})"
+                      for g, p in found.hidden.items())
     warnings.warn(
         f"find_module_groups({type(root).__name__}): {where} is reachable as an attribute but is "
-        "not a registered submodule (e.g. hidden in a list), so model.to(dtype/device), "
+        "not a registered submodule, so model.to(dtype/device), "
         "state_dict() and the optimizer's model.parameters() never see it. enforce_policy and "
         "the guards reach it by attribute and cast/move it with its group.\n"
         "Fix: register it as a submodule (OmniLMM: tune_clip=True) so the rest of the stack "

@@ -294,7 +294,7 @@ def receiving_dtypes(model: nn.Module, groups: ModuleGroups | None = None, *,
 
 def _group_roots(root: nn.Module, groups: ModuleGroups) -> list[tuple[str, nn.Module]]:
     """(path, module) of every group root, those held outside the module tree included."""
-    from .enforce import hidden_module
+    from .groups import hidden_module
 
     out = [(path, mod) for group in groups.names
            for path, mod in zip(groups.paths.get(group, ()), groups.modules(group), strict=True)]

@@ -37,8 +37,10 @@ def _class_c() -> tuple[Any, dict[str, torch.Tensor]]:
 
 
 def _class_f() -> tuple[Any, dict[str, torch.Tensor]]:
-    """MiniCPM-V 2.x resampler adds an fp32 numpy sin-cos table to the keys in forward."""
-    model = MiniCPMV2Tiny(torch.bfloat16)
+    """A resampler that makes its key sin-cos table in fp32 in forward (``.float()``), in a
+    model cast to bf16 whole: that table is the one fp32 tensor."""
+    model = MiniCPMV2Tiny().to(torch.bfloat16)
+    model.resampler.table_dtype = torch.float32
     return model, model.batch()
 
 

@@ -52,11 +52,14 @@ TINY: dict[str, tuple[str, Paths, Paths]] = {
         "vision_encoder": ("vpm",), "resampler": ("resampler",), "language_model": ("llm",),
         "lm_head": ("llm.lm_head",)}, {}),
     "OmniLMMTiny": ("minicpmv2_omnilmm", {
-        "vision_encoder": ("vpm",), "resampler": ("resampler",), "language_model": ("llm",),
-        "lm_head": ("llm.lm_head",)}, {}),
+        "vision_encoder": ("model.vision_tower",), "resampler": ("model.resampler",),
+        "language_model": ("model",), "lm_head": ("lm_head",)}, {}),
     "XComposerTiny": ("internlm_xcomposer", {
         "vision_encoder": ("vit",), "projector": ("vision_proj",), "language_model": ("model",),
-        "lm_head": ("output",)}, {}),
+        "lm_head": ("output",)}, {"vision_encoder": ("plora_glb_GN", "plora_sub_GN")}),
+    "XTunerLLaVATiny": ("xtuner_llava", {
+        "vision_encoder": ("visual_encoder",), "projector": ("projector",),
+        "language_model": ("llm",), "lm_head": ("llm.lm_head",)}, {}),
     "InternVLTiny": ("internvl_chat", {
         "vision_encoder": ("vision_model",), "projector": ("mlp1",),
         "language_model": ("language_model",), "lm_head": ("language_model.lm_head",)}, {}),
@@ -205,12 +208,36 @@ def test_torch_compile_and_data_parallel_are_unwrapped(llava: nn.Module) -> None
 
 
 def test_hidden_tower_is_reported_not_grouped() -> None:
-    model = tiny.OmniLMMTiny(tune_clip=False)  # OmniLMM's FSDP hack: vpm kept in a list
-    with pytest.warns(PrecisionWarning, match=r"(?s)vision_encoder='vpm' is reachable as an "
-                      r"attribute but is not a registered submodule.*Fix: register it"):
+    model = tiny.OmniLMMTiny(tune_clip=False)  # OmniLMM: self.vision_tower = [tower]
+    with pytest.warns(PrecisionWarning, match=r"(?s)vision_encoder='model.vision_tower' \(held "
+                      r"in a list\) is reachable as an attribute but is not a registered "
+                      r"submodule.*Fix: register it"):
         g = find_module_groups(model)
-    assert g.hidden == {"vision_encoder": "vpm"}
-    assert "vision_encoder" not in g and g.paths["resampler"] == ("resampler",)
+    assert g.hidden == {"vision_encoder": "model.vision_tower"}
+    assert g.held == {"vision_encoder": "list"}
+    assert g.to_dict()["hidden"] == {"vision_encoder": {"path": "model.vision_tower",
+                                                        "held": "list"}}
+    assert "model.vision_tower (hidden: held in a list" in str(g)
+    assert "vision_encoder" not in g.paths and g.paths["resampler"] == ("model.resampler",)
+
+
+@pytest.mark.parametrize("how", ["tuple", "dict", "attribute"])
+def test_hidden_modules_of_every_kind(how: str) -> None:
+    from hf_precision.groups import hidden_module, resolve_hidden
+
+    model = tiny.OmniLMMTiny()
+    tower = model.model._modules.pop("vision_tower")
+    holder: Any = {"tuple": (tower,), "dict": {"clip": tower}}.get(how)
+    if holder is not None:
+        model.model.__dict__["vision_tower"] = holder
+    else:  # a module in the instance __dict__, bypassing nn.Module.__setattr__
+        model.model.__dict__["vision_tower"] = tower
+    assert resolve_hidden(model, "model.vision_tower") == (tower, how)
+    assert hidden_module(model, "model.vision_tower") is tower
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PrecisionWarning)
+        g = find_module_groups(model)
+    assert g.hidden == {"vision_encoder": "model.vision_tower"} and g.held["vision_encoder"] == how
 
 
 def test_module_groups_api(llava: Any) -> None:
@@ -219,7 +246,8 @@ def test_module_groups_api(llava: Any) -> None:
     assert g.modules("vision_encoder") == [llava.model.vision_tower]
     assert g.modules("resampler") == []
     assert g.to_dict() == {"rule": "llava", "model_type": "llava",
-                           "groups": {k: list(v) for k, v in _LLAVA.items()}, "params": {}}
+                           "groups": {k: list(v) for k, v in _LLAVA.items()}, "params": {},
+                           "hidden": {}}
     assert "vision_encoder  model.vision_tower" in str(g)
     assert dict(g.items()) == _LLAVA
 

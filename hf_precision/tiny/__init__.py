@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         RemoteVLM,
         Resampler,
         XComposerTiny,
+        XTunerLLaVATiny,
         get_2d_sincos_pos_embed,
         remote_batch,
     )
@@ -80,6 +81,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "InternVLTiny",
         "MiniCPMV2Tiny",
         "OmniLMMTiny",
+        "XTunerLLaVATiny",
         "RemoteVLM",
         "Resampler",
         "XComposerTiny",
@@ -107,6 +109,7 @@ __all__ = [
     "RemoteVLM",
     "Resampler",
     "XComposerTiny",
+    "XTunerLLaVATiny",
     "build_tiny",
     "collate_onetrainer",
     "get_2d_sincos_pos_embed",

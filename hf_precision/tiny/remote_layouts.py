@@ -144,17 +144,22 @@ class TinyViT(nn.Module):
 class Resampler(nn.Module):
     """MiniCPM-V 2.x / OmniLMM perceiver resampler (one cross-attention of learned queries).
 
-    ``adaptive=True`` (MiniCPM-V 2.x): the key position table is computed in numpy in forward
-    and added as ``torch.from_numpy(pos).float().to(x.device)``: device follows, dtype does
-    not, so under bf16 weights the fp32 key reaches ``attn`` (class F). ``adaptive=False``
-    (OmniLMM, Qwen-VL): the table is a frozen parameter cast with the module, dtype-safe.
+    ``pos_embed`` is an ``nn.Parameter`` made from a numpy sin-cos table with ``.float()``, as
+    upstream (``omnilmm/model/resampler.py``): built under a half default dtype it stays fp32,
+    and ``query + pos_embed`` then hands fp32 queries to a half ``attn`` (class F).
+    ``adaptive=True`` (MiniCPM-V 2.x): the key table is computed in numpy in forward and
+    follows the input's device and dtype. ``adaptive=False`` (OmniLMM): ``get_abs_pos``
+    interpolates the parameter in fp32 and casts back to its dtype. ``table_dtype=float32``
+    makes the adaptive table in fp32 whatever the input (``torch.from_numpy(pos).float()``):
+    the class-F pattern of a tensor made in forward, for the tests that need one.
     """
 
     def __init__(
-        self, grid_size: int, embed_dim: int, num_heads: int, kv_dim: int, adaptive: bool
+        self, grid_size: int, embed_dim: int, num_heads: int, kv_dim: int, adaptive: bool,
+        table_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.embed_dim, self.adaptive = embed_dim, adaptive
+        self.embed_dim, self.adaptive, self.table_dtype = embed_dim, adaptive, table_dtype
         table = torch.from_numpy(get_2d_sincos_pos_embed(embed_dim, grid_size)).float()
         self.pos_embed = nn.Parameter(table, requires_grad=False)
         self.query = nn.Parameter(torch.randn(grid_size**2, embed_dim) * 0.02)
@@ -165,10 +170,11 @@ class Resampler(nn.Module):
         self.proj = nn.Parameter(embed_dim**-0.5 * torch.randn(embed_dim, embed_dim))
 
     def forward(self, x: torch.Tensor, tgt_size: tuple[int, int]) -> torch.Tensor:
-        if self.adaptive:  # the seed's line: no dtype=, so the table stays fp32
+        if self.adaptive:
             pos = get_2d_sincos_pos_embed(self.embed_dim, tgt_size)
-            pos_embed = torch.from_numpy(pos).float().to(x.device)
-        else:  # Qwen-VL get_abs_pos: interpolate in fp32, cast back to the table's dtype
+            pos_embed = torch.from_numpy(pos).to(device=x.device,
+                                                 dtype=self.table_dtype or x.dtype)
+        else:  # get_abs_pos: interpolate in fp32, cast back to the table's dtype
             side = int(math.sqrt(self.pos_embed.shape[0]))
             grid = self.pos_embed.float().reshape(1, side, side, -1).permute(0, 3, 1, 2)
             grid = F.interpolate(grid, size=tgt_size, mode="bicubic", align_corners=False)
@@ -263,11 +269,18 @@ class RemoteVLM(nn.Module):
 
 
 class MiniCPMV2Tiny(RemoteVLM):
-    """MiniCPM-V 2.x layout: ``vpm`` (ViT), ``resampler`` (adaptive numpy table), ``llm``.
+    """MiniCPM-V 2.x layout: ``vpm`` (ViT), ``resampler`` (adaptive), ``llm``.
 
-    The vision path casts pixels to ``vpm.pos_embed.dtype`` with ``.type(dtype)`` (device
-    unchanged), then the resampler adds its fp32 numpy table to the keys: any bf16/fp16
-    resampler fails there, whatever the input dtype (the seed's bug 4).
+    Follows the HF remote code of ``openbmb/MiniCPM-V-2`` (``modeling_minicpmv.py``,
+    ``resampler.py``), which lives on the hub and in no public source repository reachable here;
+    its resampler derives from OmniLMM's (``OpenBMB/OmniLMM`` commit 2553592b,
+    ``omnilmm/model/resampler.py``), which was read. The vision path casts pixels to
+    ``vpm.pos_embed.dtype`` with ``.type(dtype)`` (device unchanged). The real fp32 leak is the
+    resampler's ``pos_embed`` *parameter*, made with ``.float()`` from a numpy table: a model
+    built the way ``from_pretrained(torch_dtype=bf16)`` builds it (bf16 default dtype) keeps
+    that one parameter fp32, so ``query + pos_embed`` turns the queries fp32 and a bf16
+    attention fails outside autocast (``generate()``; the seed's bug 4). The adaptive sin-cos
+    table of the keys follows the input dtype in this version.
     """
 
     _MODEL_TYPE, _ADAPTIVE = "minicpmv", True
@@ -275,13 +288,19 @@ class MiniCPMV2Tiny(RemoteVLM):
     def __init__(self, dtype: torch.dtype | None = None, seed: int = 0) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.config = RemoteConfig(self._MODEL_TYPE, image_size=30, num_image_tokens=4)
-        self.vpm = TinyViT(image_size=30, patch_size=6, width=16)
-        self.resampler = Resampler(2, 32, 4, kv_dim=16, adaptive=self._ADAPTIVE)
-        self.llm = _tiny_llama()
+        default = torch.get_default_dtype()
+        if dtype is not None:  # as from_pretrained(torch_dtype=dtype): the default dtype
+            torch.set_default_dtype(dtype)
+        try:
+            self.config = RemoteConfig(self._MODEL_TYPE, image_size=30, num_image_tokens=4)
+            self.vpm = TinyViT(image_size=30, patch_size=6, width=16)
+            self.resampler = Resampler(2, 32, 4, kv_dim=16, adaptive=self._ADAPTIVE)
+            self.llm = _tiny_llama()
+            if dtype is not None:
+                self.llm.to(dtype)  # built from a config, as from_pretrained does
+        finally:
+            torch.set_default_dtype(default)
         self.eval()
-        if dtype is not None:
-            self.to(dtype)
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         dtype = self.vpm.pos_embed.data.dtype
@@ -299,54 +318,127 @@ class MiniCPMV2Tiny(RemoteVLM):
         return self.llm(inputs_embeds=inputs_embeds, attention_mask=attention_mask).logits
 
 
-class OmniLMMTiny(MiniCPMV2Tiny):
-    """OmniLMM layout: ``vpm.forward_features``, fixed-grid ``resampler``, ``llm``.
+class OmniLMMTiny(RemoteVLM):
+    """OmniLMM-12B, held as ``OpenBMB/OmniLMM`` holds it (commit
+    2553592bae4034f57557a593c8609a0611919d10, ``omnilmm/model/omnilmm.py`` and
+    ``omnilmm/model/resampler.py``).
 
-    ``get_vision_embedding`` does ``pixel_values.type(vpm.pos_embed.dtype)``: dtype follows the
-    vision tower, device does not (a CPU batch reaches a CUDA model unchanged). With
-    ``tune_clip=False`` the real code hides the tower in a list (its FSDP hack): ``vpm`` is then
-    not a submodule, ``model.to(dtype)`` skips it, and its fp32 output meets a bf16 resampler.
+    ``OmniLMMForCausalLM`` has ``model`` (``OmniLMMModel``, the Mistral body: here the tiny
+    Llama body) and ``lm_head``; the vision tower (a timm EVA ViT: here :class:`TinyViT`) and
+    the fixed-grid ``resampler`` are attributes of ``model``. With ``tune_clip=False`` (the
+    LoRA setting) ``__init__`` and ``initialize_vision_modules`` store the tower as
+    ``self.vision_tower = [vision_tower]``: ``nn.Module.__setattr__`` keeps a list in the
+    instance ``__dict__``, so ``model.to()``, ``named_parameters()``, ``state_dict()`` and
+    ``get_submodule("model.vision_tower")`` never reach it. ``get_vision_embedding`` reads it
+    back with ``vision_tower[0]`` and casts the pixels with
+    ``pixel_values.type(vision_tower.pos_embed.data.dtype)``: dtype follows the tower, device
+    does not (the seed: a CPU tower under a CUDA model).
     """
-
-    _MODEL_TYPE, _ADAPTIVE = "omnilmm", False
 
     def __init__(
         self, dtype: torch.dtype | None = None, seed: int = 0, tune_clip: bool = True
     ) -> None:
-        super().__init__(seed=seed)
-        if not tune_clip:
-            vpm = self._modules.pop("vpm")
-            self.__dict__["_hidden_vpm"] = [vpm]
+        super().__init__()
+        torch.manual_seed(seed)
+        self.config = RemoteConfig("omnilmm", image_size=30, num_image_tokens=4)
+        llm = _tiny_llama()
+        body: Any = llm.model
+        tower = TinyViT(image_size=30, patch_size=6, width=16)
+        body.vision_tower = tower if tune_clip else [tower]  # a list: not registered
+        body.resampler = Resampler(2, 32, 4, kv_dim=16, adaptive=False)
+        self.model, self.lm_head = body, llm.lm_head
+        self.eval()
         if dtype is not None:
-            self.to(dtype)
+            self.to(dtype)  # what chat.py does after loading; a list-held tower is skipped
 
-    def __getattr__(self, name: str) -> Any:
-        hidden = self.__dict__.get("_hidden_vpm")
-        if name == "vpm" and hidden is not None:
-            return hidden[0]
-        return super().__getattr__(name)
+    @property
+    def tower(self) -> Any:
+        """The vision tower, however ``model`` holds it (a convenience of this copy)."""
+        held = self.model.vision_tower
+        return held[0] if isinstance(held, list) else held
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        dtype = self.vpm.pos_embed.data.dtype
-        side = self.config.image_size // self.vpm.patch_size
-        return self.resampler(self.vpm.forward_features(pixel_values.type(dtype)), (side, side))
+        tower = self.tower
+        dtype = tower.pos_embed.data.dtype
+        side = self.config.image_size // tower.patch_size
+        return self.model.resampler(tower.forward_features(pixel_values.type(dtype)),
+                                    (side, side))
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def lm_logits(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(inputs_embeds=inputs_embeds, attention_mask=attention_mask)
+        return self.lm_head(hidden.last_hidden_state)
+
+
+class PLoRA(nn.Linear):
+    """InternLM-XComposer's Partial LoRA linear (``build_mlp.py``): a plain linear on every
+    token plus ``Plora_B(Plora_A(x)) * scaling`` on the image tokens only (``im_mask``, set on
+    the module by the model before the language model runs)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 lora_r: int = 4, lora_alpha: int = 8) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.lora_scaling = lora_alpha / lora_r
+        self.Plora_A = nn.Linear(in_features, lora_r, bias=False)
+        self.Plora_B = nn.Linear(lora_r, out_features, bias=False)
+        nn.init.zeros_(self.Plora_B.weight)
+        self.im_mask: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        res = super().forward(x)
+        mask = self.im_mask
+        if mask is not None and mask.shape == x.shape[:2] and bool(mask.any()):
+            lora = self.Plora_B(self.Plora_A(x[mask])) * self.lora_scaling
+            res = res.index_put((mask,), res[mask] + lora)
+        return res
+
+
+class VisionTowerWrapper(nn.Module):
+    """XComposer's ``CLIPVisionTower``: the CLIP model sits at ``vit.vision_tower``."""
+
+    def __init__(self, tower: nn.Module) -> None:
+        super().__init__()
+        self.vision_tower = tower
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.vision_tower(pixel_values)
 
 
 class XComposerTiny(RemoteVLM):
-    """InternLM-XComposer layout: ``vit``, ``vision_proj``, ``model`` (LM body), ``output``.
+    """InternLM-XComposer 2 / 2.5, held as ``InternLM/InternLM-XComposer`` holds it (commit
+    00005d62b40beb3e62c6f260d9004bd4bb93dce2,
+    ``InternLM-XComposer-2.5-OmniLive/internlm-xcomposer2d5-ol-7b/base/build_mlp.py`` and the
+    ``InternLMXComposer2ForCausalLM`` layout of its ``modeling_internlm_xcomposer2.py``).
 
-    ``img2emb`` moves the image to the model's device only; the vit's linear patch embedding then
-    gets the collator's fp32 pixels: ``mat1 and mat2 must have the same dtype`` under fp16/bf16.
+    ``model`` (the InternLM2 body, here the tiny Llama body, its attention ``q_proj``/``v_proj``
+    made :class:`PLoRA` linears with ``Plora_A``/``Plora_B``), ``output`` (the LM head),
+    ``vit`` (``CLIPVisionTower``: the CLIP model at ``vit.vision_tower``), ``vision_proj``
+    (``mlp2x_gelu``: Linear, GELU, Linear) and, in 2.5, ``plora_glb_GN``/``plora_sub_GN``
+    separator parameters. ``img2emb`` moves the image to the model's device only: the vit's
+    linear patch embedding then gets the collator's fp32 pixels, ``mat1 and mat2 must have the
+    same dtype`` under fp16/bf16.
     """
 
     def __init__(self, dtype: torch.dtype | None = None, seed: int = 0) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.config = RemoteConfig("internlmxcomposer2", image_size=30, num_image_tokens=25)
-        self.vit = TinyViT(image_size=30, patch_size=6, width=16, linear_patch=True)
+        self.vit = VisionTowerWrapper(TinyViT(image_size=30, patch_size=6, width=16,
+                                              linear_patch=True))
         self.vision_proj = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32))
         llm = _tiny_llama()
+        for layer in llm.model.layers:
+            attn = layer.self_attn
+            for name in ("q_proj", "v_proj"):
+                old = getattr(attn, name)
+                new = PLoRA(old.in_features, old.out_features, bias=old.bias is not None)
+                new.weight.data.copy_(old.weight.data)
+                setattr(attn, name, new)
         self.model, self.output = llm.model, llm.lm_head
+        self.plora_glb_GN = nn.Parameter(torch.zeros(1, 1, 32))
+        self.plora_sub_GN = nn.Parameter(torch.zeros(1, 1, 1, 32))
         self.eval()
         if dtype is not None:
             self.to(dtype)
@@ -360,6 +452,69 @@ class XComposerTiny(RemoteVLM):
     def lm_logits(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.model(inputs_embeds=inputs_embeds, attention_mask=attention_mask)
         return self.output(hidden.last_hidden_state)
+
+    def get_vllm_embedding(self, input_ids: torch.Tensor, pixel_values: torch.Tensor
+                           ) -> torch.Tensor:
+        im_mask = input_ids == self.config.image_token_id  # the image tokens get the PLoRA
+        for m in self.model.modules():
+            if isinstance(m, PLoRA):
+                m.im_mask = im_mask
+        return super().get_vllm_embedding(input_ids, pixel_values)
+
+
+class XTunerLLaVATiny(RemoteVLM):
+    """XTuner's LLaVA, held as ``InternLM/xtuner`` holds it (commit
+    02974d60dd26b596656fd734063c8211734cdf32, ``xtuner/model/llava.py`` and
+    ``xtuner/model/modules/projector/``).
+
+    ``LLaVAModel`` (an mmengine ``BaseModel``, no HF config) has ``llm`` (an HF causal LM, its
+    head at ``llm.lm_head``), ``visual_encoder`` (an HF ``CLIPVisionModel``) and
+    ``projector`` (``ProjectorModel``: ``projector.model`` is Linear, GELU, Linear), built with
+    ``.to(self.visual_encoder.dtype)``. Pixels are cast with
+    ``.to(self.visual_encoder.dtype)``; the features of layer ``visual_select_layer`` (-2),
+    CLS dropped, go through the projector into the LLM's embeddings. Seed 1: with the LLM in
+    fp16 and its final norm trained in fp32, evaluation-time ``generate()`` (no autocast) hands
+    fp32 hidden states to the fp16 ``lm_head``.
+    """
+
+    def __init__(self, dtype: torch.dtype | None = None, seed: int = 0) -> None:
+        super().__init__()
+        from transformers import CLIPVisionConfig, CLIPVisionModel
+
+        torch.manual_seed(seed)
+        self.config = RemoteConfig("xtuner_llava", image_size=30, num_image_tokens=25)
+        self.llm = _tiny_llama()
+        self.visual_encoder = CLIPVisionModel(CLIPVisionConfig(
+            image_size=30, patch_size=6, hidden_size=16, intermediate_size=32,
+            num_hidden_layers=2, num_attention_heads=2, projection_dim=16))
+        self.projector = ProjectorModel(16, 32)
+        self.visual_select_layer = -2
+        self.eval()
+        if dtype is not None:
+            self.to(dtype)
+
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        out = self.visual_encoder(pixel_values.to(self.visual_encoder.dtype),
+                                  output_hidden_states=True)
+        return self.projector(out.hidden_states[self.visual_select_layer][:, 1:])
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.llm.get_input_embeddings()
+
+    def lm_logits(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.llm(inputs_embeds=inputs_embeds, attention_mask=attention_mask).logits
+
+
+class ProjectorModel(nn.Module):
+    """XTuner's ``ProjectorModel`` (depth 2): ``model`` is Linear, GELU, Linear."""
+
+    def __init__(self, visual_hidden_size: int, llm_hidden_size: int) -> None:
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(visual_hidden_size, llm_hidden_size), nn.GELU(),
+                                   nn.Linear(llm_hidden_size, llm_hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
 
 
 class InternVLTiny(RemoteVLM):
@@ -412,6 +567,7 @@ REMOTE_LAYOUTS: dict[str, type[RemoteVLM]] = {
     "omnilmm": OmniLMMTiny,
     "internlmxcomposer2": XComposerTiny,
     "internvl_chat": InternVLTiny,
+    "xtuner_llava": XTunerLLaVATiny,
 }
 
 

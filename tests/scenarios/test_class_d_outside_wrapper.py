@@ -55,7 +55,7 @@ def test_guard_covers_peft_generate_during_evaluation(
         callbacks=[PrecisionGuardCallback(), samples],
     )
     base = model.base_model.model
-    patch_in = record_inputs(base.vit.patch_embed)
+    patch_in = record_inputs(base.vit.vision_tower.patch_embed)
 
     out = trainer.train()
 

@@ -1,7 +1,8 @@
-"""Class F — tensors made in forward. The MiniCPM-V 2.x resampler computes its 2D sin-cos key
-positions in numpy on every call and adds them as ``torch.from_numpy(pos).float()``: the keys
-reaching ``resampler.attn`` are fp32 whatever the weights are. And ``model.to(bf16)`` rounds
-the rotary ``inv_freq`` buffers, which must stay fp32."""
+"""Class F — tensors made at construction and in forward. The MiniCPM-V 2.x resampler makes its
+``pos_embed`` parameter from a numpy sin-cos table with ``.float()``: a model built in bf16 (as
+``from_pretrained(torch_dtype=bf16)`` builds it) keeps that one parameter fp32, and
+``query + pos_embed`` hands fp32 queries to the bf16 ``resampler.attn``. And a bf16 build
+rounds the rotary ``inv_freq`` buffers, which must stay fp32."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def test_without_guard_the_numpy_position_table_reaches_bf16_attention(record_in
     attn_in = record_inputs(model.resampler.attn)
     with pytest.raises(RuntimeError, match=TABLE_INTO_BF16_ATTN):
         model(**model.batch())
-    # query bf16, key = features + fp32 table -> fp32, value bf16
-    assert attn_in == [torch.bfloat16, torch.float32, torch.bfloat16]
+    # query = bf16 queries + the fp32 pos_embed -> fp32; key and value bf16
+    assert model.resampler.pos_embed.dtype == torch.float32
+    assert attn_in == [torch.float32, torch.bfloat16, torch.bfloat16]
     # model.to(bf16) also rounded the rotary frequencies (the invariant the guard restores)
     assert model.llm.model.rotary_emb.inv_freq.dtype == torch.bfloat16
 

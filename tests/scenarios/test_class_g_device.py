@@ -15,7 +15,7 @@ from hf_precision.tiny import OmniLMMTiny, tiny_batch, tiny_llava
 
 def _omnilmm_vpm_on_meta():
     model = OmniLMMTiny(torch.bfloat16)
-    model.vpm.to("meta")  # e.g. built under init_empty_weights and never loaded
+    model.model.vision_tower.to("meta")  # e.g. built under init_empty_weights, never loaded
     model.train()
     return model
 
@@ -48,13 +48,13 @@ def test_guard_refuses_at_init_and_names_the_group(trainer_for):
             callbacks=[PrecisionGuardCallback()],
         )
     text = str(err.value)
-    assert "vpm.pos_embed" in text and "meta device" in text and "cpu" in text
+    assert "model.vision_tower.pos_embed" in text and "meta device" in text and "cpu" in text
     assert "Fix:" in text
-    with pytest.raises(PrecisionError, match=r"vpm\.pos_embed"):
+    with pytest.raises(PrecisionError, match=r"model\.vision_tower\.pos_embed"):
         enforce_policy(_omnilmm_vpm_on_meta(), "bf16")
     # audit mode reports the same finding without raising (and changes nothing)
     report = enforce_policy(_omnilmm_vpm_on_meta(), "bf16", mode="audit")
-    assert any("vpm." in w and "meta" in w for w in report.warnings)
+    assert any("model.vision_tower." in w and "meta" in w for w in report.warnings)
     assert not report.applied
 
 
@@ -64,7 +64,7 @@ def test_inputs_follow_each_receiving_groups_device():
     assert report.device == torch.device("cpu")  # the language model's device
     install_guards(model, "bf16-true", report)
     states = _guard_states(model)
-    assert {"", "vpm", "resampler", "llm"} <= set(states)
+    assert {"", "model.vision_tower", "model.resampler", "model"} <= set(states)
     assert {st.device for st in states.values()} == {torch.device("cpu")}
     assert model(**model.batch()).logits.device.type == "cpu"
 
@@ -73,11 +73,11 @@ def test_a_device_map_places_groups_itself():
     # With hf_device_map (accelerate's dispatch/offload keeps offloaded weights on meta and
     # moves them in its own hooks) the guard neither moves groups nor raises, nor moves inputs.
     model = _omnilmm_vpm_on_meta()
-    model.hf_device_map = {"vpm": "meta", "resampler": "cpu", "llm": "cpu"}
+    model.hf_device_map = {"model.vision_tower": "meta", "model.resampler": "cpu", "model": "cpu"}
     report = enforce_policy(model, "bf16-true")
     assert report.device is None
     assert not [c for c in report.changes if c.device_after != c.device_before]
-    assert next(model.vpm.parameters()).device.type == "meta"
+    assert next(model.tower.parameters()).device.type == "meta"
     install_guards(model, "bf16-true", report)
     assert {st.device for st in _guard_states(model).values()} == {None}
 

@@ -3,7 +3,7 @@
 1. XTuner LLaVA (CLIP + Llama) in fp16: sample generation during evaluation, ``lm_head`` gets
    fp32 hidden states (``expected mat1 and mat2 to have the same dtype, but got: float !=
    c10::Half``; torch 2.13 on CPU runs fp16 matmuls and says ``m1 and m2``).
-2. OmniLMM LoRA: ``vpm`` sits on another device than its inputs (``Input type
+2. OmniLMM LoRA: the vision tower sits on another device than its inputs (``Input type
    (torch.cuda.HalfTensor) and weight type (torch.HalfTensor) should be the same``).
 3. InternLM-XComposer fp16 inference with an fp32 image (``mat1 and mat2 must have the same
    dtype, but got Float and Half``).
@@ -36,6 +36,7 @@ from hf_precision.tiny import (
     OmniLMMTiny,
     OneTrainerTiny,
     XComposerTiny,
+    XTunerLLaVATiny,
     collate_onetrainer,
     onetrainer_batch,
     onetrainer_examples,
@@ -107,6 +108,43 @@ def test_seed1_xtuner_llava_fp16_eval_generation(trainer_for, generate_on_evalua
         assert p.dtype == (torch.float32 if p.requires_grad else torch.float16), name
 
 
+def _xtuner_layout():
+    """XTuner's own LLaVAModel (llm / visual_encoder / projector) in fp16, LoRA put on the LLM
+    the way XTuner puts it (``self.llm = get_peft_model(self.llm, ...)``), the final norm
+    trained in fp32."""
+    base = XTunerLLaVATiny(torch.float16)
+    base.requires_grad_(False)
+    base.train()
+    base.llm = get_peft_model(base.llm, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    norm = base.llm.base_model.model.model.norm
+    norm.weight.data = norm.weight.data.float()
+    norm.weight.requires_grad = True
+    return base, base
+
+
+def test_seed1_on_xtuners_own_llava_layout(trainer_for, generate_on_evaluate, record_inputs):
+    model, base = _xtuner_layout()
+    samples = generate_on_evaluate(base.batch(2))
+    trainer = trainer_for(model, base.batch(4), fp16=True, callbacks=[samples])
+    with pytest.raises(RuntimeError, match=SEED1):
+        trainer.evaluate()  # the sample generation at evaluation time
+
+    model, base = _xtuner_layout()
+    samples = generate_on_evaluate(base.batch(2))
+    guard = PrecisionGuardCallback()
+    trainer = trainer_for(model, base.batch(4), fp16=True, eval_strategy="steps", eval_steps=1,
+                          callbacks=[guard, samples])
+    assert guard.groups is not None and guard.groups.rule == "xtuner_llava"
+    head = base.llm.base_model.model.lm_head
+    head_in = record_inputs(head)
+    out = trainer.train()
+    assert out.global_step == 2 and len(samples.samples) == 2
+    assert set(head_in) == {torch.float16}
+    assert head.weight.dtype == torch.float16
+    assert base.llm.base_model.model.model.norm.weight.dtype == torch.float32
+    assert {p.dtype for p in base.projector.parameters()} == {torch.float16}
+
+
 @pytest.mark.gpu
 def test_seed1_on_cuda_autocast_hides_it_until_generate(trainer_for, generate_on_evaluate):
     data, prompt = tiny_batch(tiny_llava(), 4), tiny_batch(tiny_llava())
@@ -139,18 +177,22 @@ def test_seed1_on_cuda_autocast_hides_it_until_generate(trainer_for, generate_on
 # ------------------------------------------------------------------ 2. OmniLMM LoRA, vpm device
 
 
+OMNI_LM = r"model\.layers.*\.(q_proj|v_proj)"  # the Mistral body ``model`` is the LM
+
+
 def _omnilmm(dtype: torch.dtype, device: str = "cpu"):
-    return _lora(OmniLMMTiny(dtype).to(device), targets=r"llm.*\.(q_proj|v_proj)")
+    return _lora(OmniLMMTiny(dtype).to(device), targets=OMNI_LM)
 
 
 def test_seed2_omnilmm_lora_vpm_on_another_device(trainer_for):
     model = _omnilmm(torch.bfloat16)
     base = model.base_model.model
-    base.vpm.to("meta")  # the vision module was never materialised on the model's device
+    base.tower.to("meta")  # the vision module was never materialised on the model's device
     with pytest.raises(RuntimeError, match="meta"):
         model(**base.batch())
     # bf16_full_eval postpones Trainer's own model.to(device): the guard sees the devices first
-    with pytest.raises(PrecisionError, match=r"(?s)meta device while the model is on cpu.*vpm\."):
+    with pytest.raises(PrecisionError,
+                       match=r"(?s)meta device while the model is on cpu.*model\.vision_tower\."):
         trainer_for(
             model,
             base.batch(4),
@@ -159,26 +201,56 @@ def test_seed2_omnilmm_lora_vpm_on_another_device(trainer_for):
             callbacks=[PrecisionGuardCallback()],
         )
     # once the weights are loaded, the same setup trains
-    base.vpm.to_empty(device="cpu")
-    base.vpm.load_state_dict(OmniLMMTiny(torch.bfloat16).vpm.state_dict())
+    base.tower.to_empty(device="cpu")
+    base.tower.load_state_dict(OmniLMMTiny(torch.bfloat16).tower.state_dict())
     trainer = trainer_for(model, base.batch(4), bf16=True, callbacks=[PrecisionGuardCallback()])
     assert trainer.train().global_step == 2
     assert {p.device.type for p in model.parameters()} == {"cpu"}
-    assert {p.dtype for p in base.vpm.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in base.tower.parameters()} == {torch.bfloat16}
+
+
+def test_seed2_list_held_tower_bf16_flag_meta_and_dtype_map(trainer_for):
+    """The done-when of the seeds-on-real-code work, on OmniLMM's real holding."""
+    from hf_precision import dtype_map, find_module_groups
+
+    base = OmniLMMTiny(torch.bfloat16, tune_clip=False)
+    with pytest.warns(PrecisionWarning):
+        groups = find_module_groups(base)
+    assert groups.hidden == {"vision_encoder": "model.vision_tower"}
+    assert groups.held == {"vision_encoder": "list"}
+    model = _lora(base, targets=OMNI_LM)
+    with pytest.warns(PrecisionWarning, match="held in a list"):
+        trainer = trainer_for(model, base.batch(4), bf16=True,
+                              callbacks=[PrecisionGuardCallback()])
+    assert trainer.train().global_step == 2
+    tower = base.model.vision_tower[0]
+    assert {p.dtype for p in tower.parameters()} == {torch.bfloat16}
+    assert {p.device for p in tower.parameters()} == {next(base.lm_head.parameters()).device}
+    assert not any(p in {id(q) for q in model.parameters()} for p in map(id, tower.parameters()))
+    dmap = dtype_map(base)  # the map lists the hidden tower under its group
+    assert dmap.groups["vision_encoder"].dtypes == ("bfloat16",)
+    assert any(r.path.startswith("model.vision_tower") for r in dmap)
+
+    meta = OmniLMMTiny(torch.bfloat16, tune_clip=False)
+    meta.model.vision_tower[0].to("meta")
+    with pytest.warns(PrecisionWarning), pytest.raises(
+            PrecisionError, match=r"(?s)model\.vision_tower \(held in a list, outside the module"):
+        enforce_policy(meta, "bf16")
 
 
 def test_seed2_omnilmm_hidden_vpm_is_reached_by_the_guard(trainer_for, record_inputs):
-    # OmniLMM's tune_clip=False keeps the tower in a list: model.to() never reaches it (the
-    # seed's root cause). The guard warns, then casts it with its group by attribute access.
+    # OmniLMM's tune_clip=False keeps the tower in a list (self.vision_tower = [tower]):
+    # model.to() never reaches it (the seed's root cause). The guard finds it, warns, then
+    # casts it with its group by attribute access.
     base = OmniLMMTiny(torch.bfloat16, tune_clip=False)
-    assert base.vpm.pos_embed.dtype == torch.float32  # model.to(bf16) skipped it
-    model = _lora(base, targets=r"llm.*\.(q_proj|v_proj)")
+    assert base.tower.pos_embed.dtype == torch.float32  # model.to(bf16) skipped it
+    model = _lora(base, targets=OMNI_LM)
     with pytest.raises(RuntimeError, match="same dtype"):
         model(**base.batch())
-    with pytest.warns(PrecisionWarning, match=r"vpm.*registered"):
+    with pytest.warns(PrecisionWarning, match=r"model\.vision_tower.*held in a list.*registered"):
         trainer = trainer_for(model, base.batch(4), callbacks=[PrecisionGuardCallback()])
-    assert {p.dtype for p in base.vpm.parameters()} == {torch.bfloat16}
-    resampler_in = record_inputs(base.resampler.kv_proj)
+    assert {p.dtype for p in base.tower.parameters()} == {torch.bfloat16}
+    resampler_in = record_inputs(base.model.resampler.kv_proj)
     assert trainer.train().global_step == 2
     assert set(resampler_in) == {torch.bfloat16}
 
@@ -188,18 +260,18 @@ def test_seed2_on_cuda_hidden_vpm_left_on_cpu(trainer_for):
     """The seed's exact failure: the list-held tower stays on the CPU when the model moves."""
     base = OmniLMMTiny(tune_clip=False)
     base.to(torch.float16)
-    base.vpm.half()  # loaded with torch_dtype=float16 like the rest (from_pretrained casts all)
+    base.tower.half()  # loaded with torch_dtype=float16 like the rest (from_pretrained casts all)
     base.to("cuda")  # ... but .cuda()/.to() never reaches the list-held tower: it stays on CPU
-    assert {p.device.type for p in base.vpm.parameters()} == {"cpu"}
+    assert {p.device.type for p in base.tower.parameters()} == {"cpu"}
     batch = {k: v.cuda() for k, v in base.batch().items()}
     with pytest.raises(RuntimeError, match=SEED2_CUDA):
         base(**batch)
-    model = _lora(base, targets=r"llm.*\.(q_proj|v_proj)")
-    with pytest.warns(PrecisionWarning, match=r"vpm.*registered"):
+    model = _lora(base, targets=OMNI_LM)
+    with pytest.warns(PrecisionWarning, match=r"model\.vision_tower.*held in a list.*registered"):
         trainer = trainer_for(
             model, base.batch(4), fp16=True, use_cpu=False, callbacks=[PrecisionGuardCallback()]
         )
-    assert {p.device.type for p in base.vpm.parameters()} == {"cuda"}
+    assert {p.device.type for p in base.tower.parameters()} == {"cuda"}
     assert trainer.train().global_step == 2
 
 
@@ -207,13 +279,13 @@ def test_seed2_on_cuda_hidden_vpm_left_on_cpu(trainer_for):
 def test_seed2_on_cuda_vpm_left_on_cpu(trainer_for):
     model = _omnilmm(torch.float16, "cuda")
     base = model.base_model.model
-    base.vpm.to("cpu")
+    base.tower.to("cpu")
     batch = {k: v.cuda() for k, v in base.batch().items()}
     with pytest.raises(RuntimeError, match=SEED2_CUDA):
         model(**batch)
     report = enforce_policy(model, "fp16")
     assert {c.device_after for c in report.changes if c.device_before == "cpu"} == {"cuda:0"}
-    assert {p.device.type for p in base.vpm.parameters()} == {"cuda"}
+    assert {p.device.type for p in base.tower.parameters()} == {"cuda"}
     trainer = trainer_for(
         model, base.batch(4), fp16=True, use_cpu=False, callbacks=[PrecisionGuardCallback()]
     )
@@ -234,7 +306,7 @@ def test_seed3_xcomposer_fp16_inference_with_an_fp32_image(record_inputs):
     policy = PrecisionPolicy.from_model(model)
     assert policy.name == "fp16-true"
     install_guards(model, policy, enforce_policy(model, policy))
-    patch_in = record_inputs(model.vit.patch_embed)
+    patch_in = record_inputs(model.vit.vision_tower.patch_embed)
     seq = model.generate(prompt["input_ids"], prompt["pixel_values"], max_new_tokens=3)
     assert seq.shape == (2, prompt["input_ids"].shape[1] + 3)
     assert torch.isfinite(model(**batch).logits).all()

@@ -18,22 +18,32 @@ from hf_precision.tiny.remote_layouts import (
     RemoteVLM,
     Resampler,
     XComposerTiny,
+    XTunerLLaVATiny,
     remote_batch,
 )
 
 # The real attribute paths a group finder must see.
 LAYOUT: dict[type[RemoteVLM], tuple[str, ...]] = {
     MiniCPMV2Tiny: ("vpm", "resampler", "llm", "llm.lm_head"),
-    OmniLMMTiny: ("vpm", "resampler", "llm", "llm.lm_head"),
-    XComposerTiny: ("vit", "vision_proj", "model", "output"),
+    OmniLMMTiny: ("model", "model.vision_tower", "model.resampler", "lm_head"),
+    XComposerTiny: ("vit", "vit.vision_tower", "vision_proj", "model", "output",
+                    "model.layers.0.self_attn.q_proj.Plora_A"),
     InternVLTiny: ("vision_model", "mlp1", "language_model", "language_model.lm_head"),
+    XTunerLLaVATiny: ("llm", "visual_encoder", "projector", "projector.model", "llm.lm_head"),
 }
 VISION: dict[type[RemoteVLM], str] = {
     MiniCPMV2Tiny: "vpm",
-    OmniLMMTiny: "vpm",
-    XComposerTiny: "vit",
+    OmniLMMTiny: "model.vision_tower",
+    XComposerTiny: "vit.vision_tower",
     InternVLTiny: "vision_model",
+    XTunerLLaVATiny: "visual_encoder",
 }
+
+
+def _patch_embed(model: RemoteVLM, vision: torch.nn.Module) -> torch.nn.Module:
+    if isinstance(model, XTunerLLaVATiny):  # an HF CLIPVisionModel (its path differs in 4.x)
+        return model.visual_encoder.get_input_embeddings()
+    return vision.get_submodule("patch_embed")
 HALF = [torch.bfloat16, torch.float16]
 
 
@@ -52,7 +62,7 @@ def test_fp32_forward_backward_generate(cls: type[RemoteVLM]) -> None:
     assert out.logits.shape[:2] == batch["input_ids"].shape
     assert torch.isfinite(out.loss)
     out.loss.backward()
-    vision = getattr(model, VISION[cls])
+    vision = model.get_submodule(VISION[cls])
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in vision.parameters())
 
     ids = model.generate(batch["input_ids"], batch["pixel_values"], max_new_tokens=3)
@@ -69,15 +79,15 @@ def test_generate_encodes_images_outside_forward(cls: type[RemoteVLM]) -> None:
     def count(key: str) -> Callable[..., None]:
         return lambda *_: calls.__setitem__(key, calls[key] + 1)
 
-    vision = getattr(model, VISION[cls])
+    vision = model.get_submodule(VISION[cls])
     model.register_forward_pre_hook(count("top"))
-    vision.patch_embed.register_forward_pre_hook(count("leaf"))
+    _patch_embed(model, vision).register_forward_pre_hook(count("leaf"))
     vision.register_forward_pre_hook(count("tower"))
     batch = model.batch()
     model.generate(batch["input_ids"], batch["pixel_values"], max_new_tokens=2)
     assert calls["top"] == 0
     assert calls["leaf"] == (2 if cls is MiniCPMV2Tiny else 1)  # MiniCPM: one call per image
-    # MiniCPM-V 2.x / OmniLMM call `vpm.forward_features(...)`, bypassing the tower's own
+    # MiniCPM-V 2.x / OmniLMM call `forward_features(...)`, bypassing the tower's own
     # hooks: only leaf-module hooks see their vision path.
     assert calls["tower"] == (0 if cls in (MiniCPMV2Tiny, OmniLMMTiny) else 1)
 
@@ -95,15 +105,21 @@ def test_minicpmv2_numpy_table_breaks_half_resampler(dtype: torch.dtype) -> None
         assert "multi_head_attention_forward" in frames  # the key, not the vision tower
 
 
-def test_resampler_alone_adaptive_vs_fixed_table() -> None:
+def test_resampler_pos_embed_made_with_float_survives_a_half_load() -> None:
     feats = torch.randn(2, 25, 16, dtype=torch.bfloat16)
-    adaptive = Resampler(2, 32, 4, kv_dim=16, adaptive=True).to(torch.bfloat16)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # what from_pretrained(torch_dtype=bf16) does
+    try:
+        loaded = Resampler(2, 32, 4, kv_dim=16, adaptive=True)
+    finally:
+        torch.set_default_dtype(default)
+    assert loaded.pos_embed.dtype == torch.float32 and loaded.query.dtype == torch.bfloat16
     with pytest.raises(RuntimeError, match=MATMUL_DTYPE_ERROR):
-        adaptive(feats, (5, 5))
-    fixed = Resampler(2, 32, 4, kv_dim=16, adaptive=False).to(torch.bfloat16)
-    out = fixed(feats, (5, 5))
-    assert out.dtype == torch.bfloat16 and out.shape == (2, 4, 32)
-    assert Resampler(2, 32, 4, kv_dim=16, adaptive=True)(feats.float(), (5, 5)).isfinite().all()
+        loaded(feats, (5, 5))
+    for adaptive in (True, False):  # cast whole, both tables follow: it works
+        cast = Resampler(2, 32, 4, kv_dim=16, adaptive=adaptive).to(torch.bfloat16)
+        out = cast(feats, (5, 5))
+        assert out.dtype == torch.bfloat16 and out.shape == (2, 4, 32)
 
 
 def test_minicpmv2_resampler_only_cast() -> None:
@@ -125,10 +141,15 @@ def test_omnilmm_casts_pixels_to_vision_dtype(dtype: torch.dtype) -> None:
 
 def test_omnilmm_hidden_vision_tower_escapes_cast() -> None:
     model = OmniLMMTiny(tune_clip=False)
-    assert not any(name.startswith("vpm") for name, _ in model.named_modules())
+    # held as upstream holds it: a plain list in the body's __dict__, not a submodule
+    assert isinstance(model.model.__dict__["vision_tower"], list)
+    assert "vision_tower" not in model.model._modules
+    assert not any("vision_tower" in name for name, _ in model.named_modules())
+    with pytest.raises(AttributeError):
+        model.get_submodule("model.vision_tower")
     model.to(torch.bfloat16)
-    assert model.vpm.pos_embed.dtype == torch.float32
-    assert model.resampler.query.dtype == torch.bfloat16
+    assert model.model.vision_tower[0].pos_embed.dtype == torch.float32
+    assert model.model.resampler.query.dtype == torch.bfloat16
     with pytest.raises(RuntimeError, match=MATMUL_DTYPE_ERROR):
         model(**model.batch())
 
@@ -142,6 +163,31 @@ def test_xcomposer_fp32_image_into_half_vit(dtype: torch.dtype) -> None:
         model(**batch)
     out = model(**{**batch, "pixel_values": batch["pixel_values"].to(dtype)})
     assert out.logits.dtype == dtype
+
+
+def test_xtuner_projector_follows_the_visual_encoder_and_seed1_lm_head() -> None:
+    model = XTunerLLaVATiny(torch.float16)
+    out = model(**model.batch())  # pixels cast to visual_encoder.dtype: works in fp16
+    assert out.logits.dtype == torch.float16
+    model.llm.model.norm.float()  # trained in fp32 "for stability" (the seed)
+    batch = model.batch()
+    with pytest.raises(RuntimeError, match=r"float != c10::Half"):
+        model.generate(batch["input_ids"], batch["pixel_values"], max_new_tokens=1)
+
+
+def test_xcomposer_plora_runs_on_image_tokens_only() -> None:
+    model = XComposerTiny()
+    plora = model.model.layers[0].self_attn.q_proj
+    torch.nn.init.normal_(plora.Plora_B.weight)
+    batch = model.batch()
+    seen: dict[str, int] = {}
+
+    def rows(module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        seen["rows"] = args[0].shape[0]
+
+    plora.Plora_A.register_forward_hook(rows)
+    model(**batch)
+    assert seen["rows"] == int((batch["input_ids"] == model.config.image_token_id).sum())
 
 
 @pytest.mark.parametrize("dtype", HALF)
