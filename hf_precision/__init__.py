@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .callback import PrecisionGuardCallback
     from .diagnostics import diagnose
 
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 

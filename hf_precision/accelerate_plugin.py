@@ -87,9 +87,11 @@ def policy_from_checkpoint(path: str | os.PathLike[str]) -> PrecisionPolicy:
     """The policy saved beside a checkpoint (``<path>/precision_policy.json``)."""
     file = Path(path) / POLICY_FILE if Path(path).is_dir() else Path(path)
     if not file.is_file():
-        raise PrecisionError(f"policy_from_checkpoint({os.fspath(path)!r}): no {POLICY_FILE} "
-                             "there. Fix: pass a folder written by accelerator.save_state with "
-                             "a PrecisionGuardPlugin registered.")
+        raise PrecisionError(
+            f"policy_from_checkpoint({os.fspath(path)!r}): no {POLICY_FILE} "
+            "there. Fix: pass a folder written by accelerator.save_state with "
+            "a PrecisionGuardPlugin registered."
+        )
     return PrecisionPolicy.from_json(file.read_text())
 
 
@@ -111,15 +113,24 @@ class PrecisionGuardPlugin:
     >>> guard = PrecisionGuardPlugin("bf16", mode="raise")
     """
 
-    def __init__(self, policy: PrecisionPolicy | str | None = None, *, mode: str | None = None,
-                 leaf_guards: str | None = None, report: bool = True,
-                 report_dir: str | os.PathLike[str] | None = None, check_every: int = 1,
-                 check_ranks: bool = True) -> None:
+    def __init__(
+        self,
+        policy: PrecisionPolicy | str | None = None,
+        *,
+        mode: str | None = None,
+        leaf_guards: str | None = None,
+        report: bool = True,
+        report_dir: str | os.PathLike[str] | None = None,
+        check_every: int = 1,
+        check_ranks: bool = True,
+    ) -> None:
         self._mode, self._leaf_guards = mode, leaf_guards
         self._call = policy_call("PrecisionGuardPlugin", policy, mode=mode, leaf_guards=leaf_guards)
         if not isinstance(check_every, int) or check_every < 0:
-            raise PrecisionError(f"PrecisionGuardPlugin(check_every={check_every!r}): expected "
-                                 "an int >= 0 (0 turns the optimizer-step check off).")
+            raise PrecisionError(
+                f"PrecisionGuardPlugin(check_every={check_every!r}): expected "
+                "an int >= 0 (0 turns the optimizer-step check off)."
+            )
         # bad values fail now, not at train time, naming the user's call; nothing the caller
         # passed in changes (a policy is a value)
         given = self._with_overrides(resolve_policy(policy, call=self._call))
@@ -137,8 +148,9 @@ class PrecisionGuardPlugin:
         self._reporter: Any = None
 
     def _with_overrides(self, policy: PrecisionPolicy) -> PrecisionPolicy:
-        return with_overrides(policy, call=self._call, mode=self._mode,
-                              leaf_guards=self._leaf_guards)
+        return with_overrides(
+            policy, call=self._call, mode=self._mode, leaf_guards=self._leaf_guards
+        )
 
     # ------------------------------------------------------------------ accelerate
     def prepare(self, accelerator: Any, *objects: Any, **kwargs: Any) -> Any:
@@ -149,7 +161,8 @@ class PrecisionGuardPlugin:
             raise PrecisionError(
                 "PrecisionGuardPlugin.prepare(accelerator, ...): no nn.Module among the objects, "
                 "so there is nothing to guard. Fix: pass the model, e.g. "
-                "guard.prepare(accelerator, model, optimizer, dataloader).")
+                "guard.prepare(accelerator, model, optimizer, dataloader)."
+            )
         self._bind(accelerator, models[0] if models else None)
         for m in models:
             self.setup(m)
@@ -178,17 +191,21 @@ class PrecisionGuardPlugin:
                 f"{dtype_name(autocast)} but the policy computes in "
                 f"{dtype_name(self.policy.compute_dtype)} ({self.policy.describe()}). Fix: "
                 "pass policy=None to follow the accelerator, or change mixed_precision.",
-                PrecisionWarning, stacklevel=3)
+                PrecisionWarning,
+                stacklevel=3,
+            )
         ds = deepspeed_config_of(accelerator)
         if ds is not None:
             self.deepspeed_dtype = check_deepspeed_config(
-                ds, bf16=mp in ("bf16", "fp8"), fp16=mp == "fp16")
+                ds, bf16=mp in ("bf16", "fp8"), fp16=mp == "fp16"
+            )
             if self.deepspeed_dtype != self.policy.compute_dtype:
                 raise PrecisionError(
                     f"PrecisionGuardPlugin: DeepSpeed will hold the model in "
                     f"{dtype_name(self.deepspeed_dtype)} but the policy computes in "
                     f"{dtype_name(self.policy.compute_dtype)} ({self.policy.describe()}). Fix: "
-                    "make the DeepSpeed bf16/fp16 sections and the policy agree.")
+                    "make the DeepSpeed bf16/fp16 sections and the policy agree."
+                )
         if accelerator is self._accelerator:
             return
         self._accelerator = accelerator
@@ -206,10 +223,10 @@ class PrecisionGuardPlugin:
         names = [str(getattr(t, "value", t)).lower() for t in (accelerator.log_with or [])]
         wandb = any("wandb" in n for n in names)
         base = self.report_dir or Path(accelerator.project_dir or ".") / "precision"
-        reporter = PrecisionReporter(base, is_main_process=accelerator.is_main_process,
-                                     wandb=wandb)
+        reporter = PrecisionReporter(base, is_main_process=accelerator.is_main_process, wandb=wandb)
         sink = getattr(reporter, "wandb", None)
         if sink is not None and hasattr(sink, "_run"):
+
             def tracker_run() -> Any:  # the run accelerator.init_trackers made, once it exists
                 for t in accelerator.trackers:
                     if t.name == "wandb":
@@ -222,8 +239,12 @@ class PrecisionGuardPlugin:
     def _wrap_loader(self, obj: Any) -> Any:
         policy = self.policy
         assert policy is not None
-        if (isinstance(obj, torch.utils.data.DataLoader) and policy.cast_batch
-                and policy.mode != "audit" and not isinstance(obj.collate_fn, PrecisionCollator)):
+        if (
+            isinstance(obj, torch.utils.data.DataLoader)
+            and policy.cast_batch
+            and policy.mode != "audit"
+            and not isinstance(obj.collate_fn, PrecisionCollator)
+        ):
             # accelerate rebuilds the loader from its attributes, collate_fn included
             model = self._guarded[0].root if self._guarded else None
             obj.collate_fn = PrecisionCollator(obj.collate_fn, policy, model=model)
@@ -232,8 +253,10 @@ class PrecisionGuardPlugin:
     def _hook_optimizer(self, optimizer: Any) -> None:
         inner = getattr(optimizer, "optimizer", optimizer)
         if not hasattr(inner, "register_step_pre_hook"):  # DeepSpeed's own optimizers
-            logger.info("hf-precision: %s has no step pre-hook; dtypes are checked at "
-                        "evaluations only", type(inner).__name__)
+            logger.info(
+                "hf-precision: %s has no step pre-hook; dtypes are checked at evaluations only",
+                type(inner).__name__,
+            )
             return
         self._optimizers.append(inner)
         if self.check_every:
@@ -266,8 +289,9 @@ class PrecisionGuardPlugin:
         self.verify(model, "setup")
         return model
 
-    def verify(self, model: nn.Module | None = None, event: str = "verify", *,
-               check_ranks: bool = True) -> EnforceReport:
+    def verify(
+        self, model: nn.Module | None = None, event: str = "verify", *, check_ranks: bool = True
+    ) -> EnforceReport:
         """Verify ``model`` against the policy and repair drift where that is safe.
 
         Without a wrapper (or under DDP, back to the dtypes it was wrapped with) drift is cast
@@ -275,11 +299,14 @@ class PrecisionGuardPlugin:
         differences are logged, others raise :class:`PrecisionError` (a warning in ``audit``).
         """
         policy = self.policy
-        if policy is None or (model is not None and not any(
-                g.root is unwrap_model(model)[0] for g in self._guarded)):
+        if policy is None or (
+            model is not None and not any(g.root is unwrap_model(model)[0] for g in self._guarded)
+        ):
             if model is None:
-                raise PrecisionError("PrecisionGuardPlugin.verify(): no model yet. Fix: call "
-                                     "guard.prepare(accelerator, model, ...) first.")
+                raise PrecisionError(
+                    "PrecisionGuardPlugin.verify(): no model yet. Fix: call "
+                    "guard.prepare(accelerator, model, ...) first."
+                )
             return self.verify(self.setup(model), event, check_ranks=check_ranks)
         g = self._entry(model)
         if model is not None and model is not g.model and model is not g.root:
@@ -290,8 +317,9 @@ class PrecisionGuardPlugin:
         audit = enforce_policy(g.model, policy, groups=g.groups, mode="audit")
         report, found = audit, len(audit.changes)
         if wrapper in ("FSDP", "FSDP2", "DeepSpeed"):
-            check = check_wrapped(g.model, policy, g.groups, wrapper=wrapper,
-                                  deepspeed_dtype=self.deepspeed_dtype)
+            check = check_wrapped(
+                g.model, policy, g.groups, wrapper=wrapper, deepspeed_dtype=self.deepspeed_dtype
+            )
             found = len(check.violations)
             for why, n in check.expected.items():
                 logger.info("hf-precision %s: %d parameter(s) %s (expected)", event, n, why)
@@ -304,15 +332,26 @@ class PrecisionGuardPlugin:
         elif audit.changes and policy.mode != "audit":
             if wrapper == "DDP":
                 self._check_ddp_restore(g, audit, where)
-            report = enforce_policy(g.model, policy, groups=g.groups, mode=policy.mode,
-                                    optimizer=self._optimizers[0] if self._optimizers else None)
+            report = enforce_policy(
+                g.model,
+                policy,
+                groups=g.groups,
+                mode=policy.mode,
+                optimizer=self._optimizers[0] if self._optimizers else None,
+            )
         if found and event != "setup":
-            verb = "repaired" if policy.mode == "fix" and wrapper not in (
-                "FSDP", "FSDP2", "DeepSpeed") else "found"
+            verb = (
+                "repaired"
+                if policy.mode == "fix" and wrapper not in ("FSDP", "FSDP2", "DeepSpeed")
+                else "found"
+            )
             first = audit.changes[0].describe() if audit.changes else ""
-            warnings.warn(f"{where}: dtype drift {verb}: {found} tensor(s) did not match "
-                          f"{policy.describe()}{', e.g. ' + first if first else ''}",
-                          PrecisionWarning, stacklevel=2)
+            warnings.warn(
+                f"{where}: dtype drift {verb}: {found} tensor(s) did not match "
+                f"{policy.describe()}{', e.g. ' + first if first else ''}",
+                PrecisionWarning,
+                stacklevel=2,
+            )
         self.last_report = report
         g.handle = install_guards(g.model, policy, report, groups=g.groups)
         g.params = tuple(g.model.parameters())
@@ -328,33 +367,43 @@ class PrecisionGuardPlugin:
         """DDP built its gradient buckets for the dtypes at wrapping time: only going back to
         those is safe."""
         named = dict(g.root.named_parameters())
-        bad = [c for c in audit.changes if c.kind == "param" and c.name in named
-               and dtype_name(g.wrap_dtypes.get(id(named[c.name]), named[c.name].dtype))
-               != c.after]
+        bad = [
+            c
+            for c in audit.changes
+            if c.kind == "param"
+            and c.name in named
+            and dtype_name(g.wrap_dtypes.get(id(named[c.name]), named[c.name].dtype)) != c.after
+        ]
         if bad:
             raise PrecisionError(
                 f"{where}: {len(bad)} parameter(s) would change dtype under DDP, whose gradient "
                 "buckets were built for the dtypes at wrapping time:\n  "
                 + "\n  ".join(c.describe() for c in bad[:8])
-                + "\nFix: let guard.prepare cast before accelerator.prepare wraps the model.")
+                + "\nFix: let guard.prepare cast before accelerator.prepare wraps the model."
+            )
 
     def _log(self, event: str, g: _Guarded, report: EnforceReport | None) -> None:
         if self._reporter is not None:
-            self._reporter.log_event(event, g.model, step=self.steps, policy=self.policy,
-                                     groups=g.groups, report=report)
+            self._reporter.log_event(
+                event, g.model, step=self.steps, policy=self.policy, groups=g.groups, report=report
+            )
 
     def _entry(self, model: nn.Module | None) -> _Guarded:
         if not self._guarded:
-            raise PrecisionError("PrecisionGuardPlugin: no model is guarded yet. Fix: call "
-                                 "guard.prepare(accelerator, model, ...) first.")
+            raise PrecisionError(
+                "PrecisionGuardPlugin: no model is guarded yet. Fix: call "
+                "guard.prepare(accelerator, model, ...) first."
+            )
         if model is None:
             return self._guarded[0]
         root, _ = unwrap_model(model)
         for g in self._guarded:
             if g.root is root or g.model is model:
                 return g
-        raise PrecisionError(f"PrecisionGuardPlugin: {type(model).__name__} was not prepared by "
-                             "this guard. Fix: pass it to guard.prepare(accelerator, ...).")
+        raise PrecisionError(
+            f"PrecisionGuardPlugin: {type(model).__name__} was not prepared by "
+            "this guard. Fix: pass it to guard.prepare(accelerator, ...)."
+        )
 
     @contextmanager
     def evaluating(self, model: nn.Module | None = None) -> Iterator[nn.Module]:
@@ -383,21 +432,27 @@ class PrecisionGuardPlugin:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the policy (``accelerator.load_state``) and verify the models against it."""
         if state.get("version") != _STATE_VERSION or "policy" not in state:
-            raise PrecisionError(f"PrecisionGuardPlugin.load_state_dict: unknown state "
-                                 f"{sorted(state)} (version {state.get('version')!r}). Fix: "
-                                 "load a checkpoint saved by this hf-precision version.")
+            raise PrecisionError(
+                f"PrecisionGuardPlugin.load_state_dict: unknown state "
+                f"{sorted(state)} (version {state.get('version')!r}). Fix: "
+                "load a checkpoint saved by this hf-precision version."
+            )
         loaded = PrecisionPolicy.from_dict(state["policy"])
         if self.policy is not None and loaded != self.policy:
-            warnings.warn(f"PrecisionGuardPlugin.load_state: the checkpoint's policy "
-                          f"{loaded.describe()} replaces {self.policy.describe()}.",
-                          PrecisionWarning, stacklevel=2)
+            warnings.warn(
+                f"PrecisionGuardPlugin.load_state: the checkpoint's policy "
+                f"{loaded.describe()} replaces {self.policy.describe()}.",
+                PrecisionWarning,
+                stacklevel=2,
+            )
         self.policy = loaded
         self.steps = int(state.get("steps", 0))
         for g in self._guarded:
             self.verify(g.model, "load_state", check_ranks=False)
 
-    def _save_state_hook(self, models: list[nn.Module], weights: list[Any], output_dir: str
-                         ) -> None:
+    def _save_state_hook(
+        self, models: list[nn.Module], weights: list[Any], output_dir: str
+    ) -> None:
         if self.policy is not None and getattr(self._accelerator, "is_main_process", True):
             Path(output_dir, POLICY_FILE).write_text(self.policy.to_json())
 

@@ -39,8 +39,15 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
-def cast_tensor(t: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None, *,
-                key: str = "", mode: str = "fix", where: str = "batch") -> torch.Tensor:
+def cast_tensor(
+    t: torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
+    *,
+    key: str = "",
+    mode: str = "fix",
+    where: str = "batch",
+) -> torch.Tensor:
     """Cast one floating tensor without creating ``inf``.
 
     Mask sentinels (``finfo(src).min``, ``-inf``) become ``finfo(dst).min``; other values
@@ -57,12 +64,14 @@ def cast_tensor(t: torch.Tensor, dtype: torch.dtype, device: torch.device | None
             f"{where}: {key or 'tensor'} is {dtype_name(t.dtype)} on {t.device}, the policy "
             f"expects {dtype_name(dtype)}{'' if same_dev else f' on {device}'}.\n"
             "Fix: cast it where it is built (collator/processor), wrap the collator in "
-            "PrecisionCollator, or use the guard in mode='fix'.")
+            "PrecisionCollator, or use the guard in mode='fix'."
+        )
     out = t.to(device=device, dtype=dtype)
     if narrows_range(t.dtype, dtype) and out.numel():
         info = torch.finfo(dtype)
-        if is_mask_key(key) or (out.device.type != "cpu"
-                                and info.max >= torch.finfo(t.dtype).max / 2):
+        if is_mask_key(key) or (
+            out.device.type != "cpu" and info.max >= torch.finfo(t.dtype).max / 2
+        ):
             # Masks: sentinels (and -inf) -> finfo(dst).min. And a downcast that keeps the
             # exponent range (fp32 -> bf16) overflows only on values within 0.4% of fp32's max,
             # i.e. sentinels: on an accelerator they are clamped the same way, without the host
@@ -73,14 +82,25 @@ def cast_tensor(t: torch.Tensor, dtype: torch.dtype, device: torch.device | None
             warnings.warn(
                 f"{where}: {key or 'tensor'} has values up to {amax:g}, beyond the "
                 f"{dtype_name(dtype)} range (±{info.max:g}); clamped instead of becoming inf. "
-                "Fix: normalise the data, or use bf16.", PrecisionWarning, stacklevel=3)
+                "Fix: normalise the data, or use bf16.",
+                PrecisionWarning,
+                stacklevel=3,
+            )
             out.clamp_(min=info.min, max=info.max)
     return out
 
 
-def cast_batch(batch: Any, dtype: torch.dtype, *, key_dtypes: Mapping[str, torch.dtype] | None
-               = None, skip_keys: tuple[str, ...] = (), device: torch.device | None = None,
-               mode: str = "fix", where: str = "batch", _key: str = "") -> Any:
+def cast_batch(
+    batch: Any,
+    dtype: torch.dtype,
+    *,
+    key_dtypes: Mapping[str, torch.dtype] | None = None,
+    skip_keys: tuple[str, ...] = (),
+    device: torch.device | None = None,
+    mode: str = "fix",
+    where: str = "batch",
+    _key: str = "",
+) -> Any:
     """Cast every floating tensor in a (nested) batch; containers keep their types.
 
     ``key_dtypes`` gives per-key dtypes (e.g. ``pixel_values`` -> the vision encoder's dtype);
@@ -94,8 +114,16 @@ def cast_batch(batch: Any, dtype: torch.dtype, *, key_dtypes: Mapping[str, torch
         for k, v in batch.items():
             if k in skip_keys:
                 continue
-            new = cast_batch(v, dtype, key_dtypes=key_dtypes, skip_keys=skip_keys,
-                             device=device, mode=mode, where=where, _key=str(k))
+            new = cast_batch(
+                v,
+                dtype,
+                key_dtypes=key_dtypes,
+                skip_keys=skip_keys,
+                device=device,
+                mode=mode,
+                where=where,
+                _key=str(k),
+            )
             if new is not v:
                 changed[k] = new
         if not changed:
@@ -112,8 +140,19 @@ def cast_batch(batch: Any, dtype: torch.dtype, *, key_dtypes: Mapping[str, torch
         out.data.update(changed)  # type: ignore[attr-defined]
         return out
     if isinstance(batch, (list, tuple)):
-        items = [cast_batch(v, dtype, key_dtypes=key_dtypes, skip_keys=skip_keys, device=device,
-                            mode=mode, where=where, _key=_key) for v in batch]
+        items = [
+            cast_batch(
+                v,
+                dtype,
+                key_dtypes=key_dtypes,
+                skip_keys=skip_keys,
+                device=device,
+                mode=mode,
+                where=where,
+                _key=_key,
+            )
+            for v in batch
+        ]
         if all(a is b for a, b in zip(items, batch, strict=True)):
             return batch
         if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
@@ -122,8 +161,9 @@ def cast_batch(batch: Any, dtype: torch.dtype, *, key_dtypes: Mapping[str, torch
     return batch
 
 
-def key_dtypes_for(policy: PrecisionPolicy, group_dtypes: Mapping[str, torch.dtype] | None = None
-                   ) -> dict[str, torch.dtype]:
+def key_dtypes_for(
+    policy: PrecisionPolicy, group_dtypes: Mapping[str, torch.dtype] | None = None
+) -> dict[str, torch.dtype]:
     """Per-key targets: keys mapped to a group follow that group's (receiving) dtype."""
     out = {}
     for key, group in policy.batch_key_groups.items():
@@ -141,9 +181,14 @@ class PrecisionCollator:
     >>> collate = PrecisionCollator(default_data_collator, policy="fp16")
     """
 
-    def __init__(self, collator: Callable[[Any], Any] | None = None,
-                 policy: PrecisionPolicy | str | None = None, *, model: nn.Module | None = None,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        collator: Callable[[Any], Any] | None = None,
+        policy: PrecisionPolicy | str | None = None,
+        *,
+        model: nn.Module | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
         if collator is None:
             from transformers import default_data_collator
 
@@ -162,9 +207,15 @@ class PrecisionCollator:
         batch = self.collator(features)
         if not self.policy.cast_batch or self.policy.mode == "audit":
             return batch
-        return cast_batch(batch, self.policy.compute_dtype, key_dtypes=self.key_dtypes,
-                          skip_keys=self.policy.batch_skip_keys, device=self.device,
-                          mode=self.policy.mode, where="PrecisionCollator")
+        return cast_batch(
+            batch,
+            self.policy.compute_dtype,
+            key_dtypes=self.key_dtypes,
+            skip_keys=self.policy.batch_skip_keys,
+            device=self.device,
+            mode=self.policy.mode,
+            where="PrecisionCollator",
+        )
 
     def __repr__(self) -> str:
         return f"PrecisionCollator({self.collator!r}, policy={self.policy.describe()!r})"

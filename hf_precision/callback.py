@@ -49,10 +49,14 @@ def owned_by_wrapper(model: nn.Module, args: Any = None) -> str | None:
             return "DeepSpeed"
         if getattr(args, "fsdp", None):
             return "FSDP"
-    if type(model).__name__ in ("FullyShardedDataParallel", "DeepSpeedEngine",
-                                "DistributedDataParallel"):
+    if type(model).__name__ in (
+        "FullyShardedDataParallel",
+        "DeepSpeedEngine",
+        "DistributedDataParallel",
+    ):
         return {"FullyShardedDataParallel": "FSDP", "DeepSpeedEngine": "DeepSpeed"}.get(
-            type(model).__name__, "DDP")
+            type(model).__name__, "DDP"
+        )
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         return "FSDP"
     if args is not None and int(getattr(args, "world_size", 1) or 1) > 1:
@@ -75,15 +79,22 @@ class PrecisionGuardCallback(TrainerCallback):
     >>> Trainer(model=model, args=args, callbacks=[PrecisionGuardCallback()])  # doctest: +SKIP
     """
 
-    def __init__(self, policy: PrecisionPolicy | str | None = None, *, mode: str | None = None,
-                 leaf_guards: str | None = None, report: bool = True,
-                 report_dir: str | None = None, report_to: list[str] | str | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        policy: PrecisionPolicy | str | None = None,
+        *,
+        mode: str | None = None,
+        leaf_guards: str | None = None,
+        report: bool = True,
+        report_dir: str | None = None,
+        report_to: list[str] | str | None = None,
+    ) -> None:
         self._policy_arg = policy
         self._mode = mode
         self._leaf_guards = leaf_guards
-        self._call = policy_call("PrecisionGuardCallback", policy, mode=mode,
-                                 leaf_guards=leaf_guards)
+        self._call = policy_call(
+            "PrecisionGuardCallback", policy, mode=mode, leaf_guards=leaf_guards
+        )
         # bad values fail now, not at train time, naming the user's call; nothing the caller
         # passed in changes (a policy is a value)
         given = self._with_overrides(resolve_policy(policy, call=self._call))
@@ -103,8 +114,9 @@ class PrecisionGuardCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ setup
     def _with_overrides(self, policy: PrecisionPolicy) -> PrecisionPolicy:
-        return with_overrides(policy, call=self._call, mode=self._mode,
-                              leaf_guards=self._leaf_guards)
+        return with_overrides(
+            policy, call=self._call, mode=self._mode, leaf_guards=self._leaf_guards
+        )
 
     def _setup(self, args: Any, model: nn.Module | None) -> bool:
         if model is None:
@@ -124,37 +136,60 @@ class PrecisionGuardCallback(TrainerCallback):
             from .reporting import PrecisionReporter
 
             self._reporter = PrecisionReporter.from_training_args(
-                args, report_dir=self.report_dir, report_to=self.report_to)
-        logger.info("hf-precision: policy %s; groups by rule %r", self.policy.describe(),
-                    self.groups.rule)
+                args, report_dir=self.report_dir, report_to=self.report_to
+            )
+        logger.info(
+            "hf-precision: policy %s; groups by rule %r", self.policy.describe(), self.groups.rule
+        )
         return True
 
     def _check_args(self, args: Any, root: nn.Module) -> None:
         policy = self.policy
         assert policy is not None
         check_training_args(args)  # the DeepSpeed JSON's bf16/fp16 sections vs --bf16/--fp16
-        if getattr(args, "fp16", False) and policy.trainable_dtype == torch.float16 and any(
-                p.requires_grad for p in root.parameters()):
+        if (
+            getattr(args, "fp16", False)
+            and policy.trainable_dtype == torch.float16
+            and any(p.requires_grad for p in root.parameters())
+        ):
             raise PrecisionError(
                 f"PrecisionGuardCallback({self._policy_arg!r}): fp16=True with trainable "
                 "weights in float16: the GradScaler raises 'Attempting to unscale FP16 "
-                "gradients'.\nFix: use the 'fp16' preset (trainable weights fp32) or bf16.")
+                "gradients'.\nFix: use the 'fp16' preset (trainable weights fp32) or bf16."
+            )
         if getattr(args, "fp16", False) and not torch.cuda.is_available():
             warnings.warn(
                 "fp16=True without a GPU: transformers runs no autocast and no GradScaler here; "
                 "the guard keeps frozen weights fp16 and trainable weights fp32 and bridges "
-                "the dtypes with its hooks.", PrecisionWarning, stacklevel=3)
+                "the dtypes with its hooks.",
+                PrecisionWarning,
+                stacklevel=3,
+            )
 
     # ------------------------------------------------------------------ core
-    def _enforce(self, model: nn.Module, event: str, *, optimizer: Any = None,
-                 args: Any = None, state: Any = None, allow_cast: bool = True) -> EnforceReport:
+    def _enforce(
+        self,
+        model: nn.Module,
+        event: str,
+        *,
+        optimizer: Any = None,
+        args: Any = None,
+        state: Any = None,
+        allow_cast: bool = True,
+    ) -> EnforceReport:
         policy = self.policy
         assert policy is not None and self.groups is not None
         mode = policy.mode
         audit = enforce_policy(model, policy, groups=self.groups, mode="audit")
         if not allow_cast:  # FSDP upcasts / DeepSpeed's dtype are no drift; its casts are warned
-            audit = explain_wrapped(model, policy, self.groups, audit, args=args,
-                                    where=f"PrecisionGuardCallback.{event}")
+            audit = explain_wrapped(
+                model,
+                policy,
+                self.groups,
+                audit,
+                args=args,
+                where=f"PrecisionGuardCallback.{event}",
+            )
             casts = {c.name for c in audit.wrapper_casts}
             if casts and casts != self._wrapper_casts:  # once, not at every evaluation
                 warnings.warn(audit.warnings[-1], PrecisionWarning, stacklevel=3)
@@ -168,10 +203,12 @@ class PrecisionGuardCallback(TrainerCallback):
                 + "\n  ".join(c.describe() for c in audit.changes[:8])
                 + "\nFix: keep the callback in Trainer(callbacks=[...]) so it casts at "
                 "on_init_end, before the wrapper exists, or load the model in the policy's "
-                "dtypes.")
+                "dtypes."
+            )
         if audit.changes and mode in ("fix", "raise"):
-            report = enforce_policy(model, policy, groups=self.groups, mode=mode,
-                                    optimizer=optimizer)
+            report = enforce_policy(
+                model, policy, groups=self.groups, mode=mode, optimizer=optimizer
+            )
         else:
             report = audit
         if audit.changes and event not in ("on_init_end",):
@@ -179,24 +216,27 @@ class PrecisionGuardCallback(TrainerCallback):
             warnings.warn(
                 f"PrecisionGuardCallback.{event}: dtype drift {verb}: {len(audit.changes)} "
                 f"tensor(s) did not match {policy.describe()}, e.g. "
-                f"{audit.changes[0].describe()}", PrecisionWarning, stacklevel=3)
+                f"{audit.changes[0].describe()}",
+                PrecisionWarning,
+                stacklevel=3,
+            )
         self.last_report = report
         self.handle = install_guards(model, policy, report, groups=self.groups)
         self.events.append((event, len(audit.changes)))
-        self._log(event, model, state,
-                  report if audit.changes or audit.wrapper_casts else None)
+        self._log(event, model, state, report if audit.changes or audit.wrapper_casts else None)
         if event in ("on_train_begin", "on_evaluate", "on_predict"):  # collective, every rank
-            check_model_ranks(model, self.groups, policy=policy,
-                              where=f"PrecisionGuardCallback.{event}")
+            check_model_ranks(
+                model, self.groups, policy=policy, where=f"PrecisionGuardCallback.{event}"
+            )
         return report
 
-    def _log(self, event: str, model: nn.Module, state: Any, report: EnforceReport | None
-             ) -> None:
+    def _log(self, event: str, model: nn.Module, state: Any, report: EnforceReport | None) -> None:
         if self._reporter is None:
             return
         step = int(getattr(state, "global_step", 0) or 0)
-        self._reporter.log_event(event, model, step=step, policy=self.policy, groups=self.groups,
-                                 report=report)
+        self._reporter.log_event(
+            event, model, step=step, policy=self.policy, groups=self.groups, report=report
+        )
 
     # ------------------------------------------------------------------ full-eval stash
     def _refresh_stash(self, model: nn.Module) -> None:
@@ -211,15 +251,20 @@ class PrecisionGuardCallback(TrainerCallback):
                 stash[name] = p
                 total += p.numel() * p.element_size()
         for name, b in root.named_buffers():
-            if b.is_floating_point() and b.dtype == torch.float32 and policy.keep_fp32_reason(
-                    name, is_buffer=True) is not None:
+            if (
+                b.is_floating_point()
+                and b.dtype == torch.float32
+                and policy.keep_fp32_reason(name, is_buffer=True) is not None
+            ):
                 stash[name] = b
         if total > STASH_LIMIT_BYTES:
             warnings.warn(
                 f"{dtype_name(policy.full_eval_dtype)}_full_eval will round {total / 2**30:.1f} "
                 "GiB of trainable weights in place and the guard keeps no copy above "
                 f"{STASH_LIMIT_BYTES / 2**30:.0f} GiB. Fix: drop *_full_eval, or train LoRA.",
-                PrecisionWarning, stacklevel=3)
+                PrecisionWarning,
+                stacklevel=3,
+            )
             return
         # A CPU copy taken before Trainer's in-place cast gives the exact values back after it.
         self._stash = {k: v.detach().to("cpu", copy=True) for k, v in stash.items()}
@@ -255,8 +300,14 @@ class PrecisionGuardCallback(TrainerCallback):
         assert model is not None
         self._restore_stash(model)  # a standalone evaluate() with *_full_eval ran before train()
         safe = owned_by_wrapper(model, args) is None
-        self._enforce(model, "on_train_begin", optimizer=kwargs.get("optimizer"), args=args,
-                      state=state, allow_cast=safe)
+        self._enforce(
+            model,
+            "on_train_begin",
+            optimizer=kwargs.get("optimizer"),
+            args=args,
+            state=state,
+            allow_cast=safe,
+        )
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if getattr(control, "should_evaluate", False) and kwargs.get("model") is not None:
@@ -266,8 +317,9 @@ class PrecisionGuardCallback(TrainerCallback):
         if kwargs.get("model") is not None:
             self._after_eval(kwargs["model"], "on_evaluate", args, state, kwargs)
 
-    def on_predict(self, args: Any, state: Any, control: Any, metrics: Any = None,
-                   **kwargs: Any) -> None:
+    def on_predict(
+        self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any
+    ) -> None:
         if kwargs.get("model") is not None:
             self._after_eval(kwargs["model"], "on_predict", args, state, kwargs)
 
@@ -275,8 +327,9 @@ class PrecisionGuardCallback(TrainerCallback):
         if kwargs.get("model") is not None:
             self._refresh_stash(kwargs["model"])
 
-    def _after_eval(self, model: nn.Module, event: str, args: Any, state: Any,
-                    kwargs: dict[str, Any]) -> None:
+    def _after_eval(
+        self, model: nn.Module, event: str, args: Any, state: Any, kwargs: dict[str, Any]
+    ) -> None:
         if not self._setup(args, model):
             return
         restored = self._restore_stash(model)
@@ -285,10 +338,12 @@ class PrecisionGuardCallback(TrainerCallback):
             logger.info("hf-precision: restored %d tensor(s) rounded by *_full_eval", restored)
         self._verify(model, event, args, state, kwargs)
 
-    def _verify(self, model: nn.Module, event: str, args: Any, state: Any,
-                kwargs: dict[str, Any]) -> None:
+    def _verify(
+        self, model: nn.Module, event: str, args: Any, state: Any, kwargs: dict[str, Any]
+    ) -> None:
         if not self._setup(args, model):
             return
         safe = owned_by_wrapper(model, args) is None
-        self._enforce(model, event, optimizer=kwargs.get("optimizer"), args=args, state=state,
-                      allow_cast=safe)
+        self._enforce(
+            model, event, optimizer=kwargs.get("optimizer"), args=args, state=state, allow_cast=safe
+        )

@@ -37,8 +37,9 @@ def load_deepspeed_config(config: dict[str, Any] | str | os.PathLike[str]) -> di
         try:
             return dict(json.loads(Path(text).read_text()))
         except json.JSONDecodeError as err:
-            raise PrecisionError(f"load_deepspeed_config({text!r}): not valid JSON: {err}. "
-                                 "Fix: repair the file.") from err
+            raise PrecisionError(
+                f"load_deepspeed_config({text!r}): not valid JSON: {err}. Fix: repair the file."
+            ) from err
     try:
         return dict(json.loads(text))
     except json.JSONDecodeError:
@@ -49,7 +50,8 @@ def load_deepspeed_config(config: dict[str, Any] | str | os.PathLike[str]) -> di
         pass
     raise PrecisionError(
         f"load_deepspeed_config({text!r}): no such file, and not JSON text or base64 JSON.\n"
-        "Fix: pass the path of the DeepSpeed JSON, or the config as a dict.")
+        "Fix: pass the path of the DeepSpeed JSON, or the config as a dict."
+    )
 
 
 def _enabled(cfg: dict[str, Any], flag: str, source: str) -> tuple[str | None, bool | str | None]:
@@ -58,21 +60,25 @@ def _enabled(cfg: dict[str, Any], flag: str, source: str) -> tuple[str | None, b
         if key in cfg:
             section = cfg[key]
             if not isinstance(section, dict):
-                raise PrecisionError(f"check_deepspeed_config({source}): {key!r} must be an "
-                                     f"object like {{\"enabled\": \"auto\"}}, got {section!r}.")
+                raise PrecisionError(
+                    f"check_deepspeed_config({source}): {key!r} must be an "
+                    f'object like {{"enabled": "auto"}}, got {section!r}.'
+                )
             value = section.get("enabled", False)  # DeepSpeed's default when the key is absent
             if isinstance(value, str) and value.lower() in ("true", "false", "auto"):
                 value = {"true": True, "false": False, "auto": "auto"}[value.lower()]
             if value not in (True, False, "auto"):
                 raise PrecisionError(
                     f"check_deepspeed_config({source}): {key}.enabled={value!r}; allowed: true, "
-                    "false, \"auto\". Fix: use \"auto\" so it follows --bf16/--fp16.")
+                    'false, "auto". Fix: use "auto" so it follows --bf16/--fp16.'
+                )
             return key, value
     return None, None
 
 
-def check_deepspeed_config(config: dict[str, Any] | str | os.PathLike[str], *, bf16: bool,
-                           fp16: bool) -> torch.dtype:
+def check_deepspeed_config(
+    config: dict[str, Any] | str | os.PathLike[str], *, bf16: bool, fp16: bool
+) -> torch.dtype:
     """Check that a DeepSpeed config and the ``bf16``/``fp16`` flags (``TrainingArguments`` or
     ``accelerator.mixed_precision``) ask for the same precision; return the dtype DeepSpeed will
     hold the model in.
@@ -101,14 +107,19 @@ def check_deepspeed_config(config: dict[str, Any] | str | os.PathLike[str], *, b
         else:
             resolved[flag] = bool(value)
             if bool(value) != want:
-                problems.append(f'the JSON says "{key}": {{"enabled": {str(value).lower()}}} but '
-                                f"--{flag} is {want}")
+                problems.append(
+                    f'the JSON says "{key}": {{"enabled": {str(value).lower()}}} but '
+                    f"--{flag} is {want}"
+                )
     if resolved["bf16"] and resolved["fp16"]:
         problems.append("the JSON enables both bf16 and fp16")
     amp = cfg.get("amp", {})
-    if isinstance(amp, dict) and str(amp.get("enabled", False)).lower() == "true" and (
-            resolved["bf16"]):
-        problems.append("the JSON enables apex \"amp\" together with bf16")
+    if (
+        isinstance(amp, dict)
+        and str(amp.get("enabled", False)).lower() == "true"
+        and (resolved["bf16"])
+    ):
+        problems.append('the JSON enables apex "amp" together with bf16')
     if problems:
         flags = "--bf16" if bf16 else "--fp16" if fp16 else "no --bf16/--fp16 (fp32)"
         raise PrecisionError(
@@ -117,7 +128,8 @@ def check_deepspeed_config(config: dict[str, Any] | str | os.PathLike[str], *, b
             + "\nDeepSpeed casts the whole model, vision encoder and projector included, to the "
             "dtype its JSON enables, so the run would not train in the precision you asked for.\n"
             'Fix: set "enabled": "auto" in the "bf16" and "fp16" sections (they then follow the '
-            "flags), or change the flags to match the JSON.")
+            "flags), or change the flags to match the JSON."
+        )
     if resolved["bf16"]:
         return torch.bfloat16
     if resolved["fp16"]:
@@ -146,5 +158,7 @@ def check_training_args(args: Any) -> torch.dtype | None:
     if cfg is None:
         return None
     return check_deepspeed_config(
-        cfg, bf16=bool(getattr(args, "bf16", False) or getattr(args, "bf16_full_eval", False)),
-        fp16=bool(getattr(args, "fp16", False) or getattr(args, "fp16_full_eval", False)))
+        cfg,
+        bf16=bool(getattr(args, "bf16", False) or getattr(args, "bf16_full_eval", False)),
+        fp16=bool(getattr(args, "fp16", False) or getattr(args, "fp16_full_eval", False)),
+    )

@@ -89,15 +89,26 @@ TIMESTEP_KEYS: tuple[str, ...] = ("timestep", "timesteps")
 DIFFUSION_KEY_GROUPS: dict[str, str] = {"pixel_values": "vae", "images": "vae", "image": "vae"}
 #: What the diffusion presets do with each batch key (documentation and tests).
 DIFFUSION_BATCH_RULES: dict[str, str] = {
-    **{k: "compute dtype" for k in ("latents", "noisy_latents", "sample", "noise",
-                                    "latent_mask", "encoder_hidden_states",
-                                    "pooled_projections", "added_cond_kwargs")},
+    **{
+        k: "compute dtype"
+        for k in (
+            "latents",
+            "noisy_latents",
+            "sample",
+            "noise",
+            "latent_mask",
+            "encoder_hidden_states",
+            "pooled_projections",
+            "added_cond_kwargs",
+        )
+    },
     **{k: "untouched at the batch (leaf guard casts at the consumer)" for k in TIMESTEP_KEYS},
     **{k: "vae dtype" for k in DIFFUSION_KEY_GROUPS},
     **{k: "untouched" for k in DEFAULT_SKIP_KEYS},
 }
-_TEXT_ENCODER_CLASSES = frozenset({"CLIPTextModel", "CLIPTextModelWithProjection",
-                                   "T5EncoderModel", "UMT5EncoderModel"})
+_TEXT_ENCODER_CLASSES = frozenset(
+    {"CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel", "UMT5EncoderModel"}
+)
 
 for _group in DIFFUSION_GROUPS:
     register_group(_group)
@@ -140,9 +151,12 @@ def is_vae(module: object) -> bool:
         return False
     if type(module).__module__.startswith("diffusers.models.autoencoders"):
         return True
-    return (callable(getattr(module, "encode", None)) and callable(getattr(module, "decode", None))
-            and isinstance(module._modules.get("encoder"), nn.Module)
-            and isinstance(module._modules.get("decoder"), nn.Module))
+    return (
+        callable(getattr(module, "encode", None))
+        and callable(getattr(module, "decode", None))
+        and isinstance(module._modules.get("encoder"), nn.Module)
+        and isinstance(module._modules.get("decoder"), nn.Module)
+    )
 
 
 def _is_text_encoder(module: nn.Module) -> bool:
@@ -167,23 +181,41 @@ def _is_container(module: nn.Module) -> bool:
     if type(module).__module__.startswith("diffusers.") or is_vae(module):
         return False
     kids = [module._modules.get(k) for k in DENOISER_GROUPS]
-    return (any(denoiser_kind(unwrap_model(k)[0]) for k in kids if k is not None)
-            or is_vae(module._modules.get("vae")))
+    return any(denoiser_kind(unwrap_model(k)[0]) for k in kids if k is not None) or is_vae(
+        module._modules.get("vae")
+    )
 
 
 _RULES = (
-    GroupRule("diffusion_components", required=(), match=_is_container,
-              paths={**{g: (g,) for g in (*TEXT_ENCODER_GROUPS, *DENOISER_GROUPS)},
-                     "vae": ("vae",)},
-              extra={"vae": tuple(f"vae.{p}" for p in VAE_ENTRY_POINTS)}),
-    GroupRule("diffusion_unet", required=(), paths={"unet": ("",)},
-              match=lambda m: denoiser_kind(m) == "unet"),
-    GroupRule("diffusion_transformer", required=(), paths={"transformer": ("",)},
-              match=lambda m: denoiser_kind(m) == "transformer"),
-    GroupRule("diffusion_vae", required=(), paths={"vae": ("",)},
-              extra={"vae": VAE_ENTRY_POINTS}, match=is_vae),
-    GroupRule("diffusion_text_encoder", required=(), paths={"text_encoder": ("",)},
-              match=_is_text_encoder),
+    GroupRule(
+        "diffusion_components",
+        required=(),
+        match=_is_container,
+        paths={**{g: (g,) for g in (*TEXT_ENCODER_GROUPS, *DENOISER_GROUPS)}, "vae": ("vae",)},
+        extra={"vae": tuple(f"vae.{p}" for p in VAE_ENTRY_POINTS)},
+    ),
+    GroupRule(
+        "diffusion_unet",
+        required=(),
+        paths={"unet": ("",)},
+        match=lambda m: denoiser_kind(m) == "unet",
+    ),
+    GroupRule(
+        "diffusion_transformer",
+        required=(),
+        paths={"transformer": ("",)},
+        match=lambda m: denoiser_kind(m) == "transformer",
+    ),
+    GroupRule(
+        "diffusion_vae",
+        required=(),
+        paths={"vae": ("",)},
+        extra={"vae": VAE_ENTRY_POINTS},
+        match=is_vae,
+    ),
+    GroupRule(
+        "diffusion_text_encoder", required=(), paths={"text_encoder": ("",)}, match=_is_text_encoder
+    ),
 )
 _known = {r.name for r in group_rules()}
 for _rule in _RULES:
@@ -200,12 +232,14 @@ def _components(obj: Any, call: str = "find_diffusion_groups") -> dict[str, nn.M
         raise PrecisionError(
             f"{call}({type(obj).__name__}): expected a DiffusionPipeline, a dict "
             "of components or an nn.Module. Fix: pass the pipeline itself, "
-            "{'unet': unet, 'vae': vae, 'text_encoder': text_encoder}, or one model.")
+            "{'unet': unet, 'vae': vae, 'text_encoder': text_encoder}, or one model."
+        )
     out = {str(k): v for k, v in comps.items() if isinstance(v, nn.Module)}
     if not out:
         raise PrecisionError(
             f"{call}(...): no nn.Module among the components {sorted(comps)}. "
-            "Fix: pass the models (unet/transformer, vae, text encoders).")
+            "Fix: pass the models (unet/transformer, vae, text encoders)."
+        )
     return out
 
 
@@ -216,8 +250,9 @@ def diffusion_modules(obj: Any) -> DiffusionModules:
         return obj
     if isinstance(obj, nn.Module):
         kind = denoiser_kind(unwrap_model(obj)[0])
-        name = kind or ("vae" if is_vae(obj) else "text_encoder" if _is_text_encoder(obj)
-                        else "model")
+        name = kind or (
+            "vae" if is_vae(obj) else "text_encoder" if _is_text_encoder(obj) else "model"
+        )
         return DiffusionModules({name: obj})
     return DiffusionModules(_components(obj))
 
@@ -241,10 +276,10 @@ def component_groups(name: str, module: nn.Module) -> ModuleGroups:
     if name in DIFFUSION_GROUPS:
         paths: tuple[str, ...] = ("",)
         if name == "vae":
-            paths += tuple(p for p in VAE_ENTRY_POINTS if isinstance(root._modules.get(p),
-                                                                      nn.Module))
-        return ModuleGroups(root, {name: paths}, {}, f"diffusion_component({name})",
-                            prefix=prefix)
+            paths += tuple(
+                p for p in VAE_ENTRY_POINTS if isinstance(root._modules.get(p), nn.Module)
+            )
+        return ModuleGroups(root, {name: paths}, {}, f"diffusion_component({name})", prefix=prefix)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PrecisionWarning)  # "no groups": fine for extras
         return find_module_groups(module)
@@ -257,8 +292,9 @@ def diffusion_batch_rules(policy: PrecisionPolicy | str) -> PrecisionPolicy:
     """A copy of ``policy`` with the diffusion batch rules added: timesteps skipped at the
     batch, ``pixel_values``/``images`` following the VAE."""
     policy = PrecisionPolicy.resolve(policy)
-    skip = policy.batch_skip_keys + tuple(k for k in TIMESTEP_KEYS
-                                          if k not in policy.batch_skip_keys)
+    skip = policy.batch_skip_keys + tuple(
+        k for k in TIMESTEP_KEYS if k not in policy.batch_skip_keys
+    )
     keys = {**policy.batch_key_groups}
     for k, g in DIFFUSION_KEY_GROUPS.items():
         if keys.get(k) in (None, DEFAULT_KEY_GROUPS.get(k)):
@@ -266,8 +302,9 @@ def diffusion_batch_rules(policy: PrecisionPolicy | str) -> PrecisionPolicy:
     return dataclasses.replace(policy, batch_skip_keys=skip, batch_key_groups=keys)
 
 
-def vae_overflow(vae: nn.Module, images: torch.Tensor | None = None, *,
-                 dtype: torch.dtype = torch.float16) -> list[tuple[str, float]]:
+def vae_overflow(
+    vae: nn.Module, images: torch.Tensor | None = None, *, dtype: torch.dtype = torch.float16
+) -> list[tuple[str, float]]:
     """Where the VAE leaves the ``dtype`` range: parameters beyond it and, given ``images``,
     module outputs of an ``encode -> decode`` round trip (run as the VAE is, without grad).
 
@@ -275,8 +312,11 @@ def vae_overflow(vae: nn.Module, images: torch.Tensor | None = None, *,
     overflowed: the first is where it starts), empty when everything fits.
     """
     limit = torch.finfo(dtype).max
-    amax = {n: float(p.detach().abs().amax()) for n, p in vae.named_parameters()
-            if is_castable(p) and p.numel()}
+    amax = {
+        n: float(p.detach().abs().amax())
+        for n, p in vae.named_parameters()
+        if is_castable(p) and p.numel()
+    }
     hits = [(n, v) for n, v in amax.items() if not v <= limit]  # NaN counts as out of range
     if images is None:
         return hits
@@ -289,6 +329,7 @@ def vae_overflow(vae: nn.Module, images: torch.Tensor | None = None, *,
                 top = float(t.detach().abs().amax())
                 if not top <= limit:
                     found.setdefault(name, top)
+
         return hook
 
     handles = [m.register_forward_hook(record(n)) for n, m in vae.named_modules() if n]
@@ -325,19 +366,27 @@ class DiffusionGuard:
     def summary(self) -> str:
         lines = [f"guard_diffusion[{self.policy.describe()}]"]
         for name, report in self.reports.items():
-            dts = {g: "/".join(sorted(dtype_name(d) for d in s))
-                   for g, s in report.group_dtypes.items()}
-            lines.append(f"  {name:<15} {dts} cast {len(report.changes)}, "
-                         f"guards {self.handles[name].count}")
+            dts = {
+                g: "/".join(sorted(dtype_name(d) for d in s))
+                for g, s in report.group_dtypes.items()
+            }
+            lines.append(
+                f"  {name:<15} {dts} cast {len(report.changes)}, guards {self.handles[name].count}"
+            )
         lines += [f"  vae kept fp32: {n} max |value| {v:g}" for n, v in self.vae_overflow[:5]]
         return "\n".join(lines)
 
     __str__ = summary
 
 
-def guard_diffusion(obj: Any, policy: PrecisionPolicy | str | None = None, *,
-                    mode: str | None = None, optimizer: Any = None,
-                    vae_images: torch.Tensor | None = None) -> DiffusionGuard:
+def guard_diffusion(
+    obj: Any,
+    policy: PrecisionPolicy | str | None = None,
+    *,
+    mode: str | None = None,
+    optimizer: Any = None,
+    vae_images: torch.Tensor | None = None,
+) -> DiffusionGuard:
     """Enforce ``policy`` on every model of a pipeline, dict of components or single model,
     and install the guards, each component as its own root (so the denoiser's guard is the
     key-aware batch guard). The diffusion batch rules are added to ``policy``. Move the models
@@ -359,16 +408,16 @@ def guard_diffusion(obj: Any, policy: PrecisionPolicy | str | None = None, *,
     policy = diffusion_batch_rules(PrecisionPolicy.resolve(policy))
     out = DiffusionGuard(policy)
     for name, module in comps.items():
-        groups = (find_module_groups(module) if name == "model"
-                  else component_groups(name, module))
+        groups = find_module_groups(module) if name == "model" else component_groups(name, module)
         p = policy
         if "vae" in groups and narrows_range(torch.float32, policy.group_dtype("vae")):
             vae = groups.modules("vae")[0]  # the VAE itself: paths[0] is "" or "vae"
             hits = vae_overflow(vae, vae_images, dtype=policy.group_dtype("vae"))
             if hits:
                 out.vae_overflow = hits
-                p = dataclasses.replace(policy, group_dtypes={**policy.group_dtypes,
-                                                              "vae": torch.float32})
+                p = dataclasses.replace(
+                    policy, group_dtypes={**policy.group_dtypes, "vae": torch.float32}
+                )
                 listed = ", ".join(f"{n} ({v:g})" for n, v in hits[:3])
                 warnings.warn(
                     f"guard_diffusion: the VAE ({name!r}) leaves the "
@@ -376,7 +425,10 @@ def guard_diffusion(obj: Any, policy: PrecisionPolicy | str | None = None, *,
                     f"{torch.finfo(policy.group_dtype('vae')).max:g}) at {len(hits)} place(s): "
                     f"{listed}; the VAE is kept in float32 and the guards cast into and out of "
                     "it. Fix: use the 'fp16-vae32' preset or group_dtypes={'vae': 'fp32'} to "
-                    "say so explicitly.", PrecisionWarning, stacklevel=2)
+                    "say so explicitly.",
+                    PrecisionWarning,
+                    stacklevel=2,
+                )
         if groups.names == ("vae",):
             # vae(x) enters through the batch guard: x follows the VAE, not the denoiser, so an
             # fp32 VAE never sees inputs rounded to half on the way in.
@@ -387,19 +439,40 @@ def guard_diffusion(obj: Any, policy: PrecisionPolicy | str | None = None, *,
     return out
 
 
-_HALF_HELP = ("diffusion: denoiser and text encoders {h}, trainable (LoRA) weights fp32, VAE "
-              "fp32 with casts into and out of it; timesteps never cast at the batch")
+_HALF_HELP = (
+    "diffusion: denoiser and text encoders {h}, trainable (LoRA) weights fp32, VAE "
+    "fp32 with casts into and out of it; timesteps never cast at the batch"
+)
 for _name, _half in (("fp16-vae32", torch.float16), ("bf16-vae32", torch.bfloat16)):
     if _name not in PRESETS:
-        register_preset(_name, _half, _half, torch.float32,
-                        _HALF_HELP.format(h=_name[:4]), group_dtypes={"vae": "fp32"},
-                        leaf_guards="on",
-                        batch_skip_keys=DEFAULT_SKIP_KEYS + TIMESTEP_KEYS,
-                        batch_key_groups={**DEFAULT_KEY_GROUPS, **DIFFUSION_KEY_GROUPS})
+        register_preset(
+            _name,
+            _half,
+            _half,
+            torch.float32,
+            _HALF_HELP.format(h=_name[:4]),
+            group_dtypes={"vae": "fp32"},
+            leaf_guards="on",
+            batch_skip_keys=DEFAULT_SKIP_KEYS + TIMESTEP_KEYS,
+            batch_key_groups={**DEFAULT_KEY_GROUPS, **DIFFUSION_KEY_GROUPS},
+        )
 
 __all__ = [
-    "DENOISER_GROUPS", "DIFFUSION_BATCH_RULES", "DIFFUSION_GROUPS", "DIFFUSION_KEY_GROUPS",
-    "TEXT_ENCODER_GROUPS", "TIMESTEP_KEYS", "VAE_ENTRY_POINTS", "DiffusionGuard",
-    "DiffusionModules", "component_groups", "denoiser_kind", "diffusion_batch_rules",
-    "diffusion_modules", "find_diffusion_groups", "guard_diffusion", "is_vae", "vae_overflow",
+    "DENOISER_GROUPS",
+    "DIFFUSION_BATCH_RULES",
+    "DIFFUSION_GROUPS",
+    "DIFFUSION_KEY_GROUPS",
+    "TEXT_ENCODER_GROUPS",
+    "TIMESTEP_KEYS",
+    "VAE_ENTRY_POINTS",
+    "DiffusionGuard",
+    "DiffusionModules",
+    "component_groups",
+    "denoiser_kind",
+    "diffusion_batch_rules",
+    "diffusion_modules",
+    "find_diffusion_groups",
+    "guard_diffusion",
+    "is_vae",
+    "vae_overflow",
 ]

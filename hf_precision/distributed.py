@@ -43,11 +43,25 @@ from .policy import PrecisionPolicy
 
 _MAX_LISTED = 8
 __all__ = [
-    "WRAPPERS", "WrapperCheck", "check_deepspeed_config", "check_model_ranks",
-    "check_ranks_agree", "check_training_args", "check_wrapped", "deepspeed_config_of",
-    "detect_wrapper", "explain_wrapped", "gather_objects", "is_distributed",
-    "load_deepspeed_config", "planned_wrapper", "rank", "rank_digest", "settle_shards",
-    "wrapper_compute_dtypes", "wrapper_of",
+    "WRAPPERS",
+    "WrapperCheck",
+    "check_deepspeed_config",
+    "check_model_ranks",
+    "check_ranks_agree",
+    "check_training_args",
+    "check_wrapped",
+    "deepspeed_config_of",
+    "detect_wrapper",
+    "explain_wrapped",
+    "gather_objects",
+    "is_distributed",
+    "load_deepspeed_config",
+    "planned_wrapper",
+    "rank",
+    "rank_digest",
+    "settle_shards",
+    "wrapper_compute_dtypes",
+    "wrapper_of",
 ]
 
 # ------------------------------------------------------------------------------- processes
@@ -86,11 +100,19 @@ def _signatures(dmap: DtypeMap, *, with_numel: bool = True) -> dict[str, tuple[A
     for path, r in dmap.records.items():
         devs = tuple(sorted({d.split(":")[0] for d in r.devices}))
         if with_numel:
-            out[path] = (tuple(sorted(r.params.items())), tuple(sorted(r.buffers.items())),
-                         devs, r.trainable)
+            out[path] = (
+                tuple(sorted(r.params.items())),
+                tuple(sorted(r.buffers.items())),
+                devs,
+                r.trainable,
+            )
         else:  # a rank may hold no element of a parameter: trainable counts say nothing here
-            out[path] = (tuple((d, 0) for d in sorted(r.params)),
-                         tuple((d, 0) for d in sorted(r.buffers)), devs, "-")
+            out[path] = (
+                tuple((d, 0) for d in sorted(r.params)),
+                tuple((d, 0) for d in sorted(r.buffers)),
+                devs,
+                "-",
+            )
     return out
 
 
@@ -112,8 +134,9 @@ def _describe(sig: tuple[Any, ...] | None) -> str:
     return f"{dts}{bufs} on {'/'.join(devices) or '-'}{train}"
 
 
-def check_ranks_agree(dmap: DtypeMap, *, where: str = "check_ranks_agree",
-                      with_numel: bool = True) -> None:
+def check_ranks_agree(
+    dmap: DtypeMap, *, where: str = "check_ranks_agree", with_numel: bool = True
+) -> None:
     """Raise :class:`PrecisionError` unless every rank holds the same dtype map. Collective:
     every rank must call it at the same point.
 
@@ -142,8 +165,10 @@ def check_ranks_agree(dmap: DtypeMap, *, where: str = "check_ranks_agree",
         diff = [p for p in paths if sigs[ref].get(p) != sigs[r].get(p)]
         lines.append(f"rank {r} differs from rank {ref} in {len(diff)} module(s):")
         for p in diff[:_MAX_LISTED]:
-            lines.append(f"    {p or '<model>'}: rank {ref} {_describe(sigs[ref].get(p))}; "
-                         f"rank {r} {_describe(sigs[r].get(p))}")
+            lines.append(
+                f"    {p or '<model>'}: rank {ref} {_describe(sigs[ref].get(p))}; "
+                f"rank {r} {_describe(sigs[r].get(p))}"
+            )
         if len(diff) > _MAX_LISTED:
             lines.append(f"    ... and {len(diff) - _MAX_LISTED} more")
     raise PrecisionError(
@@ -152,16 +177,23 @@ def check_ranks_agree(dmap: DtypeMap, *, where: str = "check_ranks_agree",
         + "\n  ".join(lines)
         + "\nFix: every rank must load, freeze and cast the model the same way and use the same "
         "policy (look for code under `if accelerator.is_main_process:` / `if rank == 0:` that "
-        "changes the model, or a policy read from a per-rank setting).")
+        "changes the model, or a policy read from a per-rank setting)."
+    )
 
 
-def check_model_ranks(model: nn.Module, groups: ModuleGroups | None = None, *, policy: Any = None,
-                      where: str = "check_model_ranks") -> None:
+def check_model_ranks(
+    model: nn.Module,
+    groups: ModuleGroups | None = None,
+    *,
+    policy: Any = None,
+    where: str = "check_model_ranks",
+) -> None:
     """:func:`check_ranks_agree` on ``dtype_map(model)``; free in a single process."""
     if is_distributed():
         in_place = wrapper_of(model) in ("FSDP", "DeepSpeed")  # per-rank slices: numel differs
-        check_ranks_agree(dtype_map(model, groups, policy=policy), where=where,
-                          with_numel=not in_place)
+        check_ranks_agree(
+            dtype_map(model, groups, policy=policy), where=where, with_numel=not in_place
+        )
 
 
 # ------------------------------------------------------------------------------- wrappers
@@ -219,8 +251,9 @@ def planned_wrapper(accelerator: Any = None, args: Any = None) -> str | None:
     return None
 
 
-def detect_wrapper(model: nn.Module | None = None, *, accelerator: Any = None,
-                   args: Any = None) -> str | None:
+def detect_wrapper(
+    model: nn.Module | None = None, *, accelerator: Any = None, args: Any = None
+) -> str | None:
     """``"FSDP2"``, ``"FSDP"``, ``"DeepSpeed"``, ``"DDP"`` or ``None``: the model's wrapper if it
     has one, else the one the accelerator / ``TrainingArguments`` will add.
 
@@ -238,8 +271,9 @@ def settle_shards(model: nn.Module) -> int:
     Returns how many FSDP2 modules were resharded."""
     n = 0
     for m in model.modules():
-        if _is_fsdp2_module(m) and not all(getattr(g, "is_sharded", True)
-                                           for g in _param_groups(m)):
+        if _is_fsdp2_module(m) and not all(
+            getattr(g, "is_sharded", True) for g in _param_groups(m)
+        ):
             m.reshard()  # type: ignore[operator]
             n += 1
     return n
@@ -300,17 +334,21 @@ class WrapperCheck:
             by_group.setdefault(group, []).append(name)
         _, _, held, want, rule = self.casts[0]
         listed = "; ".join(f"{g}: {len(n)} parameter(s), e.g. {n[0]}" for g, n in by_group.items())
-        fix = ("DeepSpeed casts every parameter to the dtype its config enables when the engine "
-               "is built (bf16/fp16 'enabled'), and has no setting that keeps one module in "
-               "float32. Fix: accept it by dropping the float32 rule (keep_fp32 / group_dtypes) "
-               "from the policy, or train that part without DeepSpeed's half precision "
-               "(bf16/fp16 'enabled': false and autocast)"
-               if self.wrapper == "DeepSpeed" else
-               f"Fix: configure {self.wrapper}'s mixed precision to leave these parameters in "
-               f"{dtype_name(want)}, or drop the rule from the policy")
-        return (f"{where}: {self.wrapper} holds {len(self.casts)} parameter(s) in "
-                f"{dtype_name(held)} that the policy keeps in {dtype_name(want)} ({rule}): "
-                f"{listed}. {fix}; mode='raise' stops here instead of warning.")
+        fix = (
+            "DeepSpeed casts every parameter to the dtype its config enables when the engine "
+            "is built (bf16/fp16 'enabled'), and has no setting that keeps one module in "
+            "float32. Fix: accept it by dropping the float32 rule (keep_fp32 / group_dtypes) "
+            "from the policy, or train that part without DeepSpeed's half precision "
+            "(bf16/fp16 'enabled': false and autocast)"
+            if self.wrapper == "DeepSpeed"
+            else f"Fix: configure {self.wrapper}'s mixed precision to leave these parameters in "
+            f"{dtype_name(want)}, or drop the rule from the policy"
+        )
+        return (
+            f"{where}: {self.wrapper} holds {len(self.casts)} parameter(s) in "
+            f"{dtype_name(held)} that the policy keeps in {dtype_name(want)} ({rule}): "
+            f"{listed}. {fix}; mode='raise' stops here instead of warning."
+        )
 
     def error(self, where: str, policy: PrecisionPolicy) -> PrecisionError:
         listed = self.violations[:_MAX_LISTED]
@@ -322,15 +360,21 @@ class WrapperCheck:
             + "\nFix: let the guard cast before wrapping (guard.prepare(accelerator, model, ...) "
             "or PrecisionGuardCallback in Trainer(callbacks=[...])), or load the model in the "
             "policy's dtypes; for FSDP set MixedPrecisionPolicy(param_dtype=...) to the policy's "
-            "compute dtype.")
+            "compute dtype."
+        )
 
 
 _KEEP_REASONS = ("keep_fp32", "model._keep", "rotary")
 
 
-def check_wrapped(model: nn.Module, policy: PrecisionPolicy, groups: ModuleGroups | None = None,
-                  *, wrapper: str | None = None,
-                  deepspeed_dtype: torch.dtype | None = None) -> WrapperCheck:
+def check_wrapped(
+    model: nn.Module,
+    policy: PrecisionPolicy,
+    groups: ModuleGroups | None = None,
+    *,
+    wrapper: str | None = None,
+    deepspeed_dtype: torch.dtype | None = None,
+) -> WrapperCheck:
     """Verify, without casting, a model FSDP (1 or 2) or DeepSpeed holds.
 
     Expected and not drift: FSDP's upcast of trainable parameters to fp32 (accelerate does it,
@@ -350,12 +394,14 @@ def check_wrapped(model: nn.Module, policy: PrecisionPolicy, groups: ModuleGroup
             continue
         name = clean_name(raw)
         group = groups.group_of(name)
-        target, reason = policy.target_dtype(name, group, trainable=p.requires_grad,
-                                             model_patterns=keep, current=p.dtype)
+        target, reason = policy.target_dtype(
+            name, group, trainable=p.requires_grad, model_patterns=keep, current=p.dtype
+        )
         storage = zero3_dtype(p) or p.dtype
         runs = compute.get(id(p), storage)
-        ds_cast = (wrapper == "DeepSpeed" and storage != target
-                   and storage == (deepspeed_dtype or storage))
+        ds_cast = (
+            wrapper == "DeepSpeed" and storage != target and storage == (deepspeed_dtype or storage)
+        )
         if reason.startswith(_KEEP_REASONS):
             if storage == target == runs:
                 continue
@@ -363,8 +409,10 @@ def check_wrapped(model: nn.Module, policy: PrecisionPolicy, groups: ModuleGroup
                 out.casts.append((name, group, storage, target, reason))
                 continue
             if storage == target or wrapper == "DeepSpeed":
-                out.notes.append(f"{name} [{group}] should stay float32 ({reason}) but {wrapper} "
-                                 f"computes it in {dtype_name(runs)}")
+                out.notes.append(
+                    f"{name} [{group}] should stay float32 ({reason}) but {wrapper} "
+                    f"computes it in {dtype_name(runs)}"
+                )
                 continue
             why = None
         elif ds_cast and not p.requires_grad and target == torch.float32:
@@ -387,13 +435,22 @@ def check_wrapped(model: nn.Module, policy: PrecisionPolicy, groups: ModuleGroup
             continue
         how = f", computed in {dtype_name(runs)}" if runs != storage else ""
         out.names.add(name)
-        out.violations.append(f"{name} [{group}]: {dtype_name(storage)}{how}; the policy wants "
-                              f"{dtype_name(target)} ({reason})")
+        out.violations.append(
+            f"{name} [{group}]: {dtype_name(storage)}{how}; the policy wants "
+            f"{dtype_name(target)} ({reason})"
+        )
     return out
 
 
-def explain_wrapped(model: nn.Module, policy: PrecisionPolicy, groups: ModuleGroups,
-                    audit: EnforceReport, *, args: Any = None, where: str) -> EnforceReport:
+def explain_wrapped(
+    model: nn.Module,
+    policy: PrecisionPolicy,
+    groups: ModuleGroups,
+    audit: EnforceReport,
+    *,
+    args: Any = None,
+    where: str,
+) -> EnforceReport:
     """Drop from an audit what FSDP/DeepSpeed do on purpose (see :func:`check_wrapped`); raise
     for the rest unless the policy only audits. What the wrapper cast against the policy (a
     keep-fp32 group held in bf16) is listed in ``wrapper_casts`` with a message (with the fix)
@@ -402,8 +459,13 @@ def explain_wrapped(model: nn.Module, policy: PrecisionPolicy, groups: ModuleGro
     wrapper = detect_wrapper(model, args=args)
     if wrapper not in ("FSDP", "FSDP2", "DeepSpeed"):
         return audit
-    check = check_wrapped(model, policy, groups, wrapper=wrapper,
-                          deepspeed_dtype=check_training_args(args) if args is not None else None)
+    check = check_wrapped(
+        model,
+        policy,
+        groups,
+        wrapper=wrapper,
+        deepspeed_dtype=check_training_args(args) if args is not None else None,
+    )
     if check and policy.mode != "audit":
         raise check.error(where, policy)
     if check.casts and policy.mode == "raise":
@@ -412,7 +474,14 @@ def explain_wrapped(model: nn.Module, policy: PrecisionPolicy, groups: ModuleGro
     kept.warnings = [*audit.warnings, check.cast_message(where)] if check.casts else audit.warnings
     kept.changes = [c for c in audit.changes if clean_name(c.name) in check.names]
     kept.wrapper_casts = [
-        Change(name, "param", group, dtype_name(held), dtype_name(want), f"cast by {wrapper}; "
-               f"the policy wants {dtype_name(want)} ({rule})")
-        for name, group, held, want, rule in check.casts]
+        Change(
+            name,
+            "param",
+            group,
+            dtype_name(held),
+            dtype_name(want),
+            f"cast by {wrapper}; the policy wants {dtype_name(want)} ({rule})",
+        )
+        for name, group, held, want, rule in check.casts
+    ]
     return kept

@@ -64,8 +64,13 @@ class ModuleRecord:
         return tuple(sorted(self.params))
 
     def signature(self) -> tuple[Any, ...]:
-        return (self.group, tuple(sorted(self.params.items())),
-                tuple(sorted(self.buffers.items())), tuple(self.devices), self.trainable)
+        return (
+            self.group,
+            tuple(sorted(self.params.items())),
+            tuple(sorted(self.buffers.items())),
+            tuple(self.devices),
+            self.trainable,
+        )
 
 
 @dataclass
@@ -127,12 +132,16 @@ class DtypeDiff:
         return "\n".join(c.describe() for c in self.changes)
 
     def to_rows(self) -> list[dict[str, Any]]:
-        return [{"path": c.path,
-                 "before": "/".join(c.before.dtypes) if c.before else "",
-                 "after": "/".join(c.after.dtypes) if c.after else "",
-                 "before_devices": "/".join(c.before.devices) if c.before else "",
-                 "after_devices": "/".join(c.after.devices) if c.after else ""}
-                for c in self.changes]
+        return [
+            {
+                "path": c.path,
+                "before": "/".join(c.before.dtypes) if c.before else "",
+                "after": "/".join(c.after.dtypes) if c.after else "",
+                "before_devices": "/".join(c.before.devices) if c.before else "",
+                "after_devices": "/".join(c.after.devices) if c.after else "",
+            }
+            for c in self.changes
+        ]
 
 
 @dataclass
@@ -179,29 +188,49 @@ class DtypeMap:
         for path in sorted(self.records):
             r = self.records[path]
             devs = sorted({d.split(":")[0] for d in r.devices})
-            h.update(repr((path, sorted(r.params.items()), sorted(r.buffers.items()),
-                           devs, r.trainable)).encode())
+            h.update(
+                repr(
+                    (path, sorted(r.params.items()), sorted(r.buffers.items()), devs, r.trainable)
+                ).encode()
+            )
         return h.hexdigest()[:16]
 
     # ------------------------------------------------------------------ output
     def module_rows(self) -> list[dict[str, Any]]:
         """One row per module (for tables): path, group, type, dtypes, devices, numel, bytes,
         trainable, quantized, kept_fp32."""
-        return [{"path": r.path, "group": r.group, "type": r.type,
-                 "dtypes": "/".join(r.dtypes) or "-",
-                 "buffer_dtypes": "/".join(sorted(r.buffers)) or "-",
-                 "devices": "/".join(r.devices) or "-",
-                 "numel": sum(r.params.values()), "bytes": sum(r.bytes.values()),
-                 "trainable": r.trainable, "quantized": r.quantized,
-                 "kept_fp32": r.kept_fp32 or ""} for r in self.records.values()]
+        return [
+            {
+                "path": r.path,
+                "group": r.group,
+                "type": r.type,
+                "dtypes": "/".join(r.dtypes) or "-",
+                "buffer_dtypes": "/".join(sorted(r.buffers)) or "-",
+                "devices": "/".join(r.devices) or "-",
+                "numel": sum(r.params.values()),
+                "bytes": sum(r.bytes.values()),
+                "trainable": r.trainable,
+                "quantized": r.quantized,
+                "kept_fp32": r.kept_fp32 or "",
+            }
+            for r in self.records.values()
+        ]
 
     def group_rows(self) -> list[dict[str, Any]]:
-        return [{"group": g.group, "dtypes": "/".join(g.dtypes) or "-",
-                 "devices": "/".join(g.devices) or "-", "numel": sum(g.numel.values()),
-                 "bytes": sum(g.bytes.values()), "trainable": g.trainable,
-                 "quantized": g.quantized, "modules": g.modules,
-                 **{f"numel/{d}": n for d, n in sorted(g.numel.items())}}
-                for g in self.groups.values()]
+        return [
+            {
+                "group": g.group,
+                "dtypes": "/".join(g.dtypes) or "-",
+                "devices": "/".join(g.devices) or "-",
+                "numel": sum(g.numel.values()),
+                "bytes": sum(g.bytes.values()),
+                "trainable": g.trainable,
+                "quantized": g.quantized,
+                "modules": g.modules,
+                **{f"numel/{d}": n for d, n in sorted(g.numel.items())},
+            }
+            for g in self.groups.values()
+        ]
 
     def table(self) -> str:
         """A plain-text per-group table."""
@@ -209,23 +238,31 @@ class DtypeMap:
         lines = [head, "-" * len(head)]
         for g in self.groups.values():
             dts = ", ".join(f"{d}:{n}" for d, n in sorted(g.numel.items())) or "-"
-            lines.append(f"{g.group:<15} {dts:<26} {'/'.join(g.devices) or '-':<12} "
-                         f"{sum(g.numel.values()):>12,} {g.trainable:>10,}")
+            lines.append(
+                f"{g.group:<15} {dts:<26} {'/'.join(g.devices) or '-':<12} "
+                f"{sum(g.numel.values()):>12,} {g.trainable:>10,}"
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rule": self.rule, "model_type": self.model_type,
-                "groups": {k: asdict(v) for k, v in self.groups.items()},
-                "records": {k: asdict(v) for k, v in self.records.items()}}
+        return {
+            "rule": self.rule,
+            "model_type": self.model_type,
+            "groups": {k: asdict(v) for k, v in self.groups.items()},
+            "records": {k: asdict(v) for k, v in self.records.items()},
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DtypeMap:
-        return cls(records={k: ModuleRecord(**v) for k, v in data["records"].items()},
-                   groups={k: GroupSummary(**v) for k, v in data["groups"].items()},
-                   rule=data.get("rule", ""), model_type=data.get("model_type"))
+        return cls(
+            records={k: ModuleRecord(**v) for k, v in data["records"].items()},
+            groups={k: GroupSummary(**v) for k, v in data["groups"].items()},
+            rule=data.get("rule", ""),
+            model_type=data.get("model_type"),
+        )
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), **kwargs)
@@ -235,8 +272,9 @@ def _add(d: dict[str, int], key: str, n: int) -> None:
     d[key] = d.get(key, 0) + n
 
 
-def dtype_map(model: nn.Module, groups: ModuleGroups | None = None, *,
-              policy: Any = None) -> DtypeMap:
+def dtype_map(
+    model: nn.Module, groups: ModuleGroups | None = None, *, policy: Any = None
+) -> DtypeMap:
     """Snapshot the dtypes/devices of every module that owns parameters or buffers.
 
     ``groups`` defaults to :func:`find_module_groups`; with a ``policy`` the records say why a
@@ -270,8 +308,10 @@ def _dtype_map(model: nn.Module, groups: ModuleGroups | None, policy: Any) -> Dt
     # Group modules held outside the module tree (a list-held tower) are walked last, under
     # their own group: model.named_modules() never reaches them.
     stack: list[tuple[str, nn.Module, str]] = [
-        (path, mod, group) for group, path in reversed(groups.hidden.items())
-        if (mod := hidden_module(root, path)) is not None]
+        (path, mod, group)
+        for group, path in reversed(groups.hidden.items())
+        if (mod := hidden_module(root, path)) is not None
+    ]
     stack.append(("", root, OTHER))
     while stack:
         raw, mod, parent_group = stack.pop()
@@ -280,8 +320,13 @@ def _dtype_map(model: nn.Module, groups: ModuleGroups | None, policy: Any) -> Dt
         group = lookup.get(path) or (parent_group if path else lookup.get("", OTHER))
         if mod._modules:
             prefix = raw + "." if raw else ""
-            stack.extend([(prefix + name, child, group) for name, child
-                          in reversed(mod._modules.items()) if child is not None])
+            stack.extend(
+                [
+                    (prefix + name, child, group)
+                    for name, child in reversed(mod._modules.items())
+                    if child is not None
+                ]
+            )
         mparams, mbufs = mod._parameters, mod._buffers
         if not mparams and not mbufs:
             continue
@@ -340,8 +385,9 @@ def _dtype_map(model: nn.Module, groups: ModuleGroups | None, policy: Any) -> Dt
             if quant:
                 summary.quantized += n
             if policy is not None and rec.kept_fp32 is None:
-                rec.kept_fp32 = policy.keep_fp32_reason(full, is_buffer=False,
-                                                         model_patterns=model_keep)
+                rec.kept_fp32 = policy.keep_fp32_reason(
+                    full, is_buffer=False, model_patterns=model_keep
+                )
         for bname, b in mbufs.items():
             if b is None:
                 continue
@@ -356,8 +402,9 @@ def _dtype_map(model: nn.Module, groups: ModuleGroups | None, policy: Any) -> Dt
             _add(summary.bytes, dt, b.numel() * b.element_size())
             if policy is not None and rec.kept_fp32 is None and b.is_floating_point():
                 full = f"{path}.{bname}" if path else bname
-                rec.kept_fp32 = policy.keep_fp32_reason(full, is_buffer=True,
-                                                         model_patterns=model_keep)
+                rec.kept_fp32 = policy.keep_fp32_reason(
+                    full, is_buffer=True, model_patterns=model_keep
+                )
         if rec is not None:
             if path in records:  # a module registered under two names: keep the first
                 continue

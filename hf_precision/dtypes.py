@@ -24,17 +24,30 @@ _ALIASES: dict[str, torch.dtype] = {
 }
 #: Dtypes a policy may ask for. float64 is accepted for completeness (tests, numerics).
 POLICY_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+)
 _ALIASES["float64"] = torch.float64
 _ALIASES["fp64"] = torch.float64
 
-SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-               torch.float64: "fp64"}
+SHORT_NAMES = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float64: "fp64",
+}
 
 #: Storage dtypes that mean "quantized": never cast, counted apart in the dtype map.
 _QUANT_DTYPES: set[torch.dtype] = {torch.int8, torch.uint8}
-for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-              "float8_e8m0fnu"):
+for _name in (
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+):
     if hasattr(torch, _name):
         _QUANT_DTYPES.add(getattr(torch, _name))
 for _name in ("int4", "uint4", "quint4x2", "qint8", "quint8"):

@@ -53,8 +53,11 @@ class Change:
     device_after: str = ""
 
     def describe(self) -> str:
-        dev = (f", {self.device_before} -> {self.device_after}"
-               if self.device_after and self.device_after != self.device_before else "")
+        dev = (
+            f", {self.device_before} -> {self.device_after}"
+            if self.device_after and self.device_after != self.device_before
+            else ""
+        )
         return f"{self.name} [{self.group}]: {self.before} -> {self.after}{dev} ({self.reason})"
 
 
@@ -101,11 +104,17 @@ class EnforceReport:
     __str__ = summary
 
     def to_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy.to_dict(), "applied": self.applied,
-                "changes": [c.__dict__ for c in self.changes],
-                "wrapper_casts": [c.__dict__ for c in self.wrapper_casts],
-                "kept_fp32": self.kept_fp32, "overflow": self.overflow, "skipped": self.skipped,
-                "mixed_groups": list(self.mixed_groups), "rule": self.groups.rule}
+        return {
+            "policy": self.policy.to_dict(),
+            "applied": self.applied,
+            "changes": [c.__dict__ for c in self.changes],
+            "wrapper_casts": [c.__dict__ for c in self.wrapper_casts],
+            "kept_fp32": self.kept_fp32,
+            "overflow": self.overflow,
+            "skipped": self.skipped,
+            "mixed_groups": list(self.mixed_groups),
+            "rule": self.groups.rule,
+        }
 
 
 def _is_sharded(p: torch.Tensor) -> bool:
@@ -144,20 +153,30 @@ def _walk(root: nn.Module, groups: ModuleGroups) -> Iterator[tuple[str, str, nn.
                 yield sub, group, mod
 
 
-def _cast_optimizer_state(optimizer: Any, p: torch.Tensor, dtype: torch.dtype,
-                          device: torch.device) -> None:
+def _cast_optimizer_state(
+    optimizer: Any, p: torch.Tensor, dtype: torch.dtype, device: torch.device
+) -> None:
     state = getattr(optimizer, "state", {}).get(p)
     if not state:
         return
     for key, value in state.items():
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and key != "step" \
-                and value.shape == p.shape:
+        if (
+            isinstance(value, torch.Tensor)
+            and value.is_floating_point()
+            and key != "step"
+            and value.shape == p.shape
+        ):
             state[key] = value.to(device=device, dtype=dtype)
 
 
-def enforce_policy(model: nn.Module, policy: PrecisionPolicy | str | None = None, *,
-                   groups: ModuleGroups | None = None, optimizer: Any = None,
-                   mode: str | None = None) -> EnforceReport:
+def enforce_policy(
+    model: nn.Module,
+    policy: PrecisionPolicy | str | None = None,
+    *,
+    groups: ModuleGroups | None = None,
+    optimizer: Any = None,
+    mode: str | None = None,
+) -> EnforceReport:
     """Bring ``model`` to ``policy`` in place and return what changed.
 
     ``mode`` overrides ``policy.mode``: ``"audit"`` changes nothing and reports what would
@@ -179,8 +198,12 @@ def enforce_policy(model: nn.Module, policy: PrecisionPolicy | str | None = None
     # name -> every alias of a tied parameter, to keep the tie and warn on conflicting targets
     # Parameters of modules held outside the module tree are frozen by construction: the
     # optimizer (built from model.parameters()) never sees them, whatever requires_grad says.
-    unseen = {id(p) for hp in groups.hidden.values()
-              if (m := hidden_module(root, hp)) is not None for p in m.parameters()}
+    unseen = {
+        id(p)
+        for hp in groups.hidden.values()
+        if (m := hidden_module(root, hp)) is not None
+        for p in m.parameters()
+    }
     aliases: dict[int, list[tuple[str, str]]] = {}
     todo: list[tuple[nn.Module, str, torch.Tensor, Change, torch.dtype, torch.device]] = []
     meta: list[str] = []
@@ -195,18 +218,39 @@ def enforce_policy(model: nn.Module, policy: PrecisionPolicy | str | None = None
             seen.append((full, pgroup))
             if len(seen) > 1:
                 first_name, first_group = seen[0]
-                want, _ = policy.target_dtype(full, pgroup, trainable=trainable,
-                                              model_patterns=model_keep, current=p.dtype)
-                have, _ = policy.target_dtype(first_name, first_group, trainable=trainable,
-                                              model_patterns=model_keep, current=p.dtype)
+                want, _ = policy.target_dtype(
+                    full, pgroup, trainable=trainable, model_patterns=model_keep, current=p.dtype
+                )
+                have, _ = policy.target_dtype(
+                    first_name,
+                    first_group,
+                    trainable=trainable,
+                    model_patterns=model_keep,
+                    current=p.dtype,
+                )
                 if want != have:
                     report.warnings.append(
                         f"{full} is tied to {first_name}: policy wants {dtype_name(want)} for "
                         f"the first and {dtype_name(have)} for the second; both keep "
-                        f"{dtype_name(have)} so the tie holds.")
+                        f"{dtype_name(have)} so the tie holds."
+                    )
                 continue
-            _plan_one(report, todo, meta, mod, pname, p, full, pgroup, "param", policy,
-                      model_keep, device, mode, trainable)
+            _plan_one(
+                report,
+                todo,
+                meta,
+                mod,
+                pname,
+                p,
+                full,
+                pgroup,
+                "param",
+                policy,
+                model_keep,
+                device,
+                mode,
+                trainable,
+            )
         for bname, b in mod._buffers.items():
             if b is None:
                 continue
@@ -214,13 +258,28 @@ def enforce_policy(model: nn.Module, policy: PrecisionPolicy | str | None = None
             if not is_castable(b):  # integer buffers (CLIP's position_ids) follow the device only
                 if device is not None and b.device != device and b.device.type != "meta":
                     dt = dtype_name(b.dtype)
-                    change = Change(full, "buffer", group, dt, dt, "device", str(b.device),
-                                    str(device))
+                    change = Change(
+                        full, "buffer", group, dt, dt, "device", str(b.device), str(device)
+                    )
                     report.changes.append(change)
                     todo.append((mod, bname, b, change, b.dtype, device))
                 continue
-            _plan_one(report, todo, meta, mod, bname, b, full, group, "buffer", policy,
-                      model_keep, device, mode, False)
+            _plan_one(
+                report,
+                todo,
+                meta,
+                mod,
+                bname,
+                b,
+                full,
+                group,
+                "buffer",
+                policy,
+                model_keep,
+                device,
+                mode,
+                False,
+            )
 
     if report.overflow:
         # A module computes in one dtype: the parameters beside one kept for its range stay in
@@ -242,14 +301,19 @@ def enforce_policy(model: nn.Module, policy: PrecisionPolicy | str | None = None
                 report.changes.append(change)
 
     if meta and device is not None:
-        unreached = [f"{p} (held in a {groups.held.get(g, 'attribute')}, outside the module "
-                     "tree, so model.to() and from_pretrained never reach it)"
-                     for g, p in groups.hidden.items() if any(m.startswith(p + ".") for m in meta)]
+        unreached = [
+            f"{p} (held in a {groups.held.get(g, 'attribute')}, outside the module "
+            "tree, so model.to() and from_pretrained never reach it)"
+            for g, p in groups.hidden.items()
+            if any(m.startswith(p + ".") for m in meta)
+        ]
         where = f" The module {'; '.join(unreached)} was never materialised." if unreached else ""
-        msg = (f"enforce_policy: {len(meta)} tensor(s) are on the meta device while the model "
-               f"is on {device} (weights never loaded), e.g. {', '.join(meta[:3])}.{where}\n"
-               "Fix: load the weights (from_pretrained / load_state_dict(assign=True)) before "
-               "training; the guard cannot move tensors that hold no data.")
+        msg = (
+            f"enforce_policy: {len(meta)} tensor(s) are on the meta device while the model "
+            f"is on {device} (weights never loaded), e.g. {', '.join(meta[:3])}.{where}\n"
+            "Fix: load the weights (from_pretrained / load_state_dict(assign=True)) before "
+            "training; the guard cannot move tensors that hold no data."
+        )
         if mode == "audit":
             report.warnings.append(msg)
         else:
@@ -266,7 +330,8 @@ def enforce_policy(model: nn.Module, policy: PrecisionPolicy | str | None = None
             f"enforce_policy(mode='raise'): the model violates policy {policy.describe()}:\n  "
             + "\n  ".join(lines)
             + "\nFix: use mode='fix' to let the guard cast them, or load the model in the "
-            "policy's dtypes (from_pretrained(..., dtype=...)).")
+            "policy's dtypes (from_pretrained(..., dtype=...))."
+        )
     if mode == "fix":
         with torch.no_grad():
             for mod, key, t, change, dtype, dev in todo:
@@ -290,17 +355,34 @@ def _amax(t: torch.Tensor) -> float:
     return float(torch.maximum(lo.neg(), hi))
 
 
-def _plan_one(report: EnforceReport, todo: list, meta: list[str], mod: nn.Module, key: str,
-              t: torch.Tensor, full: str, group: str, kind: str, policy: PrecisionPolicy,
-              model_keep: tuple[str, ...], device: torch.device | None, mode: str,
-              trainable: bool) -> None:
+def _plan_one(
+    report: EnforceReport,
+    todo: list,
+    meta: list[str],
+    mod: nn.Module,
+    key: str,
+    t: torch.Tensor,
+    full: str,
+    group: str,
+    kind: str,
+    policy: PrecisionPolicy,
+    model_keep: tuple[str, ...],
+    device: torch.device | None,
+    mode: str,
+    trainable: bool,
+) -> None:
     if not is_castable(t):
         if t.is_floating_point() or kind == "param":
             report.skipped.append((full, f"quantized storage ({dtype_name(t.dtype)})"))
         return
-    target, reason = policy.target_dtype(full, group, trainable=trainable,
-                                         is_buffer=kind == "buffer", model_patterns=model_keep,
-                                         current=t.dtype)
+    target, reason = policy.target_dtype(
+        full,
+        group,
+        trainable=trainable,
+        is_buffer=kind == "buffer",
+        model_patterns=model_keep,
+        current=t.dtype,
+    )
     if reason.startswith(("keep_fp32", "model._keep", "rotary")):
         report.kept_fp32.append((full, reason))
     zero3 = zero3_dtype(t) if kind == "param" else None
@@ -330,20 +412,29 @@ def _plan_one(report: EnforceReport, todo: list, meta: list[str], mod: nn.Module
                     f"{full} [{group}]: max |value| {amax:g} exceeds the {dtype_name(target)} "
                     f"range (±{torch.finfo(target).max:g}); kept in {dtype_name(t.dtype)} instead "
                     f"of becoming inf. Fix: keep_fp32=[{full!r}] to say so explicitly, or use "
-                    "bf16, whose range matches fp32.")
+                    "bf16, whose range matches fp32."
+                )
             final = t.dtype
     if kind == "param" and not _SELF_CASTING.search(full):
         report.group_dtypes.setdefault(group, set()).add(final)
     if final == t.dtype and target_dev == dev:
         return
-    change = Change(full, kind, group, dtype_name(t.dtype), dtype_name(final), reason,
-                    str(dev), str(target_dev))
+    change = Change(
+        full, kind, group, dtype_name(t.dtype), dtype_name(final), reason, str(dev), str(target_dev)
+    )
     report.changes.append(change)
     todo.append((mod, key, t, change, final, target_dev))
 
 
-def _apply(mod: nn.Module, key: str, t: torch.Tensor, kind: str, dtype: torch.dtype,
-           device: torch.device, optimizer: Any) -> None:
+def _apply(
+    mod: nn.Module,
+    key: str,
+    t: torch.Tensor,
+    kind: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    optimizer: Any,
+) -> None:
     if kind == "buffer":
         mod._buffers[key] = t.to(device=device, dtype=dtype)
         return
@@ -359,7 +450,11 @@ def _apply(mod: nn.Module, key: str, t: torch.Tensor, kind: str, dtype: torch.dt
         _cast_optimizer_state(optimizer, t, dtype, device)
 
 
-def check_policy(model: nn.Module, policy: PrecisionPolicy | str | None = None, *,
-                 groups: ModuleGroups | None = None) -> EnforceReport:
+def check_policy(
+    model: nn.Module,
+    policy: PrecisionPolicy | str | None = None,
+    *,
+    groups: ModuleGroups | None = None,
+) -> EnforceReport:
     """What :func:`enforce_policy` would change; changes nothing (``mode="audit"``)."""
     return enforce_policy(model, policy, groups=groups, mode="audit")

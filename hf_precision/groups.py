@@ -62,7 +62,12 @@ from .errors import PrecisionError, PrecisionWarning
 
 #: The groups every VLM rule speaks of, in forward order.
 VLM_GROUPS: tuple[str, ...] = (
-    "vision_encoder", "resampler", "projector", "language_model", "lm_head")
+    "vision_encoder",
+    "resampler",
+    "projector",
+    "language_model",
+    "lm_head",
+)
 #: Parameters outside every group.
 OTHER = "other"
 _GROUP_NAMES: list[str] = [*VLM_GROUPS[:3], "audio_encoder", *VLM_GROUPS[3:]]
@@ -151,16 +156,22 @@ def register_group_rule(rule: GroupRule, *, first: bool = False) -> GroupRule:
     """
     call = f"register_group_rule(GroupRule(name={rule.name!r}))"
     if not isinstance(rule.name, str) or not _NAME_RE.match(rule.name):
-        raise PrecisionError(f"{call}: rule names are lowercase identifiers ([a-z][a-z0-9_]*). "
-                             "Fix: e.g. name='my_vlm'.")
+        raise PrecisionError(
+            f"{call}: rule names are lowercase identifiers ([a-z][a-z0-9_]*). "
+            "Fix: e.g. name='my_vlm'."
+        )
     if any(r.name == rule.name for r in _RULES):
-        raise PrecisionError(f"{call}: a rule of that name exists. Fix: choose another name, "
-                             "or unregister_group_rule() the old one first.")
+        raise PrecisionError(
+            f"{call}: a rule of that name exists. Fix: choose another name, "
+            "or unregister_group_rule() the old one first."
+        )
     used = set(rule.paths) | set(rule.params) | set(rule.extra) | set(rule.required)
     unknown = sorted(used - set(_GROUP_NAMES))
     if unknown:
-        raise PrecisionError(f"{call}: unknown group(s) {unknown}. Allowed: "
-                             f"{', '.join(_GROUP_NAMES)}. Fix: register_group(name) first.")
+        raise PrecisionError(
+            f"{call}: unknown group(s) {unknown}. Allowed: "
+            f"{', '.join(_GROUP_NAMES)}. Fix: register_group(name) first."
+        )
     _RULES.insert(0, rule) if first else _RULES.append(rule)
     return rule
 
@@ -188,8 +199,12 @@ def clean_name(name: str) -> str:
     return name.removesuffix("._fsdp_wrapped_module").removesuffix("._orig_mod")
 
 
-_MODULE_WRAPPERS = {"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel",
-                    "DeepSpeedEngine"}
+_MODULE_WRAPPERS = {
+    "DistributedDataParallel",
+    "DataParallel",
+    "FullyShardedDataParallel",
+    "DeepSpeedEngine",
+}
 
 
 def unwrap_model(model: nn.Module) -> tuple[nn.Module, str]:
@@ -261,7 +276,7 @@ class ModuleGroups:
         resampler nested in the vision encoder (Qwen2-VL's ``model.visual.merger``) is its own.
         Names from the wrapped model (``base_model.model.…``, ``module.…``) are accepted."""
         if self.prefix and name.startswith(self.prefix):
-            name = name[len(self.prefix):]
+            name = name[len(self.prefix) :]
         name = clean_name(name)
         lookup = self._lookup
         hit = lookup.get(name)
@@ -287,8 +302,10 @@ class ModuleGroups:
             "model_type": self.model_type,
             "groups": {g: list(p) for g, p in self.paths.items()},
             "params": {g: list(p) for g, p in self.params.items()},
-            "hidden": {g: {"path": p, "held": self.held.get(g, "attribute")}
-                       for g, p in self.hidden.items()},
+            "hidden": {
+                g: {"path": p, "held": self.held.get(g, "attribute")}
+                for g, p in self.hidden.items()
+            },
         }
 
     def __str__(self) -> str:
@@ -297,8 +314,10 @@ class ModuleGroups:
             where = list(self.paths.get(g, ())) + [f"{p} (param)" for p in self.params.get(g, ())]
             lines.append(f"  {g:<15} {', '.join(where)}")
         for g, p in self.hidden.items():
-            lines.append(f"  {g:<15} {p} (hidden: held in a {self.held.get(g, 'attribute')}, "
-                         "not a registered submodule)")
+            lines.append(
+                f"  {g:<15} {p} (hidden: held in a {self.held.get(g, 'attribute')}, "
+                "not a registered submodule)"
+            )
         return "\n".join(lines)
 
 
@@ -392,25 +411,43 @@ def _apply_rule(rule: GroupRule, root: nn.Module) -> ModuleGroups | None:
             params[group] = present
     if any(g not in paths and g not in params for g in rule.required):
         return None
-    return ModuleGroups(root, paths, params, rule.name, model_type_of(root), hidden=hidden,
-                        held=held)
+    return ModuleGroups(
+        root, paths, params, rule.name, model_type_of(root), hidden=hidden, held=held
+    )
 
 
 _FALLBACK_NAMES: dict[str, tuple[str, ...]] = {
-    "vision_encoder": ("vision_tower", "visual", "vision_model", "vision_encoder", "image_tower",
-                       "image_encoder", "vpm", "vit", "vision_embed_tokens"),
+    "vision_encoder": (
+        "vision_tower",
+        "visual",
+        "vision_model",
+        "vision_encoder",
+        "image_tower",
+        "image_encoder",
+        "vpm",
+        "vit",
+        "vision_embed_tokens",
+    ),
     "audio_encoder": ("audio_tower", "audio_encoder", "speech_encoder", "audio_model", "apm"),
     "language_model": ("language_model", "text_model", "llm", "decoder", "text_decoder"),
     "lm_head": ("lm_head", "output", "embed_out"),
 }
 _PATTERN_GROUPS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("resampler", re.compile(r"(resampler|merger|connector|qformer|abstractor|perceiver)$")),
-    ("projector", re.compile(
-        r"(multi_modal_projector|mm_projector|projector|language_projection|modality_projection"
-        r"|vision_proj|visual_projection|img_projection|image_projection|aligner|mlp1)$")),
+    (
+        "projector",
+        re.compile(
+            r"(multi_modal_projector|mm_projector|projector|language_projection|modality_projection"
+            r"|vision_proj|visual_projection|img_projection|image_projection|aligner|mlp1)$"
+        ),
+    ),
 )
-_GETTERS = {"vision_encoder": "get_encoder", "audio_encoder": "get_encoder",
-            "language_model": "get_decoder", "lm_head": "get_output_embeddings"}
+_GETTERS = {
+    "vision_encoder": "get_encoder",
+    "audio_encoder": "get_encoder",
+    "language_model": "get_decoder",
+    "lm_head": "get_output_embeddings",
+}
 _MAX_DOTS = 3  # fallback looks at paths of at most 4 segments (``model.visual.merger.mlp``)
 _PARAM_PATTERN = re.compile(r"^(image_newline|view_separator|query_tokens|latent_query)$")
 
@@ -433,8 +470,9 @@ def _getter(root: nn.Module, group: str) -> tuple[object, str] | None:
         return None
 
 
-def _fallback(root: nn.Module) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]],
-                                       list[str]]:
+def _fallback(
+    root: nn.Module,
+) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]], list[str]]:
     # One shallow walk (4 levels) serves every lookup below: groups sit near the top, and a
     # 7B model's ~1k leaf modules need not be visited.
     modules: dict[str, nn.Module] = {"": root}
@@ -459,8 +497,10 @@ def _fallback(root: nn.Module) -> tuple[dict[str, tuple[str, ...]], dict[str, tu
             paths[group] = (path,)
             how.append(f"{group}={got[1]}")
             continue
-        hit = next((p + n for n in _FALLBACK_NAMES[group] for p in ("model.", "")
-                    if p + n in modules), None)
+        hit = next(
+            (p + n for n in _FALLBACK_NAMES[group] for p in ("model.", "") if p + n in modules),
+            None,
+        )
         if hit:
             paths[group] = (hit,)
             how.append(f"{group}=name:{hit}")
@@ -468,17 +508,25 @@ def _fallback(root: nn.Module) -> tuple[dict[str, tuple[str, ...]], dict[str, tu
     taken = {p for ps in paths.values() for p in ps}
     for group, pattern in _PATTERN_GROUPS:
         for name in modules:
-            if (not name or name in taken or name.startswith(lm + ".")
-                    or not pattern.search(name.rsplit(".", 1)[-1])):
+            if (
+                not name
+                or name in taken
+                or name.startswith(lm + ".")
+                or not pattern.search(name.rsplit(".", 1)[-1])
+            ):
                 continue
             paths[group] = (name,)
             taken.add(name)
             how.append(f"{group}=pattern:{name}")
             break
     # Direct parameters of the wrapper levels (``model.image_newline``) join the resampler.
-    params = tuple(f"{p}.{n}" if p else n for p in ("", "model") if p in modules
-                   for n, t in modules[p]._parameters.items()
-                   if t is not None and _PARAM_PATTERN.match(n))
+    params = tuple(
+        f"{p}.{n}" if p else n
+        for p in ("", "model")
+        if p in modules
+        for n, t in modules[p]._parameters.items()
+        if t is not None and _PARAM_PATTERN.match(n)
+    )
     if params:
         how.append("resampler=param:" + "+".join(params))
     return paths, ({"resampler": params} if params else {}), how
@@ -517,15 +565,17 @@ def find_module_groups(model: nn.Module, *, strict: bool = False) -> ModuleGroup
         )
         if strict:
             raise PrecisionError(msg)
-        warnings.warn(msg + " The whole model is treated as one group.", PrecisionWarning,
-                      stacklevel=2)
+        warnings.warn(
+            msg + " The whole model is treated as one group.", PrecisionWarning, stacklevel=2
+        )
         return ModuleGroups(root, {}, {}, "none", mt, prefix)
     return ModuleGroups(root, paths, params, "fallback(" + ", ".join(how) + ")", mt, prefix)
 
 
 def _warn_hidden(root: nn.Module, found: ModuleGroups) -> None:
-    where = ", ".join(f"{g}={p!r} (held in a {found.held.get(g, 'attribute')})"
-                      for g, p in found.hidden.items())
+    where = ", ".join(
+        f"{g}={p!r} (held in a {found.held.get(g, 'attribute')})" for g, p in found.hidden.items()
+    )
     warnings.warn(
         f"find_module_groups({type(root).__name__}): {where} is reachable as an attribute but is "
         "not a registered submodule, so model.to(dtype/device), "
@@ -533,7 +583,9 @@ def _warn_hidden(root: nn.Module, found: ModuleGroups) -> None:
         "the guards reach it by attribute and cast/move it with its group.\n"
         "Fix: register it as a submodule (OmniLMM: tune_clip=True) so the rest of the stack "
         "sees it too.",
-        PrecisionWarning, stacklevel=3)
+        PrecisionWarning,
+        stacklevel=3,
+    )
 
 
 # The built-in rules live beside the registry they fill (imported last: they use it).

@@ -42,8 +42,7 @@ from .policy import PrecisionPolicy
 
 _ATTR = "_hf_precision_guard"
 #: Modules whose whole forward is one op autocast runs in its own dtype (F.linear, F.conv*).
-_AUTOCAST_OPS: frozenset[type[nn.Module]] = frozenset(
-    (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
+_AUTOCAST_OPS: frozenset[type[nn.Module]] = frozenset((nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
 #: Groups that build tensors inside forward, so their leaves are guarded under
 #: ``leaf_guards="auto"`` even when their weights agree: resamplers (MiniCPM-V 2.x's numpy sin-cos
 #: table is fp32 whatever the weights are) and, registered by :mod:`hf_precision.diffusion`,
@@ -91,8 +90,12 @@ def _cast_value(st: _GuardState, module: nn.Module, value: Any, key: str) -> Any
             if not wrong_device and torch.is_autocast_enabled(value.device.type):
                 return value  # autocast computes this op in its own dtype: not a failure
             raise _fix_error(st, module, key, value)
-        if wrong_dtype and not wrong_device and type(module) in _AUTOCAST_OPS \
-                and torch.is_autocast_enabled(value.device.type):
+        if (
+            wrong_dtype
+            and not wrong_device
+            and type(module) in _AUTOCAST_OPS
+            and torch.is_autocast_enabled(value.device.type)
+        ):
             # autocast runs this op in its own dtype whatever the input's: a cast here would be
             # undone at once, two kernels per call and two more in backward (a bf16 LoRA step
             # would upcast every lora_B input for nothing)
@@ -114,8 +117,15 @@ def _cast_arg(st: _GuardState, module: nn.Module, i: int, value: Any) -> Any:
     if key in st.skip_keys:
         return value
     if key in st.key_dtypes:
-        return cast_batch(value, st.dtype, key_dtypes=st.key_dtypes, device=st.device,
-                          mode=st.mode, where=f"batch -> {type(module).__name__}", _key=key)
+        return cast_batch(
+            value,
+            st.dtype,
+            key_dtypes=st.key_dtypes,
+            device=st.device,
+            mode=st.mode,
+            where=f"batch -> {type(module).__name__}",
+            _key=key,
+        )
     return _cast_value(st, module, value, key or f"input {i}")
 
 
@@ -133,8 +143,9 @@ def _arg_names(module: nn.Module) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _guard_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-                ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+def _guard_hook(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     st: _GuardState | None = module.__dict__.get(_ATTR)
     if st is None:
         return None
@@ -143,9 +154,15 @@ def _guard_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         # to be on or off — not the batch itself: an fp32 batch under bf16 autocast is fine.
         if st.mode in ("audit", "raise"):
             return None
-        new_kwargs = cast_batch(kwargs, st.dtype, key_dtypes=st.key_dtypes,
-                                skip_keys=st.skip_keys, device=st.device, mode=st.mode,
-                                where=f"batch -> {type(module).__name__}")
+        new_kwargs = cast_batch(
+            kwargs,
+            st.dtype,
+            key_dtypes=st.key_dtypes,
+            skip_keys=st.skip_keys,
+            device=st.device,
+            mode=st.mode,
+            where=f"batch -> {type(module).__name__}",
+        )
         new_args = tuple(_cast_arg(st, module, i, a) for i, a in enumerate(args))
         if new_kwargs is kwargs and all(a is b for a, b in zip(new_args, args, strict=True)):
             return None
@@ -162,7 +179,8 @@ def _guard_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     for a in args:
         if isinstance(a, torch.Tensor):
             if (a.dtype != dtype and a.is_floating_point()) or (
-                    device is not None and a.device != device):
+                device is not None and a.device != device
+            ):
                 hit = True
                 break
         elif isinstance(a, (list, tuple)):
@@ -171,8 +189,9 @@ def _guard_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     if not hit and kwargs:
         for v in kwargs.values():
             if isinstance(v, torch.Tensor) and (
-                    (v.dtype != dtype and v.is_floating_point())
-                    or (device is not None and v.device != device)):
+                (v.dtype != dtype and v.is_floating_point())
+                or (device is not None and v.device != device)
+            ):
                 hit = True
                 break
     if not hit or st.mode == "audit":
@@ -218,8 +237,10 @@ class GuardHandle:
         remove_guards(self.root)
 
     def __repr__(self) -> str:
-        return (f"GuardHandle(batch={len(self.batch)}, boundary={len(self.boundary)}, "
-                f"leaf={len(self.leaf)})")
+        return (
+            f"GuardHandle(batch={len(self.batch)}, boundary={len(self.boundary)}, "
+            f"leaf={len(self.leaf)})"
+        )
 
 
 _HIDDEN_ATTR = "_hf_precision_hidden"
@@ -256,8 +277,9 @@ def _own_weight(mod: nn.Module) -> torch.Tensor | None:
     return None
 
 
-def _receiving(mod: nn.Module, compute: Mapping[int, torch.dtype] | None = None
-               ) -> tuple[torch.dtype | None, torch.device | None]:
+def _receiving(
+    mod: nn.Module, compute: Mapping[int, torch.dtype] | None = None
+) -> tuple[torch.dtype | None, torch.device | None]:
     frozen: list[tuple[torch.dtype, int]] = []
     every: list[tuple[torch.dtype, int]] = []
     devices: dict[torch.device, int] = {}
@@ -277,8 +299,12 @@ def _receiving(mod: nn.Module, compute: Mapping[int, torch.dtype] | None = None
     return dtype, device
 
 
-def receiving_dtypes(model: nn.Module, groups: ModuleGroups | None = None, *,
-                     compute: Mapping[int, torch.dtype] | None = None) -> dict[str, torch.dtype]:
+def receiving_dtypes(
+    model: nn.Module,
+    groups: ModuleGroups | None = None,
+    *,
+    compute: Mapping[int, torch.dtype] | None = None,
+) -> dict[str, torch.dtype]:
     """Per group, the dtype its entry receives (majority of its frozen weights)."""
     root, _ = unwrap_model(model)
     groups = groups or find_module_groups(root)
@@ -296,8 +322,11 @@ def _group_roots(root: nn.Module, groups: ModuleGroups) -> list[tuple[str, nn.Mo
     """(path, module) of every group root, those held outside the module tree included."""
     from .groups import hidden_module
 
-    out = [(path, mod) for group in groups.names
-           for path, mod in zip(groups.paths.get(group, ()), groups.modules(group), strict=True)]
+    out = [
+        (path, mod)
+        for group in groups.names
+        for path, mod in zip(groups.paths.get(group, ()), groups.modules(group), strict=True)
+    ]
     hidden = []
     for path in groups.hidden.values():
         mod = hidden_module(root, path)
@@ -308,8 +337,9 @@ def _group_roots(root: nn.Module, groups: ModuleGroups) -> list[tuple[str, nn.Mo
     return out
 
 
-def _ref_param(mod: nn.Module, dtype: torch.dtype, compute: Mapping[int, torch.dtype]
-               ) -> torch.Tensor | None:
+def _ref_param(
+    mod: nn.Module, dtype: torch.dtype, compute: Mapping[int, torch.dtype]
+) -> torch.Tensor | None:
     """A frozen weight of ``mod`` in its receiving dtype (None under FSDP mixed precision, where
     the storage dtype is not the compute dtype)."""
     if compute:
@@ -323,9 +353,15 @@ def _ref_param(mod: nn.Module, dtype: torch.dtype, compute: Mapping[int, torch.d
     return fallback
 
 
-def _put_entry(mod: nn.Module, path: str, policy: PrecisionPolicy,
-               compute: Mapping[int, torch.dtype], move: bool, put: Any,
-               handle: GuardHandle) -> None:
+def _put_entry(
+    mod: nn.Module,
+    path: str,
+    policy: PrecisionPolicy,
+    compute: Mapping[int, torch.dtype],
+    move: bool,
+    put: Any,
+    handle: GuardHandle,
+) -> None:
     """Guard the first weighted leaf of a group too: remote code often bypasses the group's own
     forward (MiniCPM-V / OmniLMM call ``vpm.forward_features(...)``), so only hooks below the
     group root see its input."""
@@ -337,14 +373,29 @@ def _put_entry(mod: nn.Module, path: str, policy: PrecisionPolicy,
             continue
         dev = w.device if move and w.device.type != "meta" else None
         where = f"{path}.{sub_path}" if path else sub_path
-        put(sub, _GuardState("entry", where, compute.get(id(w), w.dtype), dev, policy.mode,
-                             ref=None if id(w) in compute else w), handle.boundary)
+        put(
+            sub,
+            _GuardState(
+                "entry",
+                where,
+                compute.get(id(w), w.dtype),
+                dev,
+                policy.mode,
+                ref=None if id(w) in compute else w,
+            ),
+            handle.boundary,
+        )
         return
 
 
-def install_guards(model: nn.Module, policy: PrecisionPolicy | str | None = None,
-                   report: Any = None, *, groups: ModuleGroups | None = None,
-                   leaf_groups: tuple[str, ...] | None = None) -> GuardHandle:
+def install_guards(
+    model: nn.Module,
+    policy: PrecisionPolicy | str | None = None,
+    report: Any = None,
+    *,
+    groups: ModuleGroups | None = None,
+    leaf_groups: tuple[str, ...] | None = None,
+) -> GuardHandle:
     """Install (or update, idempotently) the batch, boundary and leaf guards.
 
     ``report`` (an :class:`~hf_precision.enforce.EnforceReport`) tells which groups mix dtypes;
@@ -369,18 +420,37 @@ def install_guards(model: nn.Module, policy: PrecisionPolicy | str | None = None
     recv = receiving_dtypes(root, groups, compute=compute)
     _, root_device = _receiving(root, compute)
     if policy.cast_batch:
-        put(root, _GuardState("batch", "", policy.compute_dtype, root_device if move else None,
-                              policy.mode, key_dtypes=key_dtypes_for(policy, recv),
-                              skip_keys=policy.batch_skip_keys, arg_names=_arg_names(root)),
-            handle.batch)
+        put(
+            root,
+            _GuardState(
+                "batch",
+                "",
+                policy.compute_dtype,
+                root_device if move else None,
+                policy.mode,
+                key_dtypes=key_dtypes_for(policy, recv),
+                skip_keys=policy.batch_skip_keys,
+                arg_names=_arg_names(root),
+            ),
+            handle.batch,
+        )
     if policy.boundary_guards:
         for path, mod in _group_roots(root, groups):
             if mod is not root:  # the root's own inputs are the batch guard's
                 dtype, device = _receiving(mod, compute)
                 if dtype is not None:
-                    put(mod, _GuardState("boundary", path, dtype, device if move else None,
-                                         policy.mode, ref=_ref_param(mod, dtype, compute)),
-                        handle.boundary)
+                    put(
+                        mod,
+                        _GuardState(
+                            "boundary",
+                            path,
+                            dtype,
+                            device if move else None,
+                            policy.mode,
+                            ref=_ref_param(mod, dtype, compute),
+                        ),
+                        handle.boundary,
+                    )
             _put_entry(mod, path, policy, compute, move, put, handle)
     if leaf_groups is None:
         if policy.leaf_guards == "on":
@@ -399,8 +469,18 @@ def install_guards(model: nn.Module, policy: PrecisionPolicy | str | None = None
             if w is None:
                 continue
             dev = w.device if move and w.device.type != "meta" else None
-            put(mod, _GuardState("leaf", path, compute.get(id(w), w.dtype), dev, policy.mode,
-                                 ref=None if id(w) in compute else w), handle.leaf)
+            put(
+                mod,
+                _GuardState(
+                    "leaf",
+                    path,
+                    compute.get(id(w), w.dtype),
+                    dev,
+                    policy.mode,
+                    ref=None if id(w) in compute else w,
+                ),
+                handle.leaf,
+            )
     for mod in list(_all_modules(root)):  # guards no longer wanted (a group stopped mixing)
         if _ATTR in mod.__dict__ and id(mod) not in wanted:
             _uninstall(mod)

@@ -58,17 +58,30 @@ PRESET_HELP = {
 }
 #: preset -> PrecisionPolicy fields it sets beyond the three dtypes (see :func:`register_preset`)
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {}
-_PRESET_ALIASES = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "float32": "fp32",
-                   "bfloat16": "bf16-true", "float16": "fp16-true", "16-mixed": "fp16",
-                   "bf16-mixed-fp32": "bf16"}
+_PRESET_ALIASES = {
+    "bf16-mixed": "bf16",
+    "fp16-mixed": "fp16",
+    "float32": "fp32",
+    "bfloat16": "bf16-true",
+    "float16": "fp16-true",
+    "16-mixed": "fp16",
+    "bf16-mixed-fp32": "bf16",
+}
 
 #: Buffers that always stay fp32 (rotary frequencies lose positions when rounded).
 DEFAULT_KEEP_FP32_BUFFERS: tuple[str, ...] = ("re:(^|\\.)(original_)?inv_freq$",)
 #: Batch keys never cast (targets are compared, not computed with).
 DEFAULT_SKIP_KEYS: tuple[str, ...] = (
-    "labels", "label", "label_ids", "targets", "target",
+    "labels",
+    "label",
+    "label_ids",
+    "targets",
+    "target",
     # made by the model itself and handed back by generate(): not batch data
-    "mm_encoder_outputs", "encoder_outputs", "past_key_values")
+    "mm_encoder_outputs",
+    "encoder_outputs",
+    "past_key_values",
+)
 #: Batch keys that follow a group's dtype rather than the compute dtype.
 DEFAULT_KEY_GROUPS: dict[str, str] = {
     "pixel_values": "vision_encoder",
@@ -135,36 +148,54 @@ class PrecisionPolicy:
     """
 
     compute_dtype: torch.dtype = field(
-        default=torch.bfloat16, metadata={"help": "dtype activations and batches run in"})
+        default=torch.bfloat16, metadata={"help": "dtype activations and batches run in"}
+    )
     frozen_dtype: torch.dtype | None = field(
-        default=None, metadata={"help": "dtype of frozen weights (None: compute_dtype)"})
+        default=None, metadata={"help": "dtype of frozen weights (None: compute_dtype)"}
+    )
     trainable_dtype: torch.dtype | None = field(
         default=torch.float32,
-        metadata={"help": "dtype of trainable weights (None: same as frozen weights)"})
+        metadata={"help": "dtype of trainable weights (None: same as frozen weights)"},
+    )
     group_dtypes: dict[str, torch.dtype] = field(
-        default_factory=dict, metadata={"help": "per-group override of the frozen dtype"})
+        default_factory=dict, metadata={"help": "per-group override of the frozen dtype"}
+    )
     keep_fp32: tuple[str, ...] = field(
-        default=(), metadata={"help": "patterns (exact, path prefix, component, 're:' regex) "
-                                      "of parameters/buffers that stay fp32"})
+        default=(),
+        metadata={
+            "help": "patterns (exact, path prefix, component, 're:' regex) "
+            "of parameters/buffers that stay fp32"
+        },
+    )
     keep_trainable_fp32: bool = field(
-        default=False, metadata={"help": "trainable weights loaded in fp32 stay fp32 (set by "
-                                         "inference when no precision flag is given)"})
+        default=False,
+        metadata={
+            "help": "trainable weights loaded in fp32 stay fp32 (set by "
+            "inference when no precision flag is given)"
+        },
+    )
     honour_model_keep_fp32: bool = field(
-        default=True, metadata={"help": "keep model._keep_in_fp32_modules in fp32"})
+        default=True, metadata={"help": "keep model._keep_in_fp32_modules in fp32"}
+    )
     mode: str = field(default="fix", metadata={"help": "audit | fix | raise"})
     move_devices: bool = field(
-        default=True, metadata={"help": "move groups/inputs to the receiving module's device"})
+        default=True, metadata={"help": "move groups/inputs to the receiving module's device"}
+    )
     leaf_guards: str = field(
-        default="auto", metadata={"help": "auto (in groups that mix dtypes) | on | off"})
+        default="auto", metadata={"help": "auto (in groups that mix dtypes) | on | off"}
+    )
     boundary_guards: bool = field(default=True, metadata={"help": "hooks at group entries"})
     cast_batch: bool = field(default=True, metadata={"help": "cast floating batch tensors"})
     batch_skip_keys: tuple[str, ...] = field(
-        default=DEFAULT_SKIP_KEYS, metadata={"help": "batch keys never cast"})
+        default=DEFAULT_SKIP_KEYS, metadata={"help": "batch keys never cast"}
+    )
     batch_key_groups: dict[str, str] = field(
         default_factory=lambda: dict(DEFAULT_KEY_GROUPS),
-        metadata={"help": "batch key -> group whose dtype it follows"})
+        metadata={"help": "batch key -> group whose dtype it follows"},
+    )
     full_eval_dtype: torch.dtype | None = field(
-        default=None, metadata={"help": "dtype Trainer's *_full_eval casts the model to"})
+        default=None, metadata={"help": "dtype Trainer's *_full_eval casts the model to"}
+    )
     name: str | None = field(default=None, metadata={"help": "preset this policy came from"})
 
     def __post_init__(self) -> None:
@@ -172,15 +203,26 @@ class PrecisionPolicy:
         set_ = object.__setattr__  # frozen: normalise once, here
         compute = parse_dtype(self.compute_dtype, call=f"{call}.compute_dtype")
         set_(self, "compute_dtype", compute)
-        set_(self, "frozen_dtype", parse_dtype(
-            compute if self.frozen_dtype is None else self.frozen_dtype,
-            call=f"{call}.frozen_dtype"))
+        set_(
+            self,
+            "frozen_dtype",
+            parse_dtype(
+                compute if self.frozen_dtype is None else self.frozen_dtype,
+                call=f"{call}.frozen_dtype",
+            ),
+        )
         if self.trainable_dtype is not None:
-            set_(self, "trainable_dtype",
-                 parse_dtype(self.trainable_dtype, call=f"{call}.trainable_dtype"))
+            set_(
+                self,
+                "trainable_dtype",
+                parse_dtype(self.trainable_dtype, call=f"{call}.trainable_dtype"),
+            )
         if self.full_eval_dtype is not None:
-            set_(self, "full_eval_dtype",
-                 parse_dtype(self.full_eval_dtype, call=f"{call}.full_eval_dtype"))
+            set_(
+                self,
+                "full_eval_dtype",
+                parse_dtype(self.full_eval_dtype, call=f"{call}.full_eval_dtype"),
+            )
         set_(self, "group_dtypes", _parse_mapping(self.group_dtypes, call=f"{call}.group_dtypes"))
         keep = (self.keep_fp32,) if isinstance(self.keep_fp32, str) else tuple(self.keep_fp32)
         set_(self, "keep_fp32", keep)
@@ -191,10 +233,16 @@ class PrecisionPolicy:
                 except re.error as err:
                     raise PrecisionError(
                         f"{call}.keep_fp32: bad regex {pat!r}: {err}. Fix: escape it or drop "
-                        "the 're:' prefix for a plain path.") from err
+                        "the 're:' prefix for a plain path."
+                    ) from err
         set_(self, "mode", _choice(self.mode, MODES, call=f"{call}.mode", what="mode"))
-        set_(self, "leaf_guards", _choice(self.leaf_guards, LEAF_GUARDS,
-                                          call=f"{call}.leaf_guards", what="leaf_guards value"))
+        set_(
+            self,
+            "leaf_guards",
+            _choice(
+                self.leaf_guards, LEAF_GUARDS, call=f"{call}.leaf_guards", what="leaf_guards value"
+            ),
+        )
         set_(self, "batch_skip_keys", tuple(self.batch_skip_keys))
         set_(self, "batch_key_groups", dict(self.batch_key_groups))
         known = group_names()
@@ -210,7 +258,8 @@ class PrecisionPolicy:
         if bad:
             raise PrecisionError(
                 f"PrecisionPolicy.replace({', '.join(f'{b}=...' for b in bad)}): unknown "
-                f"field(s) {bad}.\nAllowed: {', '.join(sorted(known))}.")
+                f"field(s) {bad}.\nAllowed: {', '.join(sorted(known))}."
+            )
         return dataclasses.replace(self, **changes)
 
     # ---------------------------------------------------------------- constructors
@@ -238,16 +287,19 @@ class PrecisionPolicy:
         if bad:
             raise PrecisionError(
                 f"PrecisionPolicy.from_preset({name!r}, {', '.join(f'{b}=...' for b in bad)}): "
-                f"unknown field(s) {bad}.\nAllowed: {', '.join(sorted(known))}.")
-        kwargs: dict[str, Any] = dict(compute_dtype=compute, frozen_dtype=frozen,
-                                      trainable_dtype=trainable, name=key)
+                f"unknown field(s) {bad}.\nAllowed: {', '.join(sorted(known))}."
+            )
+        kwargs: dict[str, Any] = dict(
+            compute_dtype=compute, frozen_dtype=frozen, trainable_dtype=trainable, name=key
+        )
         kwargs.update(copy.deepcopy(PRESET_DEFAULTS.get(key, {})))
         kwargs.update(overrides)
         return cls(**kwargs)
 
     @classmethod
-    def resolve(cls, value: PrecisionPolicy | str | Mapping[str, Any] | None,
-                model: nn.Module | None = None) -> PrecisionPolicy:
+    def resolve(
+        cls, value: PrecisionPolicy | str | Mapping[str, Any] | None, model: nn.Module | None = None
+    ) -> PrecisionPolicy:
         """Accept a policy, a preset name, a dict (JSON form) or ``None`` (infer from model)."""
         if isinstance(value, PrecisionPolicy):
             return value
@@ -259,7 +311,8 @@ class PrecisionPolicy:
             return cls.from_model(model) if model is not None else cls.from_preset("fp32")
         raise PrecisionError(
             f"PrecisionPolicy.resolve({value!r}): expected a PrecisionPolicy, a preset name "
-            f"({', '.join(PRESETS)}), a dict or None.")
+            f"({', '.join(PRESETS)}), a dict or None."
+        )
 
     @classmethod
     def from_model(cls, model: nn.Module, **overrides: Any) -> PrecisionPolicy:
@@ -285,8 +338,9 @@ class PrecisionPolicy:
         return cls.from_preset(infer_preset(model), **{"keep_trainable_fp32": True, **overrides})
 
     @classmethod
-    def from_training_args(cls, args: Any, model: nn.Module | None = None,
-                           **overrides: Any) -> PrecisionPolicy:
+    def from_training_args(
+        cls, args: Any, model: nn.Module | None = None, **overrides: Any
+    ) -> PrecisionPolicy:
         """Infer from ``TrainingArguments``: ``bf16=True`` -> ``bf16`` (frozen bf16, trainable
         fp32); ``fp16=True`` -> ``fp16`` (frozen fp16, trainable fp32); no flag ->
         :meth:`from_model` (frozen weights in the dtype most of the model was loaded in,
@@ -294,7 +348,8 @@ class PrecisionPolicy:
         if getattr(args, "bf16", False) and getattr(args, "fp16", False):
             raise PrecisionError(
                 "PrecisionPolicy.from_training_args(args): bf16=True and fp16=True together. "
-                "Fix: choose one.")
+                "Fix: choose one."
+            )
         if getattr(args, "bf16", False):
             policy = cls.from_preset("bf16", **overrides)
         elif getattr(args, "fp16", False):
@@ -310,8 +365,9 @@ class PrecisionPolicy:
         return policy
 
     @classmethod
-    def from_accelerator(cls, accelerator: Any, model: nn.Module | None = None,
-                         **overrides: Any) -> PrecisionPolicy:
+    def from_accelerator(
+        cls, accelerator: Any, model: nn.Module | None = None, **overrides: Any
+    ) -> PrecisionPolicy:
         """Infer from ``accelerator.mixed_precision`` (``bf16``, ``fp16``, ``no``, ``fp8``)."""
         mp = str(getattr(accelerator, "mixed_precision", "no") or "no")
         if mp == "bf16":
@@ -321,8 +377,10 @@ class PrecisionPolicy:
         if mp == "fp8":
             warnings.warn(
                 "PrecisionPolicy.from_accelerator: mixed_precision='fp8' is handled by its own "
-                "recipe; the guard uses the 'bf16' policy around it.", PrecisionWarning,
-                stacklevel=2)
+                "recipe; the guard uses the 'bf16' policy around it.",
+                PrecisionWarning,
+                stacklevel=2,
+            )
             return cls.from_preset("bf16", **overrides)
         if model is not None:
             return cls.from_model(model, **overrides)
@@ -339,8 +397,9 @@ class PrecisionPolicy:
         """dtype of the frozen weights of ``group``."""
         return self.group_dtypes.get(group, self.frozen_dtype)  # type: ignore[return-value]
 
-    def keep_fp32_reason(self, name: str, *, is_buffer: bool,
-                         model_patterns: Iterable[str] = ()) -> str | None:
+    def keep_fp32_reason(
+        self, name: str, *, is_buffer: bool, model_patterns: Iterable[str] = ()
+    ) -> str | None:
         """Why ``name`` must stay fp32, or ``None``."""
         if is_buffer:
             for pat in DEFAULT_KEEP_FP32_BUFFERS:
@@ -355,9 +414,16 @@ class PrecisionPolicy:
                     return f"model._keep_in_fp32_modules {pat!r}"
         return None
 
-    def target_dtype(self, name: str, group: str, *, trainable: bool, is_buffer: bool = False,
-                     model_patterns: Iterable[str] = (), current: torch.dtype | None = None
-                     ) -> tuple[torch.dtype, str]:
+    def target_dtype(
+        self,
+        name: str,
+        group: str,
+        *,
+        trainable: bool,
+        is_buffer: bool = False,
+        model_patterns: Iterable[str] = (),
+        current: torch.dtype | None = None,
+    ) -> tuple[torch.dtype, str]:
         """The dtype the policy wants for one parameter/buffer (now in ``current``), and the
         rule that decided."""
         reason = self.keep_fp32_reason(name, is_buffer=is_buffer, model_patterns=model_patterns)
@@ -394,13 +460,15 @@ class PrecisionPolicy:
         if version != POLICY_VERSION:
             raise PrecisionError(
                 f"PrecisionPolicy.from_dict(version={version!r}): this hf-precision reads policy "
-                f"version {POLICY_VERSION}. Fix: upgrade hf-precision or re-save the policy.")
+                f"version {POLICY_VERSION}. Fix: upgrade hf-precision or re-save the policy."
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         bad = sorted(set(data) - known)
         if bad:
             raise PrecisionError(
                 f"PrecisionPolicy.from_dict(...): unknown field(s) {bad}.\n"
-                f"Allowed: {', '.join(sorted(known))}.")
+                f"Allowed: {', '.join(sorted(known))}."
+            )
         return cls(**data)
 
     def to_json(self, **kwargs: Any) -> str:
@@ -417,8 +485,10 @@ class PrecisionPolicy:
             train += " (float32 ones kept)"
         extra = "".join(f", {g}={dtype_name(d)}" for g, d in self.group_dtypes.items())
         frozen = dtype_name(self.frozen_dtype)  # type: ignore[arg-type]
-        return (f"{self.name or 'custom'} (frozen {frozen}, trainable "
-                f"{train}, compute {dtype_name(self.compute_dtype)}{extra}; mode={self.mode})")
+        return (
+            f"{self.name or 'custom'} (frozen {frozen}, trainable "
+            f"{train}, compute {dtype_name(self.compute_dtype)}{extra}; mode={self.mode})"
+        )
 
 
 def infer_preset(model: nn.Module) -> str:
@@ -439,8 +509,11 @@ def infer_preset(model: nn.Module) -> str:
 def policy_call(owner: str, policy: Any, **kwargs: Any) -> str:
     """How the user called ``owner``, for error messages: ``PrecisionGuardPlugin('bf16',
     mode='rasie')``."""
-    args = [] if policy is None else [repr(policy) if isinstance(policy, str) else
-                                      type(policy).__name__ + "(...)"]
+    args = (
+        []
+        if policy is None
+        else [repr(policy) if isinstance(policy, str) else type(policy).__name__ + "(...)"]
+    )
     args += [f"{k}={v!r}" for k, v in kwargs.items() if v is not None]
     return f"{owner}({', '.join(args)})"
 
@@ -458,8 +531,9 @@ def with_overrides(policy: PrecisionPolicy, *, call: str, **overrides: Any) -> P
         raise PrecisionError(f"{call}: {detail}") from None
 
 
-def resolve_policy(value: PrecisionPolicy | str | Mapping[str, Any] | None, *, call: str
-                   ) -> PrecisionPolicy:
+def resolve_policy(
+    value: PrecisionPolicy | str | Mapping[str, Any] | None, *, call: str
+) -> PrecisionPolicy:
     """:meth:`PrecisionPolicy.resolve` for a front end: errors repeat ``call``; ``None`` gives
     the ``fp32`` preset (a stand-in, to validate overrides before the model is known)."""
     try:
@@ -472,8 +546,9 @@ def resolve_policy(value: PrecisionPolicy | str | Mapping[str, Any] | None, *, c
 _PRESET_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9.-]*$")
 
 
-def register_preset(name: str, compute: Any, frozen: Any, trainable: Any, help: str,
-                    **defaults: Any) -> str:
+def register_preset(
+    name: str, compute: Any, frozen: Any, trainable: Any, help: str, **defaults: Any
+) -> str:
     """Add a named preset for :meth:`PrecisionPolicy.from_preset`, next to what it serves.
 
     ``compute``/``frozen``/``trainable`` are dtypes (names or ``torch.dtype``); ``defaults`` are
@@ -487,22 +562,33 @@ def register_preset(name: str, compute: Any, frozen: Any, trainable: Any, help: 
     """
     call = f"register_preset({name!r}, ...)"
     if not isinstance(name, str) or not _PRESET_NAME_RE.match(name):
-        raise PrecisionError(f"{call}: preset names are lowercase ([a-z0-9][a-z0-9.-]*). "
-                             "Fix: e.g. 'fp16-vae32'.")
+        raise PrecisionError(
+            f"{call}: preset names are lowercase ([a-z0-9][a-z0-9.-]*). Fix: e.g. 'fp16-vae32'."
+        )
     if name in PRESETS or name in _PRESET_ALIASES:
-        raise PrecisionError(f"{call}: a preset of that name exists ({', '.join(PRESETS)}). "
-                             "Fix: choose another name.")
+        raise PrecisionError(
+            f"{call}: a preset of that name exists ({', '.join(PRESETS)}). "
+            "Fix: choose another name."
+        )
     fixed = {"compute_dtype", "frozen_dtype", "trainable_dtype", "name"}
     known = {f.name for f in dataclasses.fields(PrecisionPolicy)} - fixed
     bad = sorted(set(defaults) - known)
     if bad:
-        raise PrecisionError(f"{call}: unknown field(s) {bad}.\n"
-                             f"Allowed: {', '.join(sorted(known))}.")
-    dtypes = tuple(parse_dtype(v, call=f"{call}.{k}") for k, v in
-                   (("compute", compute), ("frozen", frozen), ("trainable", trainable)))
+        raise PrecisionError(
+            f"{call}: unknown field(s) {bad}.\nAllowed: {', '.join(sorted(known))}."
+        )
+    dtypes = tuple(
+        parse_dtype(v, call=f"{call}.{k}")
+        for k, v in (("compute", compute), ("frozen", frozen), ("trainable", trainable))
+    )
     # Build one now so a bad default fails here, not at the user's from_preset call.
-    PrecisionPolicy(compute_dtype=dtypes[0], frozen_dtype=dtypes[1], trainable_dtype=dtypes[2],
-                    name=name, **copy.deepcopy(defaults))
+    PrecisionPolicy(
+        compute_dtype=dtypes[0],
+        frozen_dtype=dtypes[1],
+        trainable_dtype=dtypes[2],
+        name=name,
+        **copy.deepcopy(defaults),
+    )
     PRESETS[name] = dtypes  # type: ignore[assignment]
     PRESET_HELP[name] = help
     PRESET_DEFAULTS[name] = dict(defaults)

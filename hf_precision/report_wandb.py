@@ -59,9 +59,12 @@ def wandb_offline_unless_logged_in(environ: Any = None) -> bool:
         except (OSError, netrc.NetrcParseError):
             continue
     env["WANDB_MODE"] = "offline"
-    print("hf-precision: W&B has no API key here (no WANDB_API_KEY, no `wandb login`), so this "
-          "run logs offline; upload it afterwards with `wandb sync <run folder>`, or run "
-          "`wandb login` (or set WANDB_MODE=offline to silence this line).", flush=True)
+    print(
+        "hf-precision: W&B has no API key here (no WANDB_API_KEY, no `wandb login`), so this "
+        "run logs offline; upload it afterwards with `wandb sync <run folder>`, or run "
+        "`wandb login` (or set WANDB_MODE=offline to silence this line).",
+        flush=True,
+    )
     return True
 
 

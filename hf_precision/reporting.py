@@ -185,8 +185,12 @@ def drift_rows(
         )
     for ch in diff or ():
         before, after = ch.before, ch.after
-        if (before is not None and after is not None and before.dtypes == after.dtypes
-                and before.devices == after.devices):
+        if (
+            before is not None
+            and after is not None
+            and before.dtypes == after.dtypes
+            and before.devices == after.devices
+        ):
             continue  # counts or trainability changed, not precision: no drift
         rec = after if after is not None else before
         rows.append(
@@ -318,7 +322,8 @@ class PrecisionReporter:
         self.events.append((event, step))
         drift = drift_rows(event, step, report, diff, previous)
         mismatches = len(getattr(report, "changes", None) or ()) + len(
-            getattr(report, "wrapper_casts", None) or ())
+            getattr(report, "wrapper_casts", None) or ()
+        )
         rows, aggregated = module_table_rows(dmap, self.max_table_rows)
         stem = f"{step:06d}-{event}"
         png = self._render_png(dmap, event, step)

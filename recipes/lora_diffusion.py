@@ -50,29 +50,48 @@ from transformers import HfArgumentParser
 @dataclass
 class RecipeArguments:
     # model
-    pretrained_model_name_or_path: str = field(default="tiny", metadata={
-        "help": "'tiny' (built offline from configs) or a local diffusers checkpoint folder"})
-    weight_dtype: str = field(default="float16", metadata={
-        "help": "dtype every model is loaded in (OneTrainer's weight data type)"})
+    pretrained_model_name_or_path: str = field(
+        default="tiny",
+        metadata={
+            "help": "'tiny' (built offline from configs) or a local diffusers checkpoint folder"
+        },
+    )
+    weight_dtype: str = field(
+        default="float16",
+        metadata={"help": "dtype every model is loaded in (OneTrainer's weight data type)"},
+    )
     resolution: int = field(default=16, metadata={"help": "image side in pixels"})
     # data
-    data_dir: str | None = field(default=None, metadata={
-        "help": "folder with metadata.jsonl ({'file_name', 'text'} per line); None: generate"})
+    data_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "folder with metadata.jsonl ({'file_name', 'text'} per line); None: generate"
+        },
+    )
     num_images: int = field(default=16, metadata={"help": "generated images (no data_dir)"})
     # LoRA
     lora_r: int = field(default=4, metadata={"help": "LoRA rank"})
     lora_alpha: int = field(default=4, metadata={"help": "LoRA scaling numerator"})
-    lora_targets: str = field(default="to_q,to_k,to_v,to_out.0", metadata={
-        "help": "comma list of UNet attention module names"})
+    lora_targets: str = field(
+        default="to_q,to_k,to_v,to_out.0",
+        metadata={"help": "comma list of UNet attention module names"},
+    )
     # precision
-    precision: str = field(default="fp16-vae32", metadata={
-        "help": "hf_precision preset: fp16-vae32 | bf16-vae32 | fp16 | bf16 | fp32 ..."})
+    precision: str = field(
+        default="fp16-vae32",
+        metadata={"help": "hf_precision preset: fp16-vae32 | bf16-vae32 | fp16 | bf16 | fp32 ..."},
+    )
     guard: bool = field(default=True, metadata={"help": "use the guard (--no_guard: without)"})
     guard_mode: str = field(default="fix", metadata={"help": "audit | fix | raise"})
-    precision_report: bool = field(default=True, metadata={
-        "help": "write dtype maps per event under <output_dir>/precision"})
-    mixed_precision: str = field(default="fp16", metadata={
-        "help": "accelerate: no | fp16 | bf16 (fp16 on CPU neither autocasts nor scales)"})
+    precision_report: bool = field(
+        default=True, metadata={"help": "write dtype maps per event under <output_dir>/precision"}
+    )
+    mixed_precision: str = field(
+        default="fp16",
+        metadata={
+            "help": "accelerate: no | fp16 | bf16 (fp16 on CPU neither autocasts nor scales)"
+        },
+    )
     cpu: bool = field(default=False, metadata={"help": "train on CPU"})
     # training
     output_dir: str = field(default="outputs/diffusion-tiny", metadata={"help": "outputs"})
@@ -94,18 +113,23 @@ def parse_args(argv: list[str] | None = None) -> RecipeArguments:
         config = yaml.safe_load(Path(known.config).read_text()) or {}
         unknown = sorted(set(config) - {f.name for f in fields(RecipeArguments)})
         if unknown:
-            raise SystemExit(f"{known.config}: unknown field(s) {unknown}; see "
-                             f"`python {sys.argv[0]} --help` for the allowed ones")
-        parser.set_defaults(**{k: str(v) if isinstance(v, float) else v
-                               for k, v in config.items()})
+            raise SystemExit(
+                f"{known.config}: unknown field(s) {unknown}; see "
+                f"`python {sys.argv[0]} --help` for the allowed ones"
+            )
+        parser.set_defaults(**{k: str(v) if isinstance(v, float) else v for k, v in config.items()})
     (args,) = parser.parse_args_into_dataclasses(rest)
     return args
 
 
 # ----------------------------------------------------------------------------- 2. data
 
-COLOURS = {"red": (1.0, -0.8, -0.8), "green": (-0.8, 0.8, -0.8), "blue": (-0.8, -0.6, 1.0),
-           "yellow": (1.0, 0.9, -0.9)}
+COLOURS = {
+    "red": (1.0, -0.8, -0.8),
+    "green": (-0.8, 0.8, -0.8),
+    "blue": (-0.8, -0.6, 1.0),
+    "yellow": (1.0, 0.9, -0.9),
+}
 WORDS = ["<pad>", "<eos>", "a", "square", "on", "white", *COLOURS]
 
 
@@ -118,7 +142,7 @@ def generated_images(n: int, size: int, seed: int) -> list[tuple[torch.Tensor, s
         img = torch.ones(3, size, size)
         side = size // 2
         x, y = (int(v) for v in torch.randint(0, size - side + 1, (2,), generator=g))
-        img[:, y:y + side, x:x + side] = torch.tensor(COLOURS[name])[:, None, None]
+        img[:, y : y + side, x : x + side] = torch.tensor(COLOURS[name])[:, None, None]
         out.append((img, f"a {name} square on white"))
     return out
 
@@ -128,8 +152,11 @@ def folder_images(data_dir: str, size: int) -> list[tuple[torch.Tensor, str]]:
     import numpy as np
     from PIL import Image
 
-    rows = [json.loads(line) for line in (Path(data_dir) / "metadata.jsonl").read_text()
-            .splitlines() if line.strip()]
+    rows = [
+        json.loads(line)
+        for line in (Path(data_dir) / "metadata.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     out = []
     for row in rows:
         img = Image.open(Path(data_dir) / row["file_name"]).convert("RGB").resize((size, size))
@@ -147,17 +174,23 @@ class Tokenize:
 
     def __call__(self, texts: list[str]) -> torch.Tensor:
         if self.tokenizer is not None:
-            return self.tokenizer(texts, padding="max_length", truncation=True,
-                                  max_length=self.tokenizer.model_max_length,
-                                  return_tensors="pt").input_ids
-        ids = [[*[WORDS.index(w) for w in t.split()][:self.length - 1], 1] for t in texts]
+            return self.tokenizer(
+                texts,
+                padding="max_length",
+                truncation=True,
+                max_length=self.tokenizer.model_max_length,
+                return_tensors="pt",
+            ).input_ids
+        ids = [[*[WORDS.index(w) for w in t.split()][: self.length - 1], 1] for t in texts]
         return torch.tensor([row + [0] * (self.length - len(row)) for row in ids])
 
 
 def collate(rows: list[tuple[torch.Tensor, str]], tokenize: Tokenize) -> dict[str, torch.Tensor]:
     # fp32 images, as every data pipeline makes them; the guard puts them in the VAE's dtype
-    return {"pixel_values": torch.stack([r[0] for r in rows]),
-            "input_ids": tokenize([r[1] for r in rows])}
+    return {
+        "pixel_values": torch.stack([r[0] for r in rows]),
+        "input_ids": tokenize([r[1] for r in rows]),
+    }
 
 
 # ----------------------------------------------------------------------------- 3. models
@@ -170,20 +203,48 @@ def tiny_models(resolution: int, seed: int) -> dict[str, Any]:
 
     torch.manual_seed(seed)
     vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        norm_num_groups=4, layers_per_block=1, sample_size=resolution)
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        norm_num_groups=4,
+        layers_per_block=1,
+        sample_size=resolution,
+    )
     unet = UNet2DConditionModel(
-        sample_size=resolution // 2, in_channels=4, out_channels=4, layers_per_block=1,
-        block_out_channels=(8, 16), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16,
-        attention_head_dim=4, norm_num_groups=4)
-    text_encoder = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, max_position_embeddings=8, bos_token_id=0, eos_token_id=1,
-        pad_token_id=0))
-    return {"unet": unet, "vae": vae, "text_encoder": text_encoder, "tokenize": Tokenize(),
-            "scheduler": DDPMScheduler(num_train_timesteps=100)}
+        sample_size=resolution // 2,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(8, 16),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=16,
+        attention_head_dim=4,
+        norm_num_groups=4,
+    )
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(WORDS),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=8,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=0,
+        )
+    )
+    return {
+        "unet": unet,
+        "vae": vae,
+        "text_encoder": text_encoder,
+        "tokenize": Tokenize(),
+        "scheduler": DDPMScheduler(num_train_timesteps=100),
+    }
 
 
 def load_models(args: RecipeArguments) -> dict[str, Any]:
@@ -196,8 +257,10 @@ def load_models(args: RecipeArguments) -> dict[str, Any]:
         models = tiny_models(args.resolution, args.seed)
     else:
         if not Path(path).is_dir():
-            raise SystemExit(f"pretrained_model_name_or_path {path} is not a folder. Fix: "
-                             "download a diffusers checkpoint once, or pass 'tiny'")
+            raise SystemExit(
+                f"pretrained_model_name_or_path {path} is not a folder. Fix: "
+                "download a diffusers checkpoint once, or pass 'tiny'"
+            )
         from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
         from transformers import CLIPTextModel, CLIPTokenizer
 
@@ -222,8 +285,14 @@ def add_lora(unet: Any, args: RecipeArguments) -> list[torch.nn.Parameter]:
     from peft import LoraConfig
 
     targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
-    unet.add_adapter(LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha,
-                                target_modules=targets, init_lora_weights="gaussian"))
+    unet.add_adapter(
+        LoraConfig(
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            target_modules=targets,
+            init_lora_weights="gaussian",
+        )
+    )
     return [p for p in unet.parameters() if p.requires_grad]
 
 
@@ -245,9 +314,12 @@ def save_lora(unet: Any, adapter_dir: Path, is_main_process: bool = True) -> Pat
     adapter_dir.mkdir(parents=True, exist_ok=True)
     layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
     StableDiffusionPipeline.save_lora_weights(
-        adapter_dir, unet_lora_layers=layers, is_main_process=is_main_process,
+        adapter_dir,
+        unet_lora_layers=layers,
+        is_main_process=is_main_process,
         unet_lora_adapter_metadata=unet.peft_config["default"].to_dict(),
-        safe_serialization=True)
+        safe_serialization=True,
+    )
     if is_main_process:
         save_file(unet_check(unet), adapter_dir / "unet_check.safetensors")
     return adapter_dir
@@ -261,10 +333,11 @@ def unet_check(unet: Any, seed: int = 0) -> dict[str, torch.Tensor]:
     config = unet.config
     gen = torch.Generator().manual_seed(seed)
     side = config.sample_size
-    inputs = {"sample": torch.randn(1, config.in_channels, side, side, generator=gen),
-              "timestep": torch.tensor([10]),
-              "encoder_hidden_states": torch.randn(1, 8, config.cross_attention_dim,
-                                                   generator=gen)}
+    inputs = {
+        "sample": torch.randn(1, config.in_channels, side, side, generator=gen),
+        "timestep": torch.tensor([10]),
+        "encoder_hidden_states": torch.randn(1, 8, config.cross_attention_dim, generator=gen),
+    }
     from hf_precision import remove_guards
 
     twin = copy.deepcopy(unet).to("cpu", torch.float32).eval()
@@ -289,9 +362,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from hf_precision.report_wandb import wandb_offline_unless_logged_in
 
         wandb_offline_unless_logged_in()  # no login: offline, one line, no traceback
-    accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=args.cpu,
-                              project_dir=str(out),
-                              log_with=None if args.report_to == "none" else args.report_to)
+    accelerator = Accelerator(
+        mixed_precision=args.mixed_precision,
+        cpu=args.cpu,
+        project_dir=str(out),
+        log_with=None if args.report_to == "none" else args.report_to,
+    )
     if args.report_to != "none":  # before the guard, so its dtype maps reach the tracker
         accelerator.init_trackers("lora-diffusion", config=asdict(args))
     set_seed(args.seed)
@@ -302,21 +378,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     vae.to(accelerator.device)
     text_encoder.to(accelerator.device)
     params = add_lora(unet, args)
-    rows = (folder_images(args.data_dir, args.resolution) if args.data_dir
-            else generated_images(args.num_images, args.resolution, args.seed))
+    rows = (
+        folder_images(args.data_dir, args.resolution)
+        if args.data_dir
+        else generated_images(args.num_images, args.resolution, args.seed)
+    )
     loader: Any = torch.utils.data.DataLoader(
-        cast(Any, rows), batch_size=args.train_batch_size, shuffle=True,
-        collate_fn=lambda r: collate(r, m["tokenize"]))
+        cast(Any, rows),
+        batch_size=args.train_batch_size,
+        shuffle=True,
+        collate_fn=lambda r: collate(r, m["tokenize"]),
+    )
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate)
 
     guard = None
     if args.guard:
         # The frozen VAE and text encoder are not prepared by accelerate: guard them directly.
-        policy = diffusion_batch_rules(PrecisionPolicy.from_preset(args.precision,
-                                                                   mode=args.guard_mode))
+        policy = diffusion_batch_rules(
+            PrecisionPolicy.from_preset(args.precision, mode=args.guard_mode)
+        )
         guard_diffusion({"vae": vae, "text_encoder": text_encoder}, policy)
-        guard = PrecisionGuardPlugin(policy, report=args.precision_report,
-                                     report_dir=out / "precision")
+        guard = PrecisionGuardPlugin(
+            policy, report=args.precision_report, report_dir=out / "precision"
+        )
         unet, optimizer, loader = guard.prepare(accelerator, unet, optimizer, loader)
     else:
         unet, optimizer, loader = accelerator.prepare(unet, optimizer, loader)
@@ -332,8 +416,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 latents = vae.encode(batch["pixel_values"]).latent_dist.sample() * scaling
                 encoder_hidden_states = text_encoder(batch["input_ids"])[0]
             noise = torch.randn_like(latents)
-            timesteps = torch.randint(0, scheduler.config.num_train_timesteps,
-                                      (latents.shape[0],), device=latents.device)
+            timesteps = torch.randint(
+                0, scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device
+            )
             noisy_latents = scheduler.add_noise(latents, noise, timesteps)
             with accelerator.autocast():
                 pred = unet(noisy_latents, timesteps, encoder_hidden_states).sample
@@ -362,19 +447,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         image = vae.decode(latents / scaling).sample
     unwrapped = accelerator.unwrap_model(unet)
     adapter_dir = save_lora(unwrapped, out / "adapter", accelerator.is_main_process)
-    maps = {name: dtype_map(model).group_rows()
-            for name, model in (("unet", unwrapped), ("vae", vae), ("text_encoder", text_encoder))}
-    report = {"guard": args.guard, "precision": args.precision,
-              "policy": guard.policy.to_dict() if guard and guard.policy else None,
-              "loss": {"first": losses[0], "last": losses[-1], "curve": losses},
-              "sample": {"dtype": str(image.dtype), "shape": list(image.shape),
-                         "finite": bool(torch.isfinite(image).all())},
-              "dtype_groups": maps, "adapter": str(adapter_dir / LORA_FILE)}
+    maps = {
+        name: dtype_map(model).group_rows()
+        for name, model in (("unet", unwrapped), ("vae", vae), ("text_encoder", text_encoder))
+    }
+    report = {
+        "guard": args.guard,
+        "precision": args.precision,
+        "policy": guard.policy.to_dict() if guard and guard.policy else None,
+        "loss": {"first": losses[0], "last": losses[-1], "curve": losses},
+        "sample": {
+            "dtype": str(image.dtype),
+            "shape": list(image.shape),
+            "finite": bool(torch.isfinite(image).all()),
+        },
+        "dtype_groups": maps,
+        "adapter": str(adapter_dir / LORA_FILE),
+    }
     (out / "precision_report.json").write_text(json.dumps(report, indent=1))
     for name, rows_ in maps.items():
         print(f"{name:<13} " + "; ".join(f"{r['group']}: {r['dtypes']}" for r in rows_))
-    print(f"Loss: first {losses[0]:.4f} -> last {losses[-1]:.4f} over {len(losses)} steps; "
-          f"sample {tuple(image.shape)} {image.dtype}")
+    print(
+        f"Loss: first {losses[0]:.4f} -> last {losses[-1]:.4f} over {len(losses)} steps; "
+        f"sample {tuple(image.shape)} {image.dtype}"
+    )
     print(f"Precision report: {out / 'precision_report.json'}")
     accelerator.end_training()
     if guard is not None:

@@ -55,13 +55,18 @@ def arg(default: Any, help: str) -> Any:
 
 @dataclass
 class ModelArguments:
-    model_name_or_path: str = arg("tiny", "'tiny' (built offline from a config) or a local "
-                                          "checkpoint folder")
-    dtype: str = arg("bfloat16", "dtype the checkpoint is loaded in: bfloat16 | float16 | "
-                                 "float32 | auto")
-    tiny_fp32_groups: str = arg("vision_encoder,projector", "tiny only: groups left in float32 "
-                                "after loading, the split real checkpoints often arrive with "
-                                "(vision tower loaded separately, projector saved in fp32)")
+    model_name_or_path: str = arg(
+        "tiny", "'tiny' (built offline from a config) or a local checkpoint folder"
+    )
+    dtype: str = arg(
+        "bfloat16", "dtype the checkpoint is loaded in: bfloat16 | float16 | float32 | auto"
+    )
+    tiny_fp32_groups: str = arg(
+        "vision_encoder,projector",
+        "tiny only: groups left in float32 "
+        "after loading, the split real checkpoints often arrive with "
+        "(vision tower loaded separately, projector saved in fp32)",
+    )
     attn_implementation: str = arg("sdpa", "sdpa | eager | ...")
     guard: bool = arg(True, "add PrecisionGuardCallback (--no_guard trains without it)")
     guard_mode: str = arg("fix", "audit | fix | raise")
@@ -69,11 +74,15 @@ class ModelArguments:
 
 @dataclass
 class DataArguments:
-    data_path: str | None = arg(None, "train JSON/JSONL in the LLaVA conversation format; "
-                                      "None: generate the shapes set under <output_dir>/data")
+    data_path: str | None = arg(
+        None,
+        "train JSON/JSONL in the LLaVA conversation format; "
+        "None: generate the shapes set under <output_dir>/data",
+    )
     eval_data_path: str | None = arg(None, "eval JSON/JSONL")
-    image_folder: str | None = arg(None, "folder the 'image' paths are relative to (default: "
-                                         "the data file's folder)")
+    image_folder: str | None = arg(
+        None, "folder the 'image' paths are relative to (default: the data file's folder)"
+    )
     num_synthetic_train: int = arg(64, "synthetic train size")
     num_synthetic_eval: int = arg(8, "synthetic eval size")
     num_generate: int = arg(4, "eval examples answered with generate() at every evaluation")
@@ -85,27 +94,34 @@ class LoraArguments:
     lora_r: int = arg(8, "LoRA rank")
     lora_alpha: int = arg(16, "LoRA scaling numerator")
     lora_dropout: float = arg(0.05, "dropout on the LoRA input")
-    lora_targets: str = arg("language_model", "comma list of: language_model (attention "
-                                              "q/k/v/o), projector, vision_encoder, lm_head")
-    lora_target_regex: str | None = arg(None, "full-match regex over module names; replaces "
-                                              "lora_targets")
-    train_fully: str = arg("", "comma list of modules trained in full next to the adapters "
-                               "(peft modules_to_save): projector, lm_head")
+    lora_targets: str = arg(
+        "language_model",
+        "comma list of: language_model (attention q/k/v/o), projector, vision_encoder, lm_head",
+    )
+    lora_target_regex: str | None = arg(
+        None, "full-match regex over module names; replaces lora_targets"
+    )
+    train_fully: str = arg(
+        "",
+        "comma list of modules trained in full next to the adapters "
+        "(peft modules_to_save): projector, lm_head",
+    )
 
 
 # Module names in transformers 5.x LLaVA. The language-model pattern is anchored on
 # `language_model`, so the vision tower's own q_proj/v_proj are never hit by default.
 LORA_TARGETS = {
-    "language_model": (r"model\.language_model\.layers\.\d+\.self_attn\."
-                       r"(q_proj|k_proj|v_proj|o_proj)"),
+    "language_model": (
+        r"model\.language_model\.layers\.\d+\.self_attn\."
+        r"(q_proj|k_proj|v_proj|o_proj)"
+    ),
     "projector": r"model\.multi_modal_projector\.linear_[12]",
     "vision_encoder": r"model\.vision_tower\..*\.self_attn\.(q_proj|k_proj|v_proj|out_proj)",
     "lm_head": r"lm_head",
 }
 #: --train_fully names -> the module peft copies and trains in full (modules_to_save)
 FULLY_TRAINED = {"projector": "multi_modal_projector", "lm_head": "lm_head"}
-ARG_CLASSES: tuple[Any, ...] = (ModelArguments, DataArguments, LoraArguments,
-                               TrainingArguments)
+ARG_CLASSES: tuple[Any, ...] = (ModelArguments, DataArguments, LoraArguments, TrainingArguments)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Any, ...]:
@@ -119,11 +135,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[Any, ...]:
         allowed = {f.name for cls in ARG_CLASSES for f in fields(cls) if f.init}
         unknown = sorted(set(config) - allowed)
         if unknown:
-            raise SystemExit(f"{known.config}: unknown field(s) {unknown}; see "
-                             f"`python {sys.argv[0]} --help` for the allowed ones")
+            raise SystemExit(
+                f"{known.config}: unknown field(s) {unknown}; see "
+                f"`python {sys.argv[0]} --help` for the allowed ones"
+            )
         # Strings go through argparse's type conversion (so '1e-3' becomes a float).
-        parser.set_defaults(**{k: str(v) if isinstance(v, float) else v
-                               for k, v in config.items()})
+        parser.set_defaults(**{k: str(v) if isinstance(v, float) else v for k, v in config.items()})
     model_args, data_args, lora_args, train_args = parser.parse_args_into_dataclasses(rest)
     for name in ("data_path", "eval_data_path", "image_folder"):
         value = getattr(data_args, name)
@@ -131,8 +148,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Any, ...]:
             setattr(data_args, name, str(Path(value).expanduser().resolve()))
     train_args.output_dir = str(Path(train_args.output_dir).expanduser().resolve())
     if model_args.model_name_or_path != "tiny":
-        model_args.model_name_or_path = str(Path(model_args.model_name_or_path).expanduser()
-                                            .resolve())
+        model_args.model_name_or_path = str(
+            Path(model_args.model_name_or_path).expanduser().resolve()
+        )
     return model_args, data_args, lora_args, train_args
 
 
@@ -140,14 +158,18 @@ def check_paths(model_args: ModelArguments, data_args: DataArguments) -> None:
     """Fail before loading anything big when a local path is missing."""
     path = model_args.model_name_or_path
     if path != "tiny" and not Path(path).is_dir():
-        raise SystemExit(f"model_name_or_path {path} is not a folder. Fix: download it once, "
-                         "e.g. `hf download llava-hf/llava-1.5-7b-hf --local-dir "
-                         f"{path}`, or pass --model_name_or_path tiny")
+        raise SystemExit(
+            f"model_name_or_path {path} is not a folder. Fix: download it once, "
+            "e.g. `hf download llava-hf/llava-1.5-7b-hf --local-dir "
+            f"{path}`, or pass --model_name_or_path tiny"
+        )
     for name in ("data_path", "eval_data_path", "image_folder"):
         value = getattr(data_args, name)
         if value and not Path(value).exists():
-            raise SystemExit(f"{name} {value} does not exist. Fix: point it at your data, or "
-                             f"drop --data_path to train on the generated shapes set")
+            raise SystemExit(
+                f"{name} {value} does not exist. Fix: point it at your data, or "
+                f"drop --data_path to train on the generated shapes set"
+            )
 
 
 # ----------------------------------------------------------------------------- 2. data
@@ -160,9 +182,11 @@ def load_data(data_args: DataArguments, output_dir: str) -> tuple[Any, Any, str,
     if data_args.data_path is None:
         from hf_precision.tiny.data import make_shapes_dataset
 
-        files = make_shapes_dataset(Path(output_dir) / "data",
-                                    n_train=data_args.num_synthetic_train,
-                                    n_eval=data_args.num_synthetic_eval)
+        files = make_shapes_dataset(
+            Path(output_dir) / "data",
+            n_train=data_args.num_synthetic_train,
+            n_eval=data_args.num_synthetic_eval,
+        )
         data_args.data_path, data_args.eval_data_path = str(files["train"]), str(files["eval"])
     data_files = {"train": data_args.data_path}
     if data_args.eval_data_path:
@@ -213,17 +237,19 @@ class ConversationCollator:
             full = self.processor.apply_chat_template([*messages, reply])
             full = full if full.startswith(prompt) else prompt + answer
             prompts.append(prompt)
-            fulls.append(full if eos in full[len(prompt):] else full + eos)
+            fulls.append(full if eos in full[len(prompt) :] else full + eos)
             answers.append(answer)
         texts = fulls if with_answers else prompts
         side = "right" if with_answers else "left"  # generation needs left padding
-        batch = self.processor(images=images, text=texts, padding=True, padding_side=side,
-                               return_tensors="pt")
+        batch = self.processor(
+            images=images, text=texts, padding=True, padding_side=side, return_tensors="pt"
+        )
         if with_answers:
             # The prompt alone, through the same processor, gives each row's prompt length
             # (image placeholders expanded exactly as in the full text).
-            prompt_ids = self.processor(images=images, text=prompts, padding=True,
-                                        return_tensors="pt")["attention_mask"].sum(1)
+            prompt_ids = self.processor(
+                images=images, text=prompts, padding=True, return_tensors="pt"
+            )["attention_mask"].sum(1)
             labels = batch["input_ids"].clone()
             labels[batch["attention_mask"] == 0] = -100
             for i, n in enumerate(prompt_ids.tolist()):
@@ -261,8 +287,8 @@ def load_model(model_args: ModelArguments) -> tuple[Any, Any]:
 
     path = model_args.model_name_or_path
     model = LlavaForConditionalGeneration.from_pretrained(
-        path, dtype=dtype, attn_implementation=model_args.attn_implementation,
-        local_files_only=True)
+        path, dtype=dtype, attn_implementation=model_args.attn_implementation, local_files_only=True
+    )
     return model, AutoProcessor.from_pretrained(path, local_files_only=True)
 
 
@@ -283,10 +309,14 @@ def apply_lora(model: Any, lora_args: LoraArguments) -> Any:
     bad = sorted(set(full) - set(FULLY_TRAINED))
     if bad:
         raise SystemExit(f"--train_fully: unknown {bad}; allowed: {sorted(FULLY_TRAINED)}")
-    config = LoraConfig(r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha,
-                        lora_dropout=lora_args.lora_dropout, target_modules=regex,
-                        task_type="CAUSAL_LM",
-                        modules_to_save=[FULLY_TRAINED[n] for n in full] or None)
+    config = LoraConfig(
+        r=lora_args.lora_r,
+        lora_alpha=lora_args.lora_alpha,
+        lora_dropout=lora_args.lora_dropout,
+        target_modules=regex,
+        task_type="CAUSAL_LM",
+        modules_to_save=[FULLY_TRAINED[n] for n in full] or None,
+    )
     return get_peft_model(model, config)
 
 
@@ -297,9 +327,14 @@ class GenerateEvalTrainer(Trainer):
     """``evaluate()`` also answers a few eval questions with ``generate()`` (the path that
     pre-encodes images outside the training forward) and logs the exact-match accuracy."""
 
-    def __init__(self, *args: Any, eval_collator: ConversationCollator | None = None,
-                 generate_rows: list[dict[str, Any]] | None = None, max_new_tokens: int = 8,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        eval_collator: ConversationCollator | None = None,
+        generate_rows: list[dict[str, Any]] | None = None,
+        max_new_tokens: int = 8,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.eval_collator, self.generate_rows = eval_collator, generate_rows or []
         self.max_new_tokens = max_new_tokens
@@ -310,8 +345,9 @@ class GenerateEvalTrainer(Trainer):
         if self.generate_rows and self.eval_collator is not None:
             answers = self.generate_answers(self.generate_rows)
             accuracy = sum(a["prediction"] == a["answer"] for a in answers) / len(answers)
-            self.generations.append({"step": self.state.global_step, "answers": answers,
-                                     "accuracy": accuracy})
+            self.generations.append(
+                {"step": self.state.global_step, "answers": answers, "accuracy": accuracy}
+            )
             metrics["eval_answer_accuracy"] = accuracy
             self.log({"eval_answer_accuracy": accuracy})
         return metrics
@@ -326,21 +362,25 @@ class GenerateEvalTrainer(Trainer):
         model.eval()
         out = model.generate(**batch, max_new_tokens=self.max_new_tokens, do_sample=False)
         model.train(was_training)
-        new = out[:, batch["input_ids"].shape[1]:]
+        new = out[:, batch["input_ids"].shape[1] :]
         texts = self.eval_collator.processor.batch_decode(new, skip_special_tokens=True)
         return [{"answer": a, "prediction": t.strip()} for a, t in zip(answers, texts)]
 
 
-def answers_table(before: list[dict[str, str]], after: list[dict[str, str]], *, step: int,
-                  rows: int = 8) -> str:
+def answers_table(
+    before: list[dict[str, str]], after: list[dict[str, str]], *, step: int, rows: int = 8
+) -> str:
     """Held-out answers before training and after ``step`` steps, and the accuracy of each."""
+
     def acc(answers: list[dict[str, str]]) -> str:
         right = sum(a["prediction"] == a["answer"] for a in answers)
         return f"{right}/{len(answers)} = {right / max(len(answers), 1):.0%}"
 
-    lines = [f"\nHeld-out answers (exact match): before training {acc(before)}, after {step} "
-             f"steps {acc(after)}",
-             f"  {'want':<20}{'before training':<24}after"]
+    lines = [
+        f"\nHeld-out answers (exact match): before training {acc(before)}, after {step} "
+        f"steps {acc(after)}",
+        f"  {'want':<20}{'before training':<24}after",
+    ]
     for b, a in list(zip(before, after))[:rows]:
         mark = "ok" if a["prediction"] == a["answer"] else "--"
         was = b["prediction"] if len(b["prediction"]) <= 20 else b["prediction"][:19] + "…"
@@ -354,15 +394,27 @@ def answers_table(before: list[dict[str, str]], after: list[dict[str, str]], *, 
 
 def print_group_table(before: Any, after: Any) -> str:
     """Per group: dtypes as loaded, dtypes after the guard, trainable parameters."""
+
     def fmt(summary: Any) -> str:
         return ", ".join(f"{d}:{n:,}" for d, n in sorted(summary.numel.items())) or "-"
 
     rows = [("group", "as loaded", "after the guard", "trainable")]
-    rows += [(name, fmt(before.groups[name]) if name in before.groups else "-", fmt(summary),
-              f"{summary.trainable:,}") for name, summary in after.groups.items()]
+    rows += [
+        (
+            name,
+            fmt(before.groups[name]) if name in before.groups else "-",
+            fmt(summary),
+            f"{summary.trainable:,}",
+        )
+        for name, summary in after.groups.items()
+    ]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = ["  ".join(f"{c:<{w}}" if i < 3 else f"{c:>{w}}"
-                       for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+    lines = [
+        "  ".join(
+            f"{c:<{w}}" if i < 3 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(row, widths))
+        )
+        for row in rows
+    ]
     lines.insert(1, "-" * len(lines[0]))
     table = "\n".join(lines)
     print(table)
@@ -388,12 +440,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     callbacks = [PrecisionGuardCallback(mode=model_args.guard_mode)] if model_args.guard else []
     eval_collator = ConversationCollator(processor, eval_folder)
     trainer = GenerateEvalTrainer(
-        model=model, args=train_args, train_dataset=train_ds, eval_dataset=eval_ds,
+        model=model,
+        args=train_args,
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
         data_collator=ConversationCollator(processor, folder),
         eval_collator=eval_collator,
-        processing_class=processor, callbacks=callbacks, max_new_tokens=data_args.max_new_tokens,
+        processing_class=processor,
+        callbacks=callbacks,
+        max_new_tokens=data_args.max_new_tokens,
         generate_rows=[eval_ds[i] for i in range(min(data_args.num_generate, len(eval_ds)))]
-        if eval_ds is not None else None)
+        if eval_ds is not None
+        else None,
+    )
     # Answers before any training step (the guard is installed: generate() works on the split
     # model), for the before/after table.
     untrained = trainer.generate_answers(trainer.generate_rows) if trainer.generate_rows else []
@@ -411,22 +470,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         check = eval_collator([eval_ds[i] for i in range(min(2, len(eval_ds)))])
         model.eval()
         with torch.no_grad():
-            _, outputs = trainer.compute_loss(model, trainer._prepare_inputs(dict(check)),
-                                              return_outputs=True)
+            _, outputs = trainer.compute_loss(
+                model, trainer._prepare_inputs(dict(check)), return_outputs=True
+            )
         # safetensors, not a pickle: nothing in the file runs when it is loaded
-        save_file({**{f"batch.{k}": v.contiguous() for k, v in dict(check).items()},
-                   "logits": outputs.logits[:, -1].float().cpu().contiguous()},
-                  out / "logits_check.safetensors")
+        save_file(
+            {
+                **{f"batch.{k}": v.contiguous() for k, v in dict(check).items()},
+                "logits": outputs.logits[:, -1].float().cpu().contiguous(),
+            },
+            out / "logits_check.safetensors",
+        )
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     guard = callbacks[0] if callbacks else None
     report = {
-        "model": model_args.model_name_or_path, "guard": model_args.guard,
+        "model": model_args.model_name_or_path,
+        "guard": model_args.guard,
         "policy": guard.policy.to_dict() if guard and guard.policy else None,
         "guard_hooks": repr(guard.handle) if guard else None,
-        "loss": {"first": losses[0] if losses else None, "last": losses[-1] if losses else None,
-                 "curve": losses},
-        "generations": trainer.generations, "adapter": str(adapter_dir),
-        "dtype_map_before": before.to_dict(), "dtype_map_after": after.to_dict(),
+        "loss": {
+            "first": losses[0] if losses else None,
+            "last": losses[-1] if losses else None,
+            "curve": losses,
+        },
+        "generations": trainer.generations,
+        "adapter": str(adapter_dir),
+        "dtype_map_before": before.to_dict(),
+        "dtype_map_after": after.to_dict(),
     }
     report_path = out / "precision_report.json"
 
@@ -436,15 +506,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"Guard hooks: {guard.handle!r}")
     if losses:
         trend = "went down" if losses[-1] < losses[0] else "did NOT go down"
-        print(f"\nLoss: first {losses[0]:.4f} -> last {losses[-1]:.4f} over {len(losses)} "
-              f"logged steps ({trend})")
+        print(
+            f"\nLoss: first {losses[0]:.4f} -> last {losses[-1]:.4f} over {len(losses)} "
+            f"logged steps ({trend})"
+        )
     if trainer.generations:
         last = trainer.generations[-1]
         report["answers_before"] = untrained
         report["accuracy"] = last["accuracy"]
         report["answers_table"] = answers_table(untrained, last["answers"], step=last["step"])
-    print(f"Precision report: {report_path}\nPer-event dtype maps: {out / 'precision'}\n"
-          f"Adapter: {adapter_dir}")
+    print(
+        f"Precision report: {report_path}\nPer-event dtype maps: {out / 'precision'}\n"
+        f"Adapter: {adapter_dir}"
+    )
     wandb = sys.modules.get("wandb")
     if wandb is not None and getattr(wandb, "run", None) is not None:
         run_dir = Path(wandb.run.dir).parent

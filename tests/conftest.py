@@ -45,17 +45,34 @@ def make_trainer(tmp_path: Any) -> Callable[..., Any]:
     """``make_trainer(model, batch, callbacks=[...], **training_args) -> Trainer`` on CPU."""
     from transformers import Trainer, TrainingArguments
 
-    def factory(model: torch.nn.Module, batch: dict[str, torch.Tensor], *,
-                callbacks: list[Any] | None = None, repeat: int = 2, **kw: Any) -> Any:
+    def factory(
+        model: torch.nn.Module,
+        batch: dict[str, torch.Tensor],
+        *,
+        callbacks: list[Any] | None = None,
+        repeat: int = 2,
+        **kw: Any,
+    ) -> Any:
         defaults: dict[str, Any] = dict(
-            output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=2,
-            per_device_train_batch_size=2, per_device_eval_batch_size=2, logging_steps=1,
-            save_strategy="no", remove_unused_columns=False, disable_tqdm=True,
-            dataloader_num_workers=0, learning_rate=1e-3, seed=0)
+            output_dir=str(tmp_path / "out"),
+            use_cpu=True,
+            report_to=[],
+            max_steps=2,
+            per_device_train_batch_size=2,
+            per_device_eval_batch_size=2,
+            logging_steps=1,
+            save_strategy="no",
+            remove_unused_columns=False,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            learning_rate=1e-3,
+            seed=0,
+        )
         defaults.update(kw)
         args = TrainingArguments(**defaults)
         data = ListDataset(batch, repeat)
-        return Trainer(model=model, args=args, train_dataset=data, eval_dataset=data,
-                       callbacks=callbacks or [])
+        return Trainer(
+            model=model, args=args, train_dataset=data, eval_dataset=data, callbacks=callbacks or []
+        )
 
     return factory

@@ -124,8 +124,12 @@ def test_guard_trains_evaluates_saves_and_loads(tmp_path, mixed_precision):
     assert (ckpt / "custom_checkpoint_0.pkl").is_file()
     assert policy_from_checkpoint(ckpt) == guard.policy
     reports = sorted(p.name for p in (tmp_path / "precision").glob("*.json"))
-    assert reports == ["000000-after_prepare.json", "000000-setup.json",
-                       "000002-after_evaluate.json", "000002-before_evaluate.json"]
+    assert reports == [
+        "000000-after_prepare.json",
+        "000000-setup.json",
+        "000002-after_evaluate.json",
+        "000002-before_evaluate.json",
+    ]
     setup = json.loads((tmp_path / "precision" / "000000-setup.json").read_text())
     assert setup["policy"]["name"] == want and setup["mismatches"] > 0
 
@@ -229,8 +233,10 @@ def test_evaluating_repairs_what_the_block_changed(tmp_path):
     optimizer, loader = _parts(model)
     guard = PrecisionGuardPlugin(report=False)
     model, optimizer, loader = guard.prepare(accelerator, model, optimizer, loader)
-    with pytest.warns(PrecisionWarning, match="after_evaluate: dtype drift repaired"), \
-            guard.evaluating(model) as m:
+    with (
+        pytest.warns(PrecisionWarning, match="after_evaluate: dtype drift repaired"),
+        guard.evaluating(model) as m,
+    ):
         _generate(accelerator, m, loader)
         m.to(torch.bfloat16)  # e.g. an export step that casts in place and never casts back
     assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
@@ -320,12 +326,17 @@ def test_wandb_tracker_receives_the_dtype_maps(tmp_path, monkeypatch):
         pass
     run = accelerator.get_tracker("wandb", unwrap=True)
     run_dir = Path(run.dir)
-    assert guard._reporter.wandb.logged == [("setup", 0), ("after_prepare", 0),
-                                            ("before_evaluate", 2), ("after_evaluate", 2)]
+    assert guard._reporter.wandb.logged == [
+        ("setup", 0),
+        ("after_prepare", 0),
+        ("before_evaluate", 2),
+        ("after_evaluate", 2),
+    ]
     accelerator.end_training()
     assert wandb.run is None
-    files = list((run_dir / "media" / "table" / "precision" / "after_evaluate").glob(
-        "modules_*.table.json"))
+    files = list(
+        (run_dir / "media" / "table" / "precision" / "after_evaluate").glob("modules_*.table.json")
+    )
     assert len(files) == 1
     table = json.loads(files[0].read_text())
     rows = [dict(zip(table["columns"], r)) for r in table["data"]]

@@ -8,8 +8,12 @@ from hf_precision.tiny import tiny_llava
 
 
 def test_floating_cast_ints_bools_labels_untouched():
-    batch = {"pixel_values": torch.rand(2, 3), "input_ids": torch.ones(2, 3, dtype=torch.long),
-             "mask": torch.ones(2, dtype=torch.bool), "labels": torch.rand(2)}
+    batch = {
+        "pixel_values": torch.rand(2, 3),
+        "input_ids": torch.ones(2, 3, dtype=torch.long),
+        "mask": torch.ones(2, dtype=torch.bool),
+        "labels": torch.rand(2),
+    }
     out = cast_batch(batch, torch.bfloat16, skip_keys=("labels",))
     assert out["pixel_values"].dtype == torch.bfloat16
     assert out["input_ids"] is batch["input_ids"]
@@ -19,8 +23,12 @@ def test_floating_cast_ints_bools_labels_untouched():
 
 def test_nested_containers_keep_types():
     feat = BatchFeature({"pixel_values": torch.rand(1, 3), "ids": torch.ones(1, dtype=torch.long)})
-    batch = {"a": [torch.rand(2), torch.rand(2)], "b": (torch.rand(1),), "c": feat,
-             "d": {"latents": torch.rand(2)}}
+    batch = {
+        "a": [torch.rand(2), torch.rand(2)],
+        "b": (torch.rand(1),),
+        "c": feat,
+        "d": {"latents": torch.rand(2)},
+    }
     out = cast_batch(batch, torch.float16)
     assert isinstance(out["a"], list) and out["a"][0].dtype == torch.float16
     assert isinstance(out["b"], tuple) and out["b"][0].dtype == torch.float16
@@ -59,10 +67,17 @@ def test_collator_wraps_default_and_follows_group_dtype():
     model = tiny_llava()
     model.model.vision_tower.to(torch.float32)
     model.model.language_model.to(torch.bfloat16)
-    collate = PrecisionCollator(default_data_collator, PrecisionPolicy.from_preset("bf16"),
-                                model=model)
-    feats = [{"pixel_values": torch.rand(3, 4, 4), "input_ids": torch.tensor([1, 2]),
-              "labels": torch.tensor([1, 2])} for _ in range(2)]
+    collate = PrecisionCollator(
+        default_data_collator, PrecisionPolicy.from_preset("bf16"), model=model
+    )
+    feats = [
+        {
+            "pixel_values": torch.rand(3, 4, 4),
+            "input_ids": torch.tensor([1, 2]),
+            "labels": torch.tensor([1, 2]),
+        }
+        for _ in range(2)
+    ]
     batch = collate(feats)
     # pixel_values follow the vision encoder (fp32 here), not the compute dtype
     assert batch["pixel_values"].dtype == torch.float32

@@ -26,8 +26,14 @@ def _dtypes(params):
 def test_bf16_flag_infers_mixed_policy_and_trains(make_trainer):
     model = _split_lora_llava()
     cb = PrecisionGuardCallback()
-    trainer = make_trainer(model, tiny_batch(model.base_model.model), callbacks=[cb], bf16=True,
-                           eval_strategy="steps", eval_steps=1)
+    trainer = make_trainer(
+        model,
+        tiny_batch(model.base_model.model),
+        callbacks=[cb],
+        bf16=True,
+        eval_strategy="steps",
+        eval_steps=1,
+    )
     # cast at on_init_end, before the optimizer exists
     assert cb.policy is not None and cb.policy.name == "bf16"
     frozen = [p for p in model.parameters() if not p.requires_grad]
@@ -86,8 +92,9 @@ def test_add_callback_after_construction_enforces_at_train_begin(make_trainer):
 def test_full_eval_cast_is_undone_bit_exactly(make_trainer):
     model = _split_lora_llava()
     cb = PrecisionGuardCallback(report=False)
-    trainer = make_trainer(model, tiny_batch(model.base_model.model), callbacks=[cb], bf16=True,
-                           bf16_full_eval=True)
+    trainer = make_trainer(
+        model, tiny_batch(model.base_model.model), callbacks=[cb], bf16=True, bf16_full_eval=True
+    )
     lora = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     assert any(not torch.equal(v, v.bfloat16().float()) for v in lora.values())
     trainer.evaluate()  # transformers casts the whole model to bf16 in place, never back
@@ -116,8 +123,11 @@ def test_raise_mode_stops_at_construction(make_trainer):
     model = tiny_llava()
     model.model.vision_tower.to(torch.float16)
     with pytest.raises(PrecisionError, match="(?s)violates policy.*model.vision_tower"):
-        make_trainer(model, tiny_batch(model), callbacks=[PrecisionGuardCallback(
-            "fp32", mode="raise", report=False)])
+        make_trainer(
+            model,
+            tiny_batch(model),
+            callbacks=[PrecisionGuardCallback("fp32", mode="raise", report=False)],
+        )
 
 
 def test_bad_arguments_fail_early():
@@ -130,8 +140,15 @@ def test_bad_arguments_fail_early():
 def test_hooks_do_not_accumulate_over_evaluations(make_trainer):
     model = _split_lora_llava()
     cb = PrecisionGuardCallback(report=False)
-    trainer = make_trainer(model, tiny_batch(model.base_model.model), callbacks=[cb], bf16=True,
-                           max_steps=4, eval_strategy="steps", eval_steps=1)
+    trainer = make_trainer(
+        model,
+        tiny_batch(model.base_model.model),
+        callbacks=[cb],
+        bf16=True,
+        max_steps=4,
+        eval_strategy="steps",
+        eval_steps=1,
+    )
     n = installed_guards(model)
     trainer.train()
     assert installed_guards(model) == n

@@ -132,7 +132,8 @@ def test_audit_weights_and_trainable_groups(
 
 
 def test_doctor_fixes_minicpmv_and_names_the_internvl_bug(
-        capsys: pytest.CaptureFixture[str]) -> None:
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     # MiniCPM-V 2's leak is a parameter (resampler.pos_embed made with .float()): the policy
     # casts it, and the guarded step runs clean
     assert main(["doctor", "minicpmv", "--policy", "bf16-true", "--no-generate"]) == 0

@@ -73,10 +73,18 @@ def test_groups_of_single_models() -> None:
     for cls in (CLIPTextModel, CLIPTextModelWithProjection):
         te = find_module_groups(tiny_text_encoder(cls))
         assert (te.rule, te.paths) == ("diffusion_text_encoder", {"text_encoder": ("",)})
-    sd3: Any = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=1,
-                                attention_head_dim=8, num_attention_heads=2,
-                                joint_attention_dim=16, caption_projection_dim=16,
-                                pooled_projection_dim=16, out_channels=4)
+    sd3: Any = SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=2,
+        in_channels=4,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        caption_projection_dim=16,
+        pooled_projection_dim=16,
+        out_channels=4,
+    )
     assert find_module_groups(sd3).paths == {"transformer": ("",)}
     # Not diffusers, but forward(latents, timesteps, ...): a OneTrainer-style denoiser.
     assert find_module_groups(OneTrainerTiny()).rule == "diffusion_unet"
@@ -89,20 +97,25 @@ def test_groups_through_peft_and_not_on_language_models() -> None:
     groups = find_module_groups(peft_unet)
     assert groups.rule == "diffusion_unet" and groups.prefix == "base_model.model."
     # GPT-2 has a child named `transformer`: the diffusion rules must leave it alone.
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50,
-                                      bos_token_id=0, eos_token_id=0))
+    gpt2 = GPT2LMHeadModel(
+        GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, bos_token_id=0, eos_token_id=0)
+    )
     assert not find_module_groups(gpt2).rule.startswith("diffusion")
 
 
 def test_dict_adapter_and_component_names() -> None:
     unet, vae, te = tiny_unet(), tiny_vae(), tiny_text_encoder()
-    comps = {"unet": unet, "vae": vae, "text_encoder": te, "scheduler": object(),
-             "tokenizer": None}
+    comps = {"unet": unet, "vae": vae, "text_encoder": te, "scheduler": object(), "tokenizer": None}
     groups = find_diffusion_groups(comps)
     assert isinstance(groups.root, DiffusionModules) and groups.rule == "diffusion_components"
     assert groups.names == ("text_encoder", "unet", "vae")
-    assert groups.paths["vae"] == ("vae", "vae.encoder", "vae.quant_conv",
-                                   "vae.post_quant_conv", "vae.decoder")
+    assert groups.paths["vae"] == (
+        "vae",
+        "vae.encoder",
+        "vae.quant_conv",
+        "vae.post_quant_conv",
+        "vae.decoder",
+    )
     # The adapter shares the modules: a policy enforced through it casts the originals.
     enforce_policy(groups.root, "fp16-vae32", groups=groups)
     assert dtypes(unet) == dtypes(te) == {HALF} and dtypes(vae) == {torch.float32}
@@ -112,8 +125,11 @@ def test_dict_adapter_and_component_names() -> None:
     # The key names the group: SDXL's second encoder is a CLIPTextModelWithProjection.
     te2 = component_groups("text_encoder_2", tiny_text_encoder(CLIPTextModelWithProjection))
     assert te2.paths == {"text_encoder_2": ("",)}
-    with pytest.raises(PrecisionError, match=r"find_diffusion_groups\(int\): expected a "
-                                             r"DiffusionPipeline"):
+    with pytest.raises(
+        PrecisionError,
+        match=r"find_diffusion_groups\(int\): expected a "
+        r"DiffusionPipeline",
+    ):
         find_diffusion_groups(42)
     with pytest.raises(PrecisionError, match=r"no nn\.Module among the components"):
         find_diffusion_groups({"scheduler": object()})
@@ -126,19 +142,26 @@ def test_diffusion_presets() -> None:
     for name, half in (("fp16-vae32", torch.float16), ("bf16-vae32", torch.bfloat16)):
         policy = PrecisionPolicy.from_preset(name)
         assert (policy.compute_dtype, policy.frozen_dtype, policy.trainable_dtype) == (
-            half, half, torch.float32)
+            half,
+            half,
+            torch.float32,
+        )
         assert policy.group_dtypes == {"vae": torch.float32} and policy.leaf_guards == "on"
         assert {"timestep", "timesteps", "labels"} <= set(policy.batch_skip_keys)
         assert policy.batch_key_groups["pixel_values"] == "vae"
         assert PrecisionPolicy.from_json(policy.to_json()) == policy
         assert policy.target_dtype("decoder.conv_in.weight", "vae", trainable=False) == (
-            torch.float32, "group_dtypes['vae']")
+            torch.float32,
+            "group_dtypes['vae']",
+        )
     # Overrides win; defaults are copied, so a change does not leak into the next policy.
     assert PrecisionPolicy.from_preset("fp16-vae32", group_dtypes={}).group_dtypes == {}
     PrecisionPolicy.from_preset("fp16-vae32").batch_key_groups["latents"] = "unet"
     assert "latents" not in PrecisionPolicy.from_preset("fp16-vae32").batch_key_groups
-    with pytest.raises(PrecisionError, match="(?s)unknown preset 'fp16-vae31'.*Did you mean "
-                                             "'fp16-vae32'.*bf16-vae32"):
+    with pytest.raises(
+        PrecisionError,
+        match="(?s)unknown preset 'fp16-vae31'.*Did you mean 'fp16-vae32'.*bf16-vae32",
+    ):
         PrecisionPolicy.from_preset("fp16-vae31")
 
 
@@ -147,8 +170,11 @@ def test_register_preset_validates() -> None:
         register_preset("FP16 VAE", "fp16", "fp16", "fp32", "x")
     with pytest.raises(PrecisionError, match="a preset of that name exists"):
         register_preset("fp16", "fp16", "fp16", "fp32", "x")
-    with pytest.raises(PrecisionError, match=r"(?s)unknown field\(s\) \['group_dtype'\].*"
-                                             "group_dtypes"):
+    with pytest.raises(
+        PrecisionError,
+        match=r"(?s)unknown field\(s\) \['group_dtype'\].*"
+        "group_dtypes",
+    ):
         register_preset("x-test", "fp16", "fp16", "fp32", "x", group_dtype={"vae": "fp32"})
     with pytest.raises(PrecisionError, match="unknown dtype 'fp61'"):
         register_preset("x-test", "fp61", "fp16", "fp32", "x")
@@ -156,8 +182,9 @@ def test_register_preset_validates() -> None:
         register_preset("x-test", "fp16", "fp16", "fp32", "x", group_dtypes={"vea": "fp32"})
     assert "x-test" not in PRESETS
     try:
-        assert register_preset("x-test", "bf16", "bf16", "fp32", "test", leaf_guards="off") \
-            == "x-test"
+        assert (
+            register_preset("x-test", "bf16", "bf16", "fp32", "test", leaf_guards="off") == "x-test"
+        )
         policy = PrecisionPolicy.from_preset("x-test")
         assert policy.leaf_guards == "off" and policy.name == "x-test"
     finally:
@@ -240,8 +267,9 @@ class TimeMLPDenoiser(nn.Module):
 def test_float_timesteps_follow_compute_dtype_where_the_model_expects_it() -> None:
     model = TimeMLPDenoiser().requires_grad_(False).to(HALF)
     latents, t = torch.randn(2, 4, 4, 4, dtype=HALF), torch.tensor([0.25, 0.75])
-    with pytest.raises(RuntimeError, match="mat1 and mat2 must have the same dtype, but got "
-                                           "Float and Half"):
+    with pytest.raises(
+        RuntimeError, match="mat1 and mat2 must have the same dtype, but got Float and Half"
+    ):
         model(latents, t)
     handle = guard_diffusion(model, "fp16-vae32").handles["model"]
     assert "t_proj" in handle.leaf + handle.boundary  # a leaf guard (or the group's entry)
@@ -252,19 +280,31 @@ def test_batch_rules_in_the_collator() -> None:
     policy = PrecisionPolicy.from_preset("fp16-vae32")
     mask = torch.zeros(2, 1, 4, 4)
     mask[:, :, 0] = torch.finfo(torch.float32).min  # an additive mask sentinel
-    batch = {"pixel_values": torch.rand(2, 3, 16, 16), "latents": torch.randn(2, 4, 4, 4),
-             "noise": torch.randn(2, 4, 4, 4), "latent_mask": mask,
-             "timesteps": torch.tensor([3, 500]), "timestep": torch.tensor([0.5, 0.25]),
-             "encoder_hidden_states": torch.randn(2, 5, 16), "target": torch.randn(2, 4, 4, 4)}
+    batch = {
+        "pixel_values": torch.rand(2, 3, 16, 16),
+        "latents": torch.randn(2, 4, 4, 4),
+        "noise": torch.randn(2, 4, 4, 4),
+        "latent_mask": mask,
+        "timesteps": torch.tensor([3, 500]),
+        "timestep": torch.tensor([0.5, 0.25]),
+        "encoder_hidden_states": torch.randn(2, 5, 16),
+        "target": torch.randn(2, 4, 4, 4),
+    }
     out = PrecisionCollator(lambda rows: rows[0], policy)([batch])
     assert out["pixel_values"].dtype == torch.float32  # follows the VAE
-    assert {out[k].dtype for k in ("latents", "noise", "latent_mask",
-                                   "encoder_hidden_states")} == {HALF}
+    assert {out[k].dtype for k in ("latents", "noise", "latent_mask", "encoder_hidden_states")} == {
+        HALF
+    }
     assert float(out["latent_mask"].min()) == torch.finfo(HALF).min  # not -inf
     for key in ("timesteps", "timestep", "target"):
         assert out[key] is batch[key]
-    assert set(diffusion.DIFFUSION_BATCH_RULES) >= {"latents", "latent_mask", "noise",
-                                                    "timesteps", "pixel_values"}
+    assert set(diffusion.DIFFUSION_BATCH_RULES) >= {
+        "latents",
+        "latent_mask",
+        "noise",
+        "timesteps",
+        "pixel_values",
+    }
     # Any policy can take the rules.
     fp16 = diffusion_batch_rules("fp16")
     assert "timesteps" in fp16.batch_skip_keys and fp16.batch_key_groups["images"] == "vae"
@@ -272,13 +312,19 @@ def test_batch_rules_in_the_collator() -> None:
 
 def test_raise_mode_names_module_dtype_and_argument() -> None:
     unet = tiny_unet()
-    with pytest.raises(PrecisionError, match=r"(?s)enforce_policy\(mode='raise'\).*"
-                                             r"conv_in\.weight \[unet\]: float32 -> float16"):
+    with pytest.raises(
+        PrecisionError,
+        match=r"(?s)enforce_policy\(mode='raise'\).*"
+        r"conv_in\.weight \[unet\]: float32 -> float16",
+    ):
         guard_diffusion(unet, "fp16-vae32", mode="raise")
     guard_diffusion(unet, "fp16-vae32")
     install_guards(unet, PrecisionPolicy.from_preset("fp16-vae32", mode="raise"))
-    with pytest.raises(PrecisionError, match=r"received (sample|input 0) as float32 .* weights are "
-                                             r"float16"):
+    with pytest.raises(
+        PrecisionError,
+        match=r"received (sample|input 0) as float32 .* weights are "
+        r"float16",
+    ):
         unet(torch.randn(1, 4, 8, 8), torch.tensor([1]), torch.randn(1, 5, 16, dtype=HALF))
 
 
@@ -290,8 +336,11 @@ def test_vae_weight_overflow_keeps_the_vae_fp32() -> None:
     with torch.no_grad():
         vae.decoder.conv_out.bias[0] = 1e5  # beyond ±65504
     assert vae_overflow(vae) == [("decoder.conv_out.bias", 1e5)]
-    with pytest.warns(PrecisionWarning, match=r"(?s)the VAE \('vae'\) leaves the float16 range.*"
-                                              r"decoder\.conv_out\.bias.*kept in float32"):
+    with pytest.warns(
+        PrecisionWarning,
+        match=r"(?s)the VAE \('vae'\) leaves the float16 range.*"
+        r"decoder\.conv_out\.bias.*kept in float32",
+    ):
         guard = guard_diffusion({"vae": vae}, "fp16")
     assert dtypes(vae) == {torch.float32} and guard.vae_overflow
     image = vae.decode(torch.randn(1, 4, 8, 8, dtype=HALF)).sample
@@ -304,8 +353,11 @@ def test_enforce_policy_per_tensor_overflow_keeps_the_vae_working() -> None:
     vae = tiny_vae()
     with torch.no_grad():
         vae.decoder.conv_out.bias[0] = 1e5
-    with pytest.warns(PrecisionWarning, match=r"decoder\.conv_out\.bias \[vae\]: max \|value\| "
-                                              r"100000 exceeds the float16 range"):
+    with pytest.warns(
+        PrecisionWarning,
+        match=r"decoder\.conv_out\.bias \[vae\]: max \|value\| "
+        r"100000 exceeds the float16 range",
+    ):
         report = enforce_policy(vae, "fp16", groups=find_module_groups(vae))
     assert vae.decoder.conv_out.weight.dtype == vae.decoder.conv_out.bias.dtype == torch.float32
     assert vae.decoder.conv_in.weight.dtype == HALF and report.mixed_groups == ("vae",)
@@ -325,8 +377,9 @@ def test_vae_activation_overflow_found_with_images() -> None:
     naive = tiny_vae()
     naive.load_state_dict(vae.state_dict())
     naive.to(HALF)
-    assert not bool(torch.isfinite(naive.decode(torch.randn(1, 4, 8, 8, dtype=HALF)).sample)
-                    .all())  # what an fp16 VAE does with these weights
+    assert not bool(
+        torch.isfinite(naive.decode(torch.randn(1, 4, 8, 8, dtype=HALF)).sample).all()
+    )  # what an fp16 VAE does with these weights
     with pytest.warns(PrecisionWarning, match=rf"{hits[0][0]}.*kept in float32"):
         guard_diffusion({"vae": vae}, "fp16", vae_images=images)
     assert dtypes(vae) == {torch.float32}
@@ -340,8 +393,9 @@ def test_vae_activation_overflow_found_with_images() -> None:
 def _load_recipe() -> Any:
     if "recipe_lora_diffusion" in sys.modules:
         return sys.modules["recipe_lora_diffusion"]
-    spec = importlib.util.spec_from_file_location("recipe_lora_diffusion",
-                                                  ROOT / "recipes" / "lora_diffusion.py")
+    spec = importlib.util.spec_from_file_location(
+        "recipe_lora_diffusion", ROOT / "recipes" / "lora_diffusion.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
@@ -354,8 +408,9 @@ def test_recipe_config_header_and_fields() -> None:
     text = path.read_text()
     header = [line for line in text.splitlines() if line.startswith("#")]
     assert header[0].startswith("# Tiny Stable-Diffusion-style LoRA")
-    assert ("# Launch:   python recipes/lora_diffusion.py --config "
-            "recipes/configs/diffusion/tiny.yaml") in header
+    assert (
+        "# Launch:   python recipes/lora_diffusion.py --config recipes/configs/diffusion/tiny.yaml"
+    ) in header
     assert any(line.startswith("# Override:") for line in header)
     config = yaml.safe_load(text)
     recipe = _load_recipe()
@@ -371,20 +426,30 @@ def test_recipe_trains_a_few_steps(tmp_path: Path) -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            report = recipe.main(["--config", str(ROOT / "recipes/configs/diffusion/tiny.yaml"),
-                                  "--output_dir", str(tmp_path), "--max_steps", "3",
-                                  "--precision_report", "false"])
+            report = recipe.main(
+                [
+                    "--config",
+                    str(ROOT / "recipes/configs/diffusion/tiny.yaml"),
+                    "--output_dir",
+                    str(tmp_path),
+                    "--max_steps",
+                    "3",
+                    "--precision_report",
+                    "false",
+                ]
+            )
     finally:
         AcceleratorState._reset_state(True)
     losses = report["loss"]["curve"]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
-    groups = {name: {r["group"]: r["dtypes"] for r in rows}
-              for name, rows in report["dtype_groups"].items()}
+    groups = {
+        name: {r["group"]: r["dtypes"] for r in rows}
+        for name, rows in report["dtype_groups"].items()
+    }
     assert groups["vae"] == {"vae": "float32"}
     assert groups["text_encoder"] == {"text_encoder": "float16"}
     assert groups["unet"] == {"unet": "float16/float32"}  # frozen fp16, LoRA fp32
-    assert report["sample"] == {"dtype": "torch.float32", "shape": [1, 3, 16, 16],
-                                "finite": True}
+    assert report["sample"] == {"dtype": "torch.float32", "shape": [1, 3, 16, 16], "finite": True}
     assert Path(report["adapter"]).name == "pytorch_lora_weights.safetensors"
     assert Path(report["adapter"]).is_file()
     assert (tmp_path / "precision_report.json").is_file()
@@ -403,9 +468,15 @@ def _reload_into_a_pipeline(recipe, adapter_dir: Path) -> None:
     for name in ("unet", "vae", "text_encoder"):
         models[name].to(torch.float16).to(torch.float32)
     pipe = StableDiffusionPipeline(
-        vae=models["vae"], text_encoder=models["text_encoder"], tokenizer=None,
-        unet=models["unet"], scheduler=models["scheduler"], safety_checker=None,
-        feature_extractor=None, requires_safety_checker=False)
+        vae=models["vae"],
+        text_encoder=models["text_encoder"],
+        tokenizer=None,
+        unet=models["unet"],
+        scheduler=models["scheduler"],
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
     check = load_file(adapter_dir / "unet_check.safetensors")
     inputs = {k: check[k] for k in ("sample", "timestep", "encoder_hidden_states")}
     with torch.no_grad():

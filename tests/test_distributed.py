@@ -49,9 +49,13 @@ from hf_precision.tiny import tiny_batch, tiny_llava
 SCENARIOS = Path(__file__).parent / "multiprocess" / "scenarios.py"
 
 # LLaVA's scripts/zero2.json: every precision value follows the command line
-LLAVA_ZERO2 = {"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
-               "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-               "zero_optimization": {"stage": 2, "overlap_comm": True}}
+LLAVA_ZERO2 = {
+    "fp16": {"enabled": "auto"},
+    "bf16": {"enabled": "auto"},
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "zero_optimization": {"stage": 2, "overlap_comm": True},
+}
 
 
 # ----------------------------------------------------------------------------- DeepSpeed config
@@ -60,8 +64,10 @@ def test_auto_sections_follow_the_flags():
     assert check_deepspeed_config(LLAVA_ZERO2, bf16=False, fp16=True) == torch.float16
     assert check_deepspeed_config(LLAVA_ZERO2, bf16=False, fp16=False) == torch.float32
     # a missing section is filled by accelerate from the flags
-    assert check_deepspeed_config({"zero_optimization": {"stage": 3}}, bf16=True,
-                                  fp16=False) == torch.bfloat16
+    assert (
+        check_deepspeed_config({"zero_optimization": {"stage": 3}}, bf16=True, fp16=False)
+        == torch.bfloat16
+    )
 
 
 def test_llava_bf16_flag_with_fp16_json_is_named(tmp_path):
@@ -91,11 +97,14 @@ def test_fp32_run_with_json_that_enables_fp16():
         check_deepspeed_config({"fp16": {"enabled": True}}, bf16=False, fp16=False)
 
 
-@pytest.mark.parametrize("cfg, match", [
-    ({"bf16": {"enabled": "yes"}}, r"bf16.enabled='yes'; allowed: true, false"),
-    ({"bf16": True}, r"'bf16' must be an object"),
-    ({"bf16": {"enabled": "auto"}, "amp": {"enabled": True}}, r'apex "amp" together with bf16'),
-])
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        ({"bf16": {"enabled": "yes"}}, r"bf16.enabled='yes'; allowed: true, false"),
+        ({"bf16": True}, r"'bf16' must be an object"),
+        ({"bf16": {"enabled": "auto"}, "amp": {"enabled": True}}, r'apex "amp" together with bf16'),
+    ],
+)
 def test_bad_values_are_explained(cfg, match):
     with pytest.raises(PrecisionError, match=match):
         check_deepspeed_config(cfg, bf16=True, fp16=False)
@@ -210,7 +219,8 @@ def test_fsdp2_compute_dtype_that_contradicts_the_policy_is_explained(one_rank):
     check = check_wrapped(model, fp16)
     assert check and len(check.violations) == len(list(model.parameters()))
     assert "computed in bfloat16; the policy wants float32 (trainable)" in "\n".join(
-        check.violations)
+        check.violations
+    )
     err = check.error("where", fp16)
     assert "FSDP2 holds them, so the guard will not cast them" in str(err)
     assert "MixedPrecisionPolicy(param_dtype=...)" in str(err)
@@ -229,8 +239,11 @@ def test_fsdp_upcast_of_trainable_weights_is_expected(one_rank):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
-                mesh=init_device_mesh("cpu", (1,)))
+    fully_shard(
+        model,
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+        mesh=init_device_mesh("cpu", (1,)),
+    )
     check = check_wrapped(model, policy)
     assert not check.violations
     assert check.expected == {"stored float32, computed bfloat16 by FSDP2": 64}
@@ -244,9 +257,12 @@ def test_fsdp1_and_ddp_are_detected(one_rank):
 
     ddp = nn.parallel.DistributedDataParallel(tiny_llava())
     assert wrapper_of(ddp) == "DDP"
-    fsdp = FullyShardedDataParallel(tiny_llava(), device_id=torch.device("cpu"),
-                                    use_orig_params=True,
-                                    mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    fsdp = FullyShardedDataParallel(
+        tiny_llava(),
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+    )
     assert wrapper_of(fsdp) == "FSDP"
     assert set(wrapper_compute_dtypes(fsdp).values()) == {torch.bfloat16}
     assert not check_wrapped(fsdp, PrecisionPolicy.from_preset("bf16"))
@@ -272,12 +288,15 @@ def test_deepspeed_is_detected_and_its_dtype_expected():
     assert list(check.expected.values()) == [sum(1 for _ in model.parameters()) - 1]
     # DeepSpeed cast the keep-fp32 head: reported as its cast, with the fix
     assert check.notes == []
-    assert check.casts == [("lm_head.weight", "lm_head", torch.bfloat16, torch.float32,
-                            "keep_fp32 'lm_head'")]
+    assert check.casts == [
+        ("lm_head.weight", "lm_head", torch.bfloat16, torch.float32, "keep_fp32 'lm_head'")
+    ]
     msg = check.cast_message("where")
-    assert msg.startswith("where: DeepSpeed holds 1 parameter(s) in bfloat16 that the policy "
-                          "keeps in float32 (keep_fp32 'lm_head'): lm_head: 1 parameter(s), "
-                          "e.g. lm_head.weight.")
+    assert msg.startswith(
+        "where: DeepSpeed holds 1 parameter(s) in bfloat16 that the policy "
+        "keeps in float32 (keep_fp32 'lm_head'): lm_head: 1 parameter(s), "
+        "e.g. lm_head.weight."
+    )
     assert "no setting that keeps one module in float32. Fix:" in msg
 
 
@@ -292,8 +311,10 @@ def test_planned_wrappers_from_accelerator_and_args(tmp_path):
         AcceleratorState._reset_state(True)
     ns = types.SimpleNamespace  # the TrainingArguments fields read (FSDP/DeepSpeed need a GPU)
     assert planned_wrapper(args=ns(deepspeed="ds.json")) == "DeepSpeed"
-    assert planned_wrapper(args=ns(deepspeed=None, fsdp="full_shard",
-                                   fsdp_config={"version": 2})) == "FSDP2"
+    assert (
+        planned_wrapper(args=ns(deepspeed=None, fsdp="full_shard", fsdp_config={"version": 2}))
+        == "FSDP2"
+    )
     assert planned_wrapper(args=ns(deepspeed=None, fsdp="full_shard", fsdp_config={})) == "FSDP"
     assert planned_wrapper(args=ns(deepspeed=None, fsdp="", world_size=2)) == "DDP"
 
@@ -324,25 +345,51 @@ def test_module_doctests(name):
 
 # ----------------------------------------------------------------------------- two processes
 def _launch(out: Path, names: list[str], nproc: int = 2, timeout: int = 240) -> dict[str, Any]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
-           "DS_ACCELERATOR": "cuda" if torch.cuda.is_available() else "cpu"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", str(SCENARIOS), str(out), *names]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "offline",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        "DS_ACCELERATOR": "cuda" if torch.cuda.is_available() else "cpu",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(SCENARIOS),
+        str(out),
+        *names,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     results: dict[str, Any] = {"_log": proc.stdout[-4000:] + proc.stderr[-4000:]}
     for name in names:
-        results[name] = [json.loads((out / name / f"rank{r}.json").read_text())
-                         if (out / name / f"rank{r}.json").is_file() else None
-                         for r in range(nproc)]
+        results[name] = [
+            json.loads((out / name / f"rank{r}.json").read_text())
+            if (out / name / f"rank{r}.json").is_file()
+            else None
+            for r in range(nproc)
+        ]
     return results
 
 
-CPU_SCENARIOS = ["plain_loop", "plain_disagree", "trainer", "trainer_disagree", "fsdp2", "fsdp1",
-                 # real DeepSpeed on CPU, last (ZeRO-3 leaves global state behind)
-                 "ds_zero2_fp32", "ds_zero2_bf16_keep_fp32_tower",
-                 "ds_zero2_keep_fp32_tower_raise", "ds_zero3_init_bf16", "ds_zero3_fp32",
-                 "ds_json_contradicts_flag"]
+CPU_SCENARIOS = [
+    "plain_loop",
+    "plain_disagree",
+    "trainer",
+    "trainer_disagree",
+    "fsdp2",
+    "fsdp1",
+    # real DeepSpeed on CPU, last (ZeRO-3 leaves global state behind)
+    "ds_zero2_fp32",
+    "ds_zero2_bf16_keep_fp32_tower",
+    "ds_zero2_keep_fp32_tower_raise",
+    "ds_zero3_init_bf16",
+    "ds_zero3_fp32",
+    "ds_json_contradicts_flag",
+]
 
 
 @pytest.fixture(scope="session")
@@ -379,10 +426,16 @@ def test_plain_loop_on_two_ranks(two_ranks):
     r0, r1 = _ok(results, "plain_loop")
     assert r0["wrapped"] == r1["wrapped"] == "DistributedDataParallel"
     assert r0["digest"] == r1["digest"]
-    assert r0["groups"] == r1["groups"] == {"vision_encoder": ["bfloat16"],
-                                            "projector": ["float32"],
-                                            "language_model": ["float32"],
-                                            "lm_head": ["float32"]}
+    assert (
+        r0["groups"]
+        == r1["groups"]
+        == {
+            "vision_encoder": ["bfloat16"],
+            "projector": ["float32"],
+            "language_model": ["float32"],
+            "lm_head": ["float32"],
+        }
+    )
     assert r0["events"] == r1["events"] and r0["events"][0] == ["setup", 39]
     assert r0["generated"] == r1["generated"] and r0["policy"] == "bf16"
     assert r0["written"] and r1["written"] == []  # only the main process writes
@@ -400,8 +453,10 @@ def test_plain_loop_disagreement_names_ranks_and_modules(two_ranks):
         msg = r["message"]
         assert msg.startswith("PrecisionGuardPlugin.setup: the ranks disagree")
         assert "rank 1 differs from rank 0 in 2 module(s)" in msg
-        assert ("model.multi_modal_projector.linear_1: rank 0 float32 on cpu, 1056 trainable; "
-                "rank 1 bfloat16 on cpu, 0 trainable") in msg
+        assert (
+            "model.multi_modal_projector.linear_1: rank 0 float32 on cpu, 1056 trainable; "
+            "rank 1 bfloat16 on cpu, 0 trainable"
+        ) in msg
 
 
 @pytest.mark.multiprocess
@@ -429,8 +484,10 @@ def test_trainer_disagreement_stops_at_train_begin(two_ranks):
         msg = r["message"]
         assert msg.startswith("PrecisionGuardCallback.on_train_begin: the ranks disagree")
         assert "rank 1 differs from rank 0 in 21 module(s)" in msg
-        assert ("model.vision_tower.encoder.layers.0.mlp.fc1: rank 0 bfloat16 on cpu, 0 "
-                "trainable; rank 1 float16 on cpu, 0 trainable") in msg
+        assert (
+            "model.vision_tower.encoder.layers.0.mlp.fc1: rank 0 bfloat16 on cpu, 0 "
+            "trainable; rank 1 float16 on cpu, 0 trainable"
+        ) in msg
 
 
 @pytest.mark.multiprocess
@@ -505,16 +562,20 @@ def test_deepspeed_cast_of_a_keep_fp32_tower_is_warned_and_reported(two_ranks):
         assert r["engine"] == "DeepSpeedEngine" and r["tower"] == ["torch.bfloat16"]
         assert len(r["warnings"]) == 1  # once, at on_train_begin, not at every evaluation
         msg = r["warnings"][0]
-        assert msg.startswith("PrecisionGuardCallback.on_train_begin: DeepSpeed holds 39 "
-                              "parameter(s) in bfloat16 that the policy keeps in float32 "
-                              "(group_dtypes['vision_encoder']): vision_encoder: 39")
+        assert msg.startswith(
+            "PrecisionGuardCallback.on_train_begin: DeepSpeed holds 39 "
+            "parameter(s) in bfloat16 that the policy keeps in float32 "
+            "(group_dtypes['vision_encoder']): vision_encoder: 39"
+        )
         assert "model.vision_tower.embeddings.class_embedding" in msg and "Fix:" in msg
     assert r0["mismatches"] == r0["cast_rows"] == 39  # mismatch rows, not neutral drift
     for r in results["ds_zero2_keep_fp32_tower_raise"]:
         assert r is not None and not r["ok"] and r["error"] == "PrecisionError"
-        assert r["message"].startswith("PrecisionGuardCallback.on_train_begin: DeepSpeed holds "
-                                       "39 parameter(s) in bfloat16 that the policy keeps in "
-                                       "float32 (keep_fp32 'model.vision_tower')")
+        assert r["message"].startswith(
+            "PrecisionGuardCallback.on_train_begin: DeepSpeed holds "
+            "39 parameter(s) in bfloat16 that the policy keeps in "
+            "float32 (keep_fp32 'model.vision_tower')"
+        )
 
 
 @pytest.mark.multiprocess

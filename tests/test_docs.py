@@ -10,9 +10,25 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["errors", "dtypes", "policy", "groups", "dtype_map", "enforce", "batch", "hooks",
-           "callback", "reporting", "plot", "diagnostics", "diagnosis", "diffusion",
-           "accelerate_plugin", "distributed", "deepspeed_config"]
+MODULES = [
+    "errors",
+    "dtypes",
+    "policy",
+    "groups",
+    "dtype_map",
+    "enforce",
+    "batch",
+    "hooks",
+    "callback",
+    "reporting",
+    "plot",
+    "diagnostics",
+    "diagnosis",
+    "diffusion",
+    "accelerate_plugin",
+    "distributed",
+    "deepspeed_config",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -31,8 +47,10 @@ def _readme_blocks() -> list[str]:
 def test_readme_python_blocks_run(index, tmp_path, monkeypatch):
     block = _readme_blocks()[index]
     if "Trainer(" in block and "PrecisionGuardCallback()" in block and "args=" in block:
-        pytest.skip("the one-line snippet needs the user's model/args/dataset; covered by "
-                    "tests/test_callback.py")
+        pytest.skip(
+            "the one-line snippet needs the user's model/args/dataset; covered by "
+            "tests/test_callback.py"
+        )
     monkeypatch.chdir(tmp_path)
     if "register_group_rule" in block:
         from hf_precision.groups import unregister_group_rule

@@ -21,7 +21,8 @@ def test_records_groups_and_counts_match_parameters():
     # inv_freq + original_inv_freq, 4 frequencies each (head_dim 8)
     assert m.records["model.language_model.rotary_emb"].buffers == {"float32": 8}
     assert m.bytes_by_dtype["bfloat16"] == 2 * sum(
-        p.numel() for p in model.model.vision_tower.parameters())
+        p.numel() for p in model.model.vision_tower.parameters()
+    )
 
 
 def test_tied_weights_not_double_counted():
@@ -39,8 +40,10 @@ def test_diff_and_digest():
     model.model.multi_modal_projector.to(torch.float16)
     after = dtype_map(model)
     diff = before.diff(after)
-    assert {c.path for c in diff} == {"model.multi_modal_projector.linear_1",
-                                      "model.multi_modal_projector.linear_2"}
+    assert {c.path for c in diff} == {
+        "model.multi_modal_projector.linear_1",
+        "model.multi_modal_projector.linear_2",
+    }
     assert "float32 on cpu -> float16 on cpu" in str(diff)
     assert before.digest() != after.digest()
     assert diff.to_rows()[0]["after"] == "float16"

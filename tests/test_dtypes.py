@@ -12,11 +12,18 @@ from hf_precision.dtypes import (
 )
 
 
-@pytest.mark.parametrize(("value", "dtype"), [
-    ("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("torch.bfloat16", torch.bfloat16),
-    ("FP16", torch.float16), ("half", torch.float16), ("fp32", torch.float32),
-    (torch.float32, torch.float32),
-])
+@pytest.mark.parametrize(
+    ("value", "dtype"),
+    [
+        ("bf16", torch.bfloat16),
+        ("bfloat16", torch.bfloat16),
+        ("torch.bfloat16", torch.bfloat16),
+        ("FP16", torch.float16),
+        ("half", torch.float16),
+        ("fp32", torch.float32),
+        (torch.float32, torch.float32),
+    ],
+)
 def test_parse_dtype_aliases(value, dtype):
     assert parse_dtype(value, call="t") is dtype
 
@@ -51,6 +58,8 @@ def test_narrows_range_and_names():
     assert narrows_range(torch.bfloat16, torch.float16)
     assert not narrows_range(torch.float16, torch.float32)
     assert dtype_name(torch.bfloat16) == "bfloat16"
-    assert majority_dtype([(torch.float32, 10), (torch.bfloat16, 20), (torch.float32, 5)]) \
+    assert (
+        majority_dtype([(torch.float32, 10), (torch.bfloat16, 20), (torch.float32, 5)])
         is torch.bfloat16
+    )
     assert majority_dtype([]) is None

@@ -22,8 +22,10 @@ def test_fix_casts_groups_together_and_keeps_identity():
     # rotary inv_freq stays fp32
     rot = model.model.language_model.rotary_emb
     assert rot.inv_freq.dtype == torch.float32
-    assert ("model.language_model.rotary_emb.inv_freq", "rotary inv_freq buffer") in \
-        report.kept_fp32
+    assert (
+        "model.language_model.rotary_emb.inv_freq",
+        "rotary inv_freq buffer",
+    ) in report.kept_fp32
 
 
 def test_mixed_policy_trainables_fp32_frozen_bf16_values_exact():
@@ -70,8 +72,9 @@ def test_tied_weights_stay_tied():
     enforce_policy(model, "fp16-true")
     assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
     assert model.lm_head.weight.dtype == torch.float16
-    assert model.lm_head.weight.data_ptr() == \
-        model.model.language_model.embed_tokens.weight.data_ptr()
+    assert (
+        model.lm_head.weight.data_ptr() == model.model.language_model.embed_tokens.weight.data_ptr()
+    )
 
 
 def test_fp16_overflow_kept_fp32_with_warning_or_raises():

@@ -16,53 +16,131 @@ from hf_precision import groups as G
 from hf_precision.groups import OTHER, GroupRule, register_group, register_group_rule
 
 Paths = dict[str, tuple[str, ...]]
-_LLAVA: Paths = {"vision_encoder": ("model.vision_tower",),
-          "projector": ("model.multi_modal_projector",),
-          "language_model": ("model.language_model",), "lm_head": ("lm_head",)}
+_LLAVA: Paths = {
+    "vision_encoder": ("model.vision_tower",),
+    "projector": ("model.multi_modal_projector",),
+    "language_model": ("model.language_model",),
+    "lm_head": ("lm_head",),
+}
 # builder -> (rule, paths, direct params)
 TINY: dict[str, tuple[str, Paths, Paths]] = {
     "tiny_llava": ("llava", _LLAVA, {}),
     "tiny_llava_next": ("llava", _LLAVA, {"resampler": ("model.image_newline",)}),
-    "tiny_idefics2": ("idefics2", {
-        "vision_encoder": ("model.vision_model",),
-        "resampler": ("model.connector.perceiver_resampler",),
-        "projector": ("model.connector.modality_projection",),
-        "language_model": ("model.text_model",), "lm_head": ("lm_head",)}, {}),
-    "tiny_idefics3": ("idefics3", {
-        "vision_encoder": ("model.vision_model",), "resampler": ("model.connector",),
-        "projector": ("model.connector.modality_projection",),
-        "language_model": ("model.text_model",), "lm_head": ("lm_head",)}, {}),
-    "tiny_qwen2_vl": ("qwen2_vl", {
-        "vision_encoder": ("model.visual",), "resampler": ("model.visual.merger",),
-        "language_model": ("model.language_model",), "lm_head": ("lm_head",)}, {}),
+    "tiny_idefics2": (
+        "idefics2",
+        {
+            "vision_encoder": ("model.vision_model",),
+            "resampler": ("model.connector.perceiver_resampler",),
+            "projector": ("model.connector.modality_projection",),
+            "language_model": ("model.text_model",),
+            "lm_head": ("lm_head",),
+        },
+        {},
+    ),
+    "tiny_idefics3": (
+        "idefics3",
+        {
+            "vision_encoder": ("model.vision_model",),
+            "resampler": ("model.connector",),
+            "projector": ("model.connector.modality_projection",),
+            "language_model": ("model.text_model",),
+            "lm_head": ("lm_head",),
+        },
+        {},
+    ),
+    "tiny_qwen2_vl": (
+        "qwen2_vl",
+        {
+            "vision_encoder": ("model.visual",),
+            "resampler": ("model.visual.merger",),
+            "language_model": ("model.language_model",),
+            "lm_head": ("lm_head",),
+        },
+        {},
+    ),
     "tiny_paligemma": ("vision_tower_projector", _LLAVA, {}),
-    "tiny_minicpmv4_6": ("minicpmv", {
-        "vision_encoder": ("model.vision_tower",), "resampler": ("model.merger",),
-        "language_model": ("model.language_model",), "lm_head": ("lm_head",)}, {}),
-    "tiny_blip2": ("blip_2", {
-        "vision_encoder": ("vision_model",), "resampler": ("qformer",),
-        "projector": ("language_projection",), "language_model": ("language_model",),
-        "lm_head": ("language_model.lm_head",)}, {"resampler": ("query_tokens",)}),
-    "tiny_kosmos2": ("kosmos2", {
-        "vision_encoder": ("vision_model",), "resampler": ("image_to_text_projection",),
-        "projector": ("image_to_text_projection.dense",), "language_model": ("text_model",),
-        "lm_head": ("text_model.lm_head",)},
-        {"resampler": ("image_to_text_projection.latent_query",)}),
-    "MiniCPMV2Tiny": ("minicpmv2_omnilmm", {
-        "vision_encoder": ("vpm",), "resampler": ("resampler",), "language_model": ("llm",),
-        "lm_head": ("llm.lm_head",)}, {}),
-    "OmniLMMTiny": ("minicpmv2_omnilmm", {
-        "vision_encoder": ("model.vision_tower",), "resampler": ("model.resampler",),
-        "language_model": ("model",), "lm_head": ("lm_head",)}, {}),
-    "XComposerTiny": ("internlm_xcomposer", {
-        "vision_encoder": ("vit",), "projector": ("vision_proj",), "language_model": ("model",),
-        "lm_head": ("output",)}, {"vision_encoder": ("plora_glb_GN", "plora_sub_GN")}),
-    "XTunerLLaVATiny": ("xtuner_llava", {
-        "vision_encoder": ("visual_encoder",), "projector": ("projector",),
-        "language_model": ("llm",), "lm_head": ("llm.lm_head",)}, {}),
-    "InternVLTiny": ("internvl_chat", {
-        "vision_encoder": ("vision_model",), "projector": ("mlp1",),
-        "language_model": ("language_model",), "lm_head": ("language_model.lm_head",)}, {}),
+    "tiny_minicpmv4_6": (
+        "minicpmv",
+        {
+            "vision_encoder": ("model.vision_tower",),
+            "resampler": ("model.merger",),
+            "language_model": ("model.language_model",),
+            "lm_head": ("lm_head",),
+        },
+        {},
+    ),
+    "tiny_blip2": (
+        "blip_2",
+        {
+            "vision_encoder": ("vision_model",),
+            "resampler": ("qformer",),
+            "projector": ("language_projection",),
+            "language_model": ("language_model",),
+            "lm_head": ("language_model.lm_head",),
+        },
+        {"resampler": ("query_tokens",)},
+    ),
+    "tiny_kosmos2": (
+        "kosmos2",
+        {
+            "vision_encoder": ("vision_model",),
+            "resampler": ("image_to_text_projection",),
+            "projector": ("image_to_text_projection.dense",),
+            "language_model": ("text_model",),
+            "lm_head": ("text_model.lm_head",),
+        },
+        {"resampler": ("image_to_text_projection.latent_query",)},
+    ),
+    "MiniCPMV2Tiny": (
+        "minicpmv2_omnilmm",
+        {
+            "vision_encoder": ("vpm",),
+            "resampler": ("resampler",),
+            "language_model": ("llm",),
+            "lm_head": ("llm.lm_head",),
+        },
+        {},
+    ),
+    "OmniLMMTiny": (
+        "minicpmv2_omnilmm",
+        {
+            "vision_encoder": ("model.vision_tower",),
+            "resampler": ("model.resampler",),
+            "language_model": ("model",),
+            "lm_head": ("lm_head",),
+        },
+        {},
+    ),
+    "XComposerTiny": (
+        "internlm_xcomposer",
+        {
+            "vision_encoder": ("vit",),
+            "projector": ("vision_proj",),
+            "language_model": ("model",),
+            "lm_head": ("output",),
+        },
+        {"vision_encoder": ("plora_glb_GN", "plora_sub_GN")},
+    ),
+    "XTunerLLaVATiny": (
+        "xtuner_llava",
+        {
+            "vision_encoder": ("visual_encoder",),
+            "projector": ("projector",),
+            "language_model": ("llm",),
+            "lm_head": ("llm.lm_head",),
+        },
+        {},
+    ),
+    "InternVLTiny": (
+        "internvl_chat",
+        {
+            "vision_encoder": ("vision_model",),
+            "projector": ("mlp1",),
+            "language_model": ("language_model",),
+            "lm_head": ("language_model.lm_head",),
+        },
+        {},
+    ),
 }
 
 
@@ -146,11 +224,17 @@ class GetterVLM(nn.Module):
 
 def test_fallback_reports_name_and_pattern_matches() -> None:
     g = find_module_groups(NamedVLM())
-    assert g.rule == ("fallback(vision_encoder=name:vision_tower, language_model=name:"
-                      "language_model, lm_head=name:lm_head, projector=pattern:mm_projector, "
-                      "resampler=param:image_newline)")
-    assert g.paths == {"vision_encoder": ("vision_tower",), "language_model": ("language_model",),
-                       "lm_head": ("lm_head",), "projector": ("mm_projector",)}
+    assert g.rule == (
+        "fallback(vision_encoder=name:vision_tower, language_model=name:"
+        "language_model, lm_head=name:lm_head, projector=pattern:mm_projector, "
+        "resampler=param:image_newline)"
+    )
+    assert g.paths == {
+        "vision_encoder": ("vision_tower",),
+        "language_model": ("language_model",),
+        "lm_head": ("lm_head",),
+        "projector": ("mm_projector",),
+    }
     assert g.params == {"resampler": ("image_newline",)}
     assert g.group_of("image_newline") == "resampler"
     assert g.group_of("language_model.1.weight") == "language_model"
@@ -158,22 +242,33 @@ def test_fallback_reports_name_and_pattern_matches() -> None:
 
 def test_fallback_reports_getter_matches() -> None:
     g = find_module_groups(GetterVLM())
-    assert g.rule == ("fallback(vision_encoder=get_encoder(image), language_model=get_decoder, "
-                      "lm_head=get_output_embeddings)")
-    assert g.paths == {"vision_encoder": ("eye",), "language_model": ("brain",),
-                       "lm_head": ("mouth",)}
+    assert g.rule == (
+        "fallback(vision_encoder=get_encoder(image), language_model=get_decoder, "
+        "lm_head=get_output_embeddings)"
+    )
+    assert g.paths == {
+        "vision_encoder": ("eye",),
+        "language_model": ("brain",),
+        "lm_head": ("mouth",),
+    }
     assert g.group_of("bridge.weight") == OTHER  # nothing says what it is
 
 
 def test_unrecognised_model_warns_or_raises() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
-    with pytest.warns(PrecisionWarning, match=r"(?s)find_module_groups\(Sequential\): no module "
-                      r"groups recognised \(model_type=None\).*register_group_rule"):
+    with pytest.warns(
+        PrecisionWarning,
+        match=r"(?s)find_module_groups\(Sequential\): no module "
+        r"groups recognised \(model_type=None\).*register_group_rule",
+    ):
         g = find_module_groups(model)
     assert (g.rule, g.paths, g.names) == ("none", {}, ())
     assert g.group_of("0.weight") == OTHER
-    with pytest.raises(PrecisionError, match=r"(?s)no module groups recognised.*Fix: "
-                       r"register_group_rule\(GroupRule"):
+    with pytest.raises(
+        PrecisionError,
+        match=r"(?s)no module groups recognised.*Fix: "
+        r"register_group_rule\(GroupRule",
+    ):
         find_module_groups(model, strict=True)
 
 
@@ -209,14 +304,18 @@ def test_torch_compile_and_data_parallel_are_unwrapped(llava: nn.Module) -> None
 
 def test_hidden_tower_is_reported_not_grouped() -> None:
     model = tiny.OmniLMMTiny(tune_clip=False)  # OmniLMM: self.vision_tower = [tower]
-    with pytest.warns(PrecisionWarning, match=r"(?s)vision_encoder='model.vision_tower' \(held "
-                      r"in a list\) is reachable as an attribute but is not a registered "
-                      r"submodule.*Fix: register it"):
+    with pytest.warns(
+        PrecisionWarning,
+        match=r"(?s)vision_encoder='model.vision_tower' \(held "
+        r"in a list\) is reachable as an attribute but is not a registered "
+        r"submodule.*Fix: register it",
+    ):
         g = find_module_groups(model)
     assert g.hidden == {"vision_encoder": "model.vision_tower"}
     assert g.held == {"vision_encoder": "list"}
-    assert g.to_dict()["hidden"] == {"vision_encoder": {"path": "model.vision_tower",
-                                                        "held": "list"}}
+    assert g.to_dict()["hidden"] == {
+        "vision_encoder": {"path": "model.vision_tower", "held": "list"}
+    }
     assert "model.vision_tower (hidden: held in a list" in str(g)
     assert "vision_encoder" not in g.paths and g.paths["resampler"] == ("model.resampler",)
 
@@ -245,9 +344,13 @@ def test_module_groups_api(llava: Any) -> None:
     assert "projector" in g and "resampler" not in g
     assert g.modules("vision_encoder") == [llava.model.vision_tower]
     assert g.modules("resampler") == []
-    assert g.to_dict() == {"rule": "llava", "model_type": "llava",
-                           "groups": {k: list(v) for k, v in _LLAVA.items()}, "params": {},
-                           "hidden": {}}
+    assert g.to_dict() == {
+        "rule": "llava",
+        "model_type": "llava",
+        "groups": {k: list(v) for k, v in _LLAVA.items()},
+        "params": {},
+        "hidden": {},
+    }
     assert "vision_encoder  model.vision_tower" in str(g)
     assert dict(g.items()) == _LLAVA
 
@@ -262,19 +365,31 @@ def clean_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(G, "_GROUP_NAMES", list(G._GROUP_NAMES))
 
 
-@pytest.mark.parametrize(("rule", "message"), [
-    (GroupRule("llava", paths={"language_model": "x"}),
-     r"GroupRule\(name='llava'\)\): a rule of that name exists. Fix: choose another name"),
-    (GroupRule("MyVLM", paths={"language_model": "x"}),
-     r"GroupRule\(name='MyVLM'\)\): rule names are lowercase identifiers"),
-    (GroupRule("my_vlm", paths={"vision": ("x",), "language_model": "y"}),
-     r"unknown group\(s\) \['vision'\]. Allowed: vision_encoder, resampler, projector, "
-     r"audio_encoder, language_model, lm_head\b.*Fix: register_group\(name\) first"),
-    (GroupRule("my_vlm", paths={"language_model": "y"}, required=("decoder",)),
-     r"unknown group\(s\) \['decoder'\]"),
-])
-def test_register_group_rule_validation(clean_registry: None, rule: GroupRule,
-                                        message: str) -> None:
+@pytest.mark.parametrize(
+    ("rule", "message"),
+    [
+        (
+            GroupRule("llava", paths={"language_model": "x"}),
+            r"GroupRule\(name='llava'\)\): a rule of that name exists. Fix: choose another name",
+        ),
+        (
+            GroupRule("MyVLM", paths={"language_model": "x"}),
+            r"GroupRule\(name='MyVLM'\)\): rule names are lowercase identifiers",
+        ),
+        (
+            GroupRule("my_vlm", paths={"vision": ("x",), "language_model": "y"}),
+            r"unknown group\(s\) \['vision'\]. Allowed: vision_encoder, resampler, projector, "
+            r"audio_encoder, language_model, lm_head\b.*Fix: register_group\(name\) first",
+        ),
+        (
+            GroupRule("my_vlm", paths={"language_model": "y"}, required=("decoder",)),
+            r"unknown group\(s\) \['decoder'\]",
+        ),
+    ],
+)
+def test_register_group_rule_validation(
+    clean_registry: None, rule: GroupRule, message: str
+) -> None:
     before = G.group_rules()
     with pytest.raises(PrecisionError, match=message):
         register_group_rule(rule)
@@ -282,11 +397,13 @@ def test_register_group_rule_validation(clean_registry: None, rule: GroupRule,
 
 
 def test_group_rule_paths_are_normalised_and_checked() -> None:
-    rule = GroupRule("my_vlm", paths={"language_model": "decoder"},
-                     model_types="my_vlm")  # type: ignore[arg-type]
+    rule = GroupRule("my_vlm", paths={"language_model": "decoder"}, model_types="my_vlm")  # type: ignore[arg-type]
     assert rule.paths == {"language_model": ("decoder",)} and rule.model_types == ("my_vlm",)
-    with pytest.raises(PrecisionError, match=r"GroupRule\(name='my_vlm'\): paths\['lm_head'\]="
-                       r"\(3,\) must be module paths"):
+    with pytest.raises(
+        PrecisionError,
+        match=r"GroupRule\(name='my_vlm'\): paths\['lm_head'\]="
+        r"\(3,\) must be module paths",
+    ):
         GroupRule("my_vlm", paths={"lm_head": (3,)})  # type: ignore[dict-item]
     with pytest.raises(PrecisionError, match=r"params\['resampler'\]=\(''\,\)"):
         GroupRule("my_vlm", paths={}, params={"resampler": ("",)})
@@ -294,8 +411,11 @@ def test_group_rule_paths_are_normalised_and_checked() -> None:
 
 @pytest.mark.parametrize("name", ["Depth", "depth-encoder", "1st", OTHER])
 def test_register_group_validation(clean_registry: None, name: str) -> None:
-    with pytest.raises(PrecisionError, match=rf"register_group\({name!r}\): group names are "
-                       "lowercase identifiers"):
+    with pytest.raises(
+        PrecisionError,
+        match=rf"register_group\({name!r}\): group names are "
+        "lowercase identifiers",
+    ):
         register_group(name)
 
 
@@ -303,26 +423,38 @@ def test_registered_rule_and_group_are_used(clean_registry: None) -> None:
     model = NamedVLM()
     model.config = type("Cfg", (), {"model_type": "my_vlm"})()  # type: ignore[assignment]
     register_group("depth_encoder")
-    register_group_rule(GroupRule(
-        "my_vlm", model_types=("my_vlm",),
-        paths={"depth_encoder": "vision_tower", "language_model": "language_model"},
-        params={"resampler": "image_newline"}))
+    register_group_rule(
+        GroupRule(
+            "my_vlm",
+            model_types=("my_vlm",),
+            paths={"depth_encoder": "vision_tower", "language_model": "language_model"},
+            params={"resampler": "image_newline"},
+        )
+    )
     g = find_module_groups(model)
     assert (g.rule, g.model_type) == ("my_vlm", "my_vlm")
     assert g.names == ("resampler", "language_model", "depth_encoder")
     assert g.group_of("vision_tower.weight") == "depth_encoder"
     # first=True overrides a built-in rule for its model type.
-    register_group_rule(GroupRule("llava_flat", model_types=("llava",),
-                                  paths={"language_model": "model"}), first=True)
+    register_group_rule(
+        GroupRule("llava_flat", model_types=("llava",), paths={"language_model": "model"}),
+        first=True,
+    )
     assert find_module_groups(tiny.tiny_llava()).paths == {"language_model": ("model",)}
     G.unregister_group_rule("llava_flat")
     assert find_module_groups(tiny.tiny_llava()).rule == "llava"
 
 
 def test_rule_whose_required_group_is_missing_falls_through(clean_registry: None) -> None:
-    register_group_rule(GroupRule("needs_qformer", model_types=("llava",),
-                                  paths={"resampler": "qformer", "language_model": "model"},
-                                  required=("resampler",)), first=True)
+    register_group_rule(
+        GroupRule(
+            "needs_qformer",
+            model_types=("llava",),
+            paths={"resampler": "qformer", "language_model": "model"},
+            required=("resampler",),
+        ),
+        first=True,
+    )
     assert find_module_groups(tiny.tiny_llava()).rule == "llava"
 
 
@@ -369,17 +501,40 @@ def _real_remote_layouts() -> dict[str, tuple[nn.Module, str, Paths, Paths]]:
     xc25.plora_sub_GN = nn.Parameter(torch.zeros(1, 1, 1, 16))
     xc25.video_mem_proj = nn.Linear(16, 32)
     return {
-        "omnilmm": (omni, "minicpmv2_omnilmm", {
-            "vision_encoder": ("model.vision_tower",), "resampler": ("model.resampler",),
-            "language_model": ("model",), "lm_head": ("lm_head",)}, {}),
-        "minicpmo": (minicpmo, "minicpmv2_omnilmm", {
-            "vision_encoder": ("vpm",), "resampler": ("resampler",), "language_model": ("llm",),
-            "lm_head": ("llm.lm_head",), "audio_encoder": ("apm", "audio_projection_layer")},
-            {}),
-        "xcomposer2_5": (xc25, "internlm_xcomposer", {
-            "vision_encoder": ("vit",), "projector": ("vision_proj", "video_mem_proj"),
-            "language_model": ("model",), "lm_head": ("output",)},
-            {"vision_encoder": ("plora_glb_GN", "plora_sub_GN")}),
+        "omnilmm": (
+            omni,
+            "minicpmv2_omnilmm",
+            {
+                "vision_encoder": ("model.vision_tower",),
+                "resampler": ("model.resampler",),
+                "language_model": ("model",),
+                "lm_head": ("lm_head",),
+            },
+            {},
+        ),
+        "minicpmo": (
+            minicpmo,
+            "minicpmv2_omnilmm",
+            {
+                "vision_encoder": ("vpm",),
+                "resampler": ("resampler",),
+                "language_model": ("llm",),
+                "lm_head": ("llm.lm_head",),
+                "audio_encoder": ("apm", "audio_projection_layer"),
+            },
+            {},
+        ),
+        "xcomposer2_5": (
+            xc25,
+            "internlm_xcomposer",
+            {
+                "vision_encoder": ("vit",),
+                "projector": ("vision_proj", "video_mem_proj"),
+                "language_model": ("model",),
+                "lm_head": ("output",),
+            },
+            {"vision_encoder": ("plora_glb_GN", "plora_sub_GN")},
+        ),
     }
 
 

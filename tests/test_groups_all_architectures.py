@@ -35,10 +35,12 @@ REPAIRS: dict[str, Callable[[Any], None]] = {
     "chameleon": lambda c: setattr(c, "vocabulary_map", {"<image>": 8711}),
     "emu3": lambda c: setattr(c, "vocabulary_map", {"<image>": 8711, "<|extra_200|>": 8712}),
     "hunyuan_vl": lambda c: setattr(c.text_config, "head_dim", 128),
-    "granite4_vision": lambda c: c.__dict__.update(deepstack_layer_map=[(0, 0)],
-                                                   downsample_rate="2/4"),
+    "granite4_vision": lambda c: c.__dict__.update(
+        deepstack_layer_map=[(0, 0)], downsample_rate="2/4"
+    ),
     "deepseek_ocr2": lambda c: setattr(
-        c.text_config, "mlp_layer_types", ["dense"] * c.text_config.num_hidden_layers),
+        c.text_config, "mlp_layer_types", ["dense"] * c.text_config.num_hidden_layers
+    ),
 }
 _VISUAL = re.compile(r"vision|visual|image|pixel|patch|vq", re.I)
 
@@ -117,8 +119,10 @@ def built() -> Built:
 
 
 def _text_only(model: nn.Module) -> bool:
-    return not any(_VISUAL.search(name) or _VISUAL.search(type(mod).__name__)
-                   for name, mod in model.named_modules())
+    return not any(
+        _VISUAL.search(name) or _VISUAL.search(type(mod).__name__)
+        for name, mod in model.named_modules()
+    )
 
 
 def test_most_architectures_build_and_every_skip_has_a_reason(built: Built) -> None:
@@ -156,47 +160,90 @@ def test_groups_of_architecture(built: Built, arch: str) -> None:
 
 
 # DESIGN.md's group table, at full size (transformers 5.23 paths).
-_VT: Paths = {"vision_encoder": ("model.vision_tower",),
-       "projector": ("model.multi_modal_projector",),
-       "language_model": ("model.language_model",), "lm_head": ("lm_head",)}
-_IDEFICS3: Paths = {"vision_encoder": ("model.vision_model",), "resampler": ("model.connector",),
-             "projector": ("model.connector.modality_projection",),
-             "language_model": ("model.text_model",), "lm_head": ("lm_head",)}
-_QWEN: Paths = {"vision_encoder": ("model.visual",), "resampler": ("model.visual.merger",),
-         "language_model": ("model.language_model",), "lm_head": ("lm_head",)}
-_BLIP2: Paths = {"vision_encoder": ("vision_model",), "resampler": ("qformer",),
-          "projector": ("language_projection",), "language_model": ("language_model",),
-          "lm_head": ("language_model.lm_head",)}
-_MINICPM: Paths = {"vision_encoder": ("model.vision_tower",), "resampler": ("model.merger",),
-            "language_model": ("model.language_model",), "lm_head": ("lm_head",)}
+_VT: Paths = {
+    "vision_encoder": ("model.vision_tower",),
+    "projector": ("model.multi_modal_projector",),
+    "language_model": ("model.language_model",),
+    "lm_head": ("lm_head",),
+}
+_IDEFICS3: Paths = {
+    "vision_encoder": ("model.vision_model",),
+    "resampler": ("model.connector",),
+    "projector": ("model.connector.modality_projection",),
+    "language_model": ("model.text_model",),
+    "lm_head": ("lm_head",),
+}
+_QWEN: Paths = {
+    "vision_encoder": ("model.visual",),
+    "resampler": ("model.visual.merger",),
+    "language_model": ("model.language_model",),
+    "lm_head": ("lm_head",),
+}
+_BLIP2: Paths = {
+    "vision_encoder": ("vision_model",),
+    "resampler": ("qformer",),
+    "projector": ("language_projection",),
+    "language_model": ("language_model",),
+    "lm_head": ("language_model.lm_head",),
+}
+_MINICPM: Paths = {
+    "vision_encoder": ("model.vision_tower",),
+    "resampler": ("model.merger",),
+    "language_model": ("model.language_model",),
+    "lm_head": ("lm_head",),
+}
 _NEWLINE: Paths = {"resampler": ("model.image_newline",)}
 DESIGN_TABLE: dict[str, tuple[str, Paths, Paths]] = {
     "llava": ("llava", _VT, {}),
     "llava_next": ("llava", _VT, _NEWLINE),
     "llava_onevision": ("llava", _VT, _NEWLINE),
-    "idefics2": ("idefics2", {
-        "vision_encoder": ("model.vision_model",),
-        "resampler": ("model.connector.perceiver_resampler",),
-        "projector": ("model.connector.modality_projection",),
-        "language_model": ("model.text_model",), "lm_head": ("lm_head",)}, {}),
+    "idefics2": (
+        "idefics2",
+        {
+            "vision_encoder": ("model.vision_model",),
+            "resampler": ("model.connector.perceiver_resampler",),
+            "projector": ("model.connector.modality_projection",),
+            "language_model": ("model.text_model",),
+            "lm_head": ("lm_head",),
+        },
+        {},
+    ),
     "idefics3": ("idefics3", _IDEFICS3, {}),
     "smolvlm": ("idefics3", _IDEFICS3, {}),
-    **{t: ("vision_tower_projector", _VT, {})
-       for t in ("paligemma", "gemma3", "internvl", "aya_vision", "mistral3")},
+    **{
+        t: ("vision_tower_projector", _VT, {})
+        for t in ("paligemma", "gemma3", "internvl", "aya_vision", "mistral3")
+    },
     "qwen2_vl": ("qwen2_vl", _QWEN, {}),
     "qwen2_5_vl": ("qwen2_vl", _QWEN, {}),
-    "qwen3_vl": ("qwen2_vl", {**_QWEN, "resampler": (
-        "model.visual.merger", "model.visual.deepstack_merger_list")}, {}),
+    "qwen3_vl": (
+        "qwen2_vl",
+        {**_QWEN, "resampler": ("model.visual.merger", "model.visual.deepstack_merger_list")},
+        {},
+    ),
     "blip-2": ("blip_2", _BLIP2, {"resampler": ("query_tokens",)}),
     "instructblip": ("blip_2", _BLIP2, {"resampler": ("query_tokens",)}),
     "mllama": ("vision_tower_projector", {**_VT, "vision_encoder": ("model.vision_model",)}, {}),
-    "kosmos-2": ("kosmos2", {
-        "vision_encoder": ("vision_model",), "resampler": ("image_to_text_projection",),
-        "projector": ("image_to_text_projection.dense",), "language_model": ("text_model",),
-        "lm_head": ("text_model.lm_head",)},
-        {"resampler": ("image_to_text_projection.latent_query",)}),
-    "fuyu": ("fuyu", {"vision_encoder": ("model.vision_embed_tokens",),
-                      "language_model": ("model.language_model",), "lm_head": ("lm_head",)}, {}),
+    "kosmos-2": (
+        "kosmos2",
+        {
+            "vision_encoder": ("vision_model",),
+            "resampler": ("image_to_text_projection",),
+            "projector": ("image_to_text_projection.dense",),
+            "language_model": ("text_model",),
+            "lm_head": ("text_model.lm_head",),
+        },
+        {"resampler": ("image_to_text_projection.latent_query",)},
+    ),
+    "fuyu": (
+        "fuyu",
+        {
+            "vision_encoder": ("model.vision_embed_tokens",),
+            "language_model": ("model.language_model",),
+            "lm_head": ("lm_head",),
+        },
+        {},
+    ),
     "minicpmv4_6": ("minicpmv", _MINICPM, {}),
     "minicpmv4_7": ("minicpmv", _MINICPM, {}),
     "minicpm_ocr": ("minicpmv", _MINICPM, {}),
@@ -221,9 +268,12 @@ def test_minicpmv_vit_merger_stays_in_the_vision_tower(built: Built) -> None:
 
 
 def test_omni_models_get_an_audio_encoder(built: Built) -> None:
-    omni = {a: g for a, g in built.groups.items() if any(
-        "audio" in n for n, _ in built.models[a].named_children())
-        or any(n.startswith("model.audio") for n, _ in built.models[a].named_modules())}
+    omni = {
+        a: g
+        for a, g in built.groups.items()
+        if any("audio" in n for n, _ in built.models[a].named_children())
+        or any(n.startswith("model.audio") for n, _ in built.models[a].named_modules())
+    }
     assert omni, "no omni architecture built"
     for arch, g in omni.items():
         assert "audio_encoder" in g, (arch, g)
@@ -231,8 +281,9 @@ def test_omni_models_get_an_audio_encoder(built: Built) -> None:
 
 def test_filled_and_repaired_configs_are_reported(built: Built) -> None:
     for arch, note in built.notes.items():
-        assert note.startswith(("vision/audio sub-configs filled", "repaired config (default "
-                                "failed with ")), (arch, note)
+        assert note.startswith(
+            ("vision/audio sub-configs filled", "repaired config (default failed with ")
+        ), (arch, note)
     if "gemma4" in built.models:  # default config: text only; filled: both towers found
         assert "filled" in built.notes["gemma4"]
         g = built.groups["gemma4"]

@@ -41,8 +41,11 @@ def kernel_name() -> str:
 
     exe = spec_python()
     if exe not in (sys.executable, "python", "python3", "{python}"):
-        subprocess.run([sys.executable, "-m", "ipykernel", "install", "--sys-prefix",
-                        "--name", "python3"], check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "ipykernel", "install", "--sys-prefix", "--name", "python3"],
+            check=True,
+            capture_output=True,
+        )
     return "python3"
 
 
@@ -53,7 +56,8 @@ def test_notebooks_are_built_from_the_generator_without_outputs(tmp_path: Path) 
     for name in NAMES:
         stored = json.loads((NOTEBOOKS / name).read_text())
         assert stored == json.loads((tmp_path / name).read_text()), (
-            f"{name} differs from notebooks/_build.py: run `python notebooks/_build.py`")
+            f"{name} differs from notebooks/_build.py: run `python notebooks/_build.py`"
+        )
         code = [c for c in stored["cells"] if c["cell_type"] == "code"]
         assert code and all(c["outputs"] == [] and c["execution_count"] is None for c in code)
         assert stored["metadata"]["kernelspec"]["name"] == "python3"
@@ -66,8 +70,9 @@ def execute(name: str, kernel: str, out_dir: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("NOTEBOOK_OUTPUT_DIR", str(out_dir))  # the kernel inherits it
     monkeypatch.setenv("WANDB_MODE", "offline")
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    client = NotebookClient(nb, kernel_name=kernel, timeout=240,
-                            resources={"metadata": {"path": str(ROOT)}})
+    client = NotebookClient(
+        nb, kernel_name=kernel, timeout=240, resources={"metadata": {"path": str(ROOT)}}
+    )
     client.execute()  # raises CellExecutionError with the cell's traceback on any error
     return nb
 
@@ -84,8 +89,9 @@ def outputs(nb: Any) -> tuple[str, list[str]]:
     return "".join(text), mimes
 
 
-def test_quickstart_notebook(kernel_name: str, tmp_path: Path,
-                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_quickstart_notebook(
+    kernel_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     text, mimes = outputs(execute(NAMES[0], kernel_name, tmp_path, monkeypatch))
     assert "RuntimeError: expected m1 and m2 to have the same dtype" in text  # the break
     assert "model.multi_modal_projector" in text and "Fix:" in text  # the guard's audit
@@ -94,8 +100,9 @@ def test_quickstart_notebook(kernel_name: str, tmp_path: Path,
 
 
 @pytest.mark.slow
-def test_lora_llava_notebook(kernel_name: str, tmp_path: Path,
-                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lora_llava_notebook(
+    kernel_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     text, mimes = outputs(execute(NAMES[1], kernel_name, tmp_path, monkeypatch))
     assert mimes.count("image/png") == 3  # before, after, loss curve
     assert (tmp_path / "llava" / "adapter" / "adapter_model.safetensors").is_file()
@@ -104,8 +111,9 @@ def test_lora_llava_notebook(kernel_name: str, tmp_path: Path,
 
 
 @pytest.mark.slow
-def test_lora_minicpmv_notebook(kernel_name: str, tmp_path: Path,
-                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lora_minicpmv_notebook(
+    kernel_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     text, mimes = outputs(execute(NAMES[2], kernel_name, tmp_path, monkeypatch))
     assert "without the guard: RuntimeError: mat1 and mat2 must have the same dtype" in text
     assert "GuardHandle(" in text and "image/png" in mimes

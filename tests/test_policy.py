@@ -11,8 +11,9 @@ from hf_precision.tiny import tiny_llava
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_round_trip_json(name):
-    policy = PrecisionPolicy.from_preset(name, group_dtypes={"vision_encoder": "fp32"},
-                                         keep_fp32=["re:norm$"])
+    policy = PrecisionPolicy.from_preset(
+        name, group_dtypes={"vision_encoder": "fp32"}, keep_fp32=["re:norm$"]
+    )
     data = json.loads(policy.to_json())
     assert data["version"] == 1
     assert data["group_dtypes"] == {"vision_encoder": "float32"}
@@ -24,7 +25,10 @@ def test_presets_round_trip_json(name):
 def test_preset_values():
     bf16 = PrecisionPolicy.from_preset("bf16")
     assert (bf16.compute_dtype, bf16.frozen_dtype, bf16.trainable_dtype) == (
-        torch.bfloat16, torch.bfloat16, torch.float32)
+        torch.bfloat16,
+        torch.bfloat16,
+        torch.float32,
+    )
     assert bf16.is_mixed
     assert not PrecisionPolicy.from_preset("bf16-true").is_mixed
     fp16 = PrecisionPolicy.from_preset("fp16")
@@ -42,8 +46,9 @@ def test_unknown_preset_lists_allowed_and_suggests():
 
 
 def test_unknown_group_and_mode_and_field():
-    with pytest.raises(PrecisionError, match="(?s)unknown group 'vision_encodr'.*Did you mean "
-                                             "'vision_encoder'"):
+    with pytest.raises(
+        PrecisionError, match="(?s)unknown group 'vision_encodr'.*Did you mean 'vision_encoder'"
+    ):
         PrecisionPolicy.from_preset("bf16", group_dtypes={"vision_encodr": "fp32"})
     with pytest.raises(PrecisionError, match="(?s)unknown mode 'fixx'.*audit, fix, raise"):
         PrecisionPolicy(mode="fixx")
@@ -65,16 +70,20 @@ def test_from_dict_rejects_other_version():
 def test_from_training_args(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), bf16=True, use_cpu=True, report_to=[])
     assert PrecisionPolicy.from_training_args(args).name == "bf16"
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
-                             bf16_full_eval=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16_full_eval=True
+    )
     policy = PrecisionPolicy.from_training_args(args, tiny_llava(dtype=torch.bfloat16))
     assert policy.name == "bf16-true"  # no flag: the dtype the model was loaded in
     assert policy.full_eval_dtype == torch.bfloat16
     model = tiny_llava()
     model.model.vision_tower.to(torch.float16)  # the majority (LM) stays fp32
-    assert PrecisionPolicy.from_training_args(
-        TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]), model
-    ).name == "fp32"
+    assert (
+        PrecisionPolicy.from_training_args(
+            TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]), model
+        ).name
+        == "fp32"
+    )
 
 
 def test_from_accelerator():
@@ -86,30 +95,52 @@ def test_from_accelerator():
     assert PrecisionPolicy.from_accelerator(acc).name == "bf16"
     AcceleratorState._reset_state(True)  # the state is a process-wide singleton
     acc_no = Accelerator(cpu=True)
-    assert PrecisionPolicy.from_accelerator(acc_no, tiny_llava(dtype=torch.float16)).name == \
-        "fp16-true"
+    assert (
+        PrecisionPolicy.from_accelerator(acc_no, tiny_llava(dtype=torch.float16)).name
+        == "fp16-true"
+    )
     AcceleratorState._reset_state(True)
 
 
 def test_target_dtype_precedence():
-    policy = PrecisionPolicy.from_preset("bf16", group_dtypes={"vision_encoder": "fp32"},
-                                         keep_fp32=["model.language_model.norm"])
+    policy = PrecisionPolicy.from_preset(
+        "bf16", group_dtypes={"vision_encoder": "fp32"}, keep_fp32=["model.language_model.norm"]
+    )
     # keep-fp32 beats everything
-    assert policy.target_dtype("model.language_model.norm.weight", "language_model",
-                               trainable=True)[0] == torch.float32
+    assert (
+        policy.target_dtype("model.language_model.norm.weight", "language_model", trainable=True)[0]
+        == torch.float32
+    )
     # trainable beats the group override
     assert policy.target_dtype("lm_head.weight", "lm_head", trainable=True) == (
-        torch.float32, "trainable")
+        torch.float32,
+        "trainable",
+    )
     assert policy.target_dtype("x.weight", "vision_encoder", trainable=False) == (
-        torch.float32, "group_dtypes['vision_encoder']")
+        torch.float32,
+        "group_dtypes['vision_encoder']",
+    )
     assert policy.target_dtype("x.weight", "projector", trainable=False) == (
-        torch.bfloat16, "frozen")
+        torch.bfloat16,
+        "frozen",
+    )
     # rotary inv_freq buffers stay fp32 by default
-    assert policy.target_dtype("model.language_model.rotary_emb.inv_freq", "language_model",
-                               trainable=False, is_buffer=True)[0] == torch.float32
+    assert (
+        policy.target_dtype(
+            "model.language_model.rotary_emb.inv_freq",
+            "language_model",
+            trainable=False,
+            is_buffer=True,
+        )[0]
+        == torch.float32
+    )
     # the model's own _keep_in_fp32_modules (component match, transformers style)
-    assert policy.target_dtype("encoder.block.0.wo.weight", "language_model", trainable=False,
-                               model_patterns=["wo"])[0] == torch.float32
+    assert (
+        policy.target_dtype(
+            "encoder.block.0.wo.weight", "language_model", trainable=False, model_patterns=["wo"]
+        )[0]
+        == torch.float32
+    )
 
 
 def test_match_pattern_precedence():
@@ -145,18 +176,27 @@ def test_inference_keeps_fp32_trainables_the_same_way_everywhere():
     finally:
         AcceleratorState._reset_state(True)
     no_flags = types.SimpleNamespace(bf16=False, fp16=False)
-    policies = [PrecisionPolicy.from_model(model), from_acc,
-                PrecisionPolicy.from_training_args(no_flags, model)]
+    policies = [
+        PrecisionPolicy.from_model(model),
+        from_acc,
+        PrecisionPolicy.from_training_args(no_flags, model),
+    ]
     assert all(p == policies[0] for p in policies)
     policy = policies[0]
     assert policy.name == "bf16-true" and policy.keep_trainable_fp32
     name = "model.multi_modal_projector.linear_1.weight"
     assert policy.target_dtype(name, "projector", trainable=True, current=torch.float32) == (
-        torch.float32, "keep_trainable_fp32")
+        torch.float32,
+        "keep_trainable_fp32",
+    )
     # a trainable weight loaded in bf16 stays bf16; a frozen fp32 one follows the majority
-    assert policy.target_dtype(name, "projector", trainable=True, current=torch.bfloat16)[0] \
+    assert (
+        policy.target_dtype(name, "projector", trainable=True, current=torch.bfloat16)[0]
         == torch.bfloat16
-    assert policy.target_dtype(name, "projector", trainable=False, current=torch.float32)[0] \
+    )
+    assert (
+        policy.target_dtype(name, "projector", trainable=False, current=torch.float32)[0]
         == torch.bfloat16
+    )
     # only a named *-true preset lowers fp32 trainables
     assert not PrecisionPolicy.from_preset("bf16-true").keep_trainable_fp32

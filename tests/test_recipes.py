@@ -21,11 +21,24 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {"llava": "lora_llava", "minicpmv": "lora_minicpmv"}
-CONFIGS = sorted(p for family in RECIPES
-                 for p in (ROOT / "recipes" / "configs" / family).glob("*.yaml"))
+CONFIGS = sorted(
+    p for family in RECIPES for p in (ROOT / "recipes" / "configs" / family).glob("*.yaml")
+)
 # A handful of steps: enough for the loss to move, an evaluation with generate(), a report.
-FEW_STEPS = ["--max_steps", "4", "--eval_steps", "4", "--logging_steps", "1",
-             "--num_synthetic_train", "16", "--num_synthetic_eval", "4", "--num_generate", "2"]
+FEW_STEPS = [
+    "--max_steps",
+    "4",
+    "--eval_steps",
+    "4",
+    "--logging_steps",
+    "1",
+    "--num_synthetic_train",
+    "16",
+    "--num_synthetic_eval",
+    "4",
+    "--num_generate",
+    "2",
+]
 RESAMPLER_ERROR = "mat1 and mat2 must have the same dtype, but got Float and BFloat16"
 
 
@@ -47,10 +60,24 @@ def cpu_flags() -> list[str]:
 
 
 def run_recipe(family: str, config: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(ROOT / "recipes" / f"{RECIPES[family]}.py"), "--config",
-           str(ROOT / config), "--output_dir", str(out), *FEW_STEPS, *extra]
+    env = {
+        **os.environ,
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [
+        sys.executable,
+        str(ROOT / "recipes" / f"{RECIPES[family]}.py"),
+        "--config",
+        str(ROOT / config),
+        "--output_dir",
+        str(out),
+        *FEW_STEPS,
+        *extra,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -71,13 +98,19 @@ def test_config_validates(config: Path) -> None:
 
     raw = yaml.safe_load(text)
     model_args, data_args, lora_args, train_args = recipe.parse_args(
-        ["--config", str(config), *cpu_flags()])
+        ["--config", str(config), *cpu_flags()]
+    )
     # Every YAML value arrived in a dataclass field, converted to the field's type.
     parsed = {**vars(model_args), **vars(data_args), **vars(lora_args)}
     for key, value in raw.items():
         got = parsed.get(key, getattr(train_args, key, None))
-        if key in ("output_dir", "data_path", "eval_data_path", "image_folder",
-                   "model_name_or_path") and value not in (None, "tiny"):
+        if key in (
+            "output_dir",
+            "data_path",
+            "eval_data_path",
+            "image_folder",
+            "model_name_or_path",
+        ) and value not in (None, "tiny"):
             assert got == str((ROOT / value).resolve()) and Path(str(got)).is_absolute()
         elif key == "report_to":
             assert got == ([] if value == "none" else [value])
@@ -95,8 +128,11 @@ def test_config_validates(config: Path) -> None:
         assert train_args.use_cpu and train_args.save_strategy == "no"
     else:
         assert "lm_head" not in lora_args.lora_targets  # tiny-only crutch
-        with pytest.raises(SystemExit, match=r"is not a folder\. Fix: download it once.*hf "
-                                             r"download (llava-hf|openbmb)/"):
+        with pytest.raises(
+            SystemExit,
+            match=r"is not a folder\. Fix: download it once.*hf "
+            r"download (llava-hf|openbmb)/",
+        ):
             recipe.check_paths(model_args, data_args)
     # trust_remote_code only where the config says so explicitly.
     assert getattr(model_args, "trust_remote_code", False) == bool(raw.get("trust_remote_code"))
@@ -128,20 +164,22 @@ def test_llava_lora_targets_only_the_language_model() -> None:
     recipe = load_recipe("llava")
     model, _ = recipe.load_model(recipe.ModelArguments())
     peft_model = recipe.apply_lora(model, recipe.LoraArguments())
-    lora = {n.rsplit(".lora_A", 1)[0] for n, _ in peft_model.named_modules() if
-            n.endswith(".lora_A")}
+    lora = {
+        n.rsplit(".lora_A", 1)[0] for n, _ in peft_model.named_modules() if n.endswith(".lora_A")
+    }
     assert lora and all(".language_model.layers." in n and ".self_attn." in n for n in lora)
     assert {n.rsplit(".", 1)[1] for n in lora} == {"q_proj", "k_proj", "v_proj", "o_proj"}
     # The vision tower has q_proj/v_proj too; they only join when asked.
     model, _ = recipe.load_model(recipe.ModelArguments())
     args = recipe.LoraArguments(lora_targets="language_model,projector,vision_encoder")
-    names = [n for n, _ in recipe.apply_lora(model, args).named_modules()
-             if n.endswith(".lora_A")]
+    names = [n for n, _ in recipe.apply_lora(model, args).named_modules() if n.endswith(".lora_A")]
     assert any(".vision_tower." in n for n in names)
     assert any(".multi_modal_projector." in n for n in names)
     with pytest.raises(SystemExit, match=r"unknown \['vision'\]"):
-        recipe.apply_lora(recipe.load_model(recipe.ModelArguments())[0],
-                          recipe.LoraArguments(lora_targets="vision"))
+        recipe.apply_lora(
+            recipe.load_model(recipe.ModelArguments())[0],
+            recipe.LoraArguments(lora_targets="vision"),
+        )
 
 
 def test_tiny_llava_loads_with_a_planted_split() -> None:
@@ -160,8 +198,11 @@ def test_minicpmv_lora_targets_llm_not_vpm() -> None:
     recipe = load_recipe("minicpmv")
     model, _, layout = recipe.load_model(recipe.ModelArguments())
     assert layout == "remote"
-    names = [n for n, _ in recipe.apply_lora(model, recipe.LoraArguments(), layout)
-             .named_modules() if n.endswith(".lora_A")]
+    names = [
+        n
+        for n, _ in recipe.apply_lora(model, recipe.LoraArguments(), layout).named_modules()
+        if n.endswith(".lora_A")
+    ]
     assert names and all(".llm.model.layers." in n for n in names)
 
 
@@ -180,8 +221,11 @@ def test_llava_loads_a_local_checkpoint_folder(tmp_path: Path) -> None:
 
 
 def test_minicpmv_remote_code_needs_an_explicit_flag(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "minicpmv", "auto_map": {"AutoModel": "modeling_minicpmv.MiniCPMV"}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {"model_type": "minicpmv", "auto_map": {"AutoModel": "modeling_minicpmv.MiniCPMV"}}
+        )
+    )
     (tmp_path / "modeling_minicpmv.py").write_text("raise SystemExit('remote code ran')\n")
     recipe = load_recipe("minicpmv")
     model_args, data_args, *_ = recipe.parse_args(["--model_name_or_path", str(tmp_path)])
@@ -226,8 +270,11 @@ def reload_and_compare(family: str, out: Path, report: dict[str, Any]) -> None:
     from safetensors.torch import load_file
 
     check = load_file(out / "logits_check.safetensors")
-    inputs = {k.removeprefix("batch."): v for k, v in check.items()
-              if k.startswith("batch.") and k != "batch.labels"}
+    inputs = {
+        k.removeprefix("batch."): v
+        for k, v in check.items()
+        if k.startswith("batch.") and k != "batch.labels"
+    }
     model.eval()
     with torch.no_grad():
         logits = model(**inputs).logits[:, -1].float()
@@ -260,8 +307,14 @@ def test_llava_recipe_end_to_end(tmp_path: Path) -> None:
     assert len(loss["curve"]) == 4 and loss["last"] < loss["first"]
     assert report["generations"][0]["step"] == 4 and len(report["generations"][0]["answers"]) == 2
     # The demo's printout: group table, loss summary, where things are.
-    for text in ("as loaded", "after the guard", "Loss: first", "Precision report:",
-                 "Adapter:", "W&B run (offline"):
+    for text in (
+        "as loaded",
+        "after the guard",
+        "Loss: first",
+        "Precision report:",
+        "Adapter:",
+        "W&B run (offline",
+    ):
         assert text in res.stdout, res.stdout[-2000:]
     run_dir = Path(report["wandb_dir"])
     assert run_dir.parent == out / "wandb" and list(run_dir.glob("run-*.wandb"))
@@ -272,13 +325,26 @@ def test_report_to_wandb_without_a_login_runs_offline_without_a_traceback(tmp_pa
     """The README's override line, copied by someone with no `wandb login`: one line saying
     the run logs offline and how to sync it, then the run; no UsageError traceback."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env.update(HOME=str(tmp_path), NETRC=str(tmp_path / "no-netrc"), HF_HUB_OFFLINE="1",
-               WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), TOKENIZERS_PARALLELISM="false",
-               OMP_NUM_THREADS="1")
+    env.update(
+        HOME=str(tmp_path),
+        NETRC=str(tmp_path / "no-netrc"),
+        HF_HUB_OFFLINE="1",
+        WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+    )
     out = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "recipes" / "lora_llava.py"), "--config",
-           str(ROOT / "recipes/configs/llava/tiny.yaml"), "--output_dir", str(out), *FEW_STEPS,
-           "--report_to", "wandb"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "recipes" / "lora_llava.py"),
+        "--config",
+        str(ROOT / "recipes/configs/llava/tiny.yaml"),
+        "--output_dir",
+        str(out),
+        *FEW_STEPS,
+        "--report_to",
+        "wandb",
+    ]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "Traceback" not in res.stderr and "UsageError" not in res.stderr
@@ -290,13 +356,31 @@ def test_report_to_wandb_without_a_login_runs_offline_without_a_traceback(tmp_pa
 @pytest.mark.slow
 def test_llava_demo_config_learns_the_task(tmp_path: Path) -> None:
     """`make demo`'s config, unshortened: >= 80% exact answers on held-out pictures."""
-    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "WANDB_MODE": "offline",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+    }
     out = tmp_path / "demo"
-    res = subprocess.run([sys.executable, str(ROOT / "recipes" / "lora_llava.py"), "--config",
-                          str(ROOT / "recipes/configs/llava/tiny.yaml"), "--output_dir", str(out),
-                          "--disable_tqdm", "true"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "recipes" / "lora_llava.py"),
+            "--config",
+            str(ROOT / "recipes/configs/llava/tiny.yaml"),
+            "--output_dir",
+            str(out),
+            "--disable_tqdm",
+            "true",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads((out / "precision_report.json").read_text())
     final = report["generations"][-1]
@@ -304,7 +388,8 @@ def test_llava_demo_config_learns_the_task(tmp_path: Path) -> None:
     assert report["accuracy"] == final["accuracy"] >= 0.8
     assert not any(a["prediction"] == a["answer"] for a in report["answers_before"])
     assert "Held-out answers (exact match): before training 0/48 = 0%, after 400 steps" in (
-        res.stdout)
+        res.stdout
+    )
     assert report["policy"]["name"] == "bf16"
 
 
@@ -313,7 +398,7 @@ def test_minicpmv_bf16_fails_without_the_guard_and_trains_with_it(tmp_path: Path
     bad = run_recipe("minicpmv", config, tmp_path / "bad", "--no_guard")
     assert bad.returncode != 0
     assert RESAMPLER_ERROR in bad.stderr, bad.stderr[-3000:]
-    tail = bad.stderr[bad.stderr.index("Traceback"):]
+    tail = bad.stderr[bad.stderr.index("Traceback") :]
     assert "generate_answers" in tail and "multi_head_attention_forward" in tail
     assert not (tmp_path / "bad" / "adapter").exists()
 

@@ -27,15 +27,17 @@ from pathlib import Path
 from typing import Any
 
 COLOURS: dict[str, tuple[int, int, int]] = {
-    "red": (220, 30, 30), "green": (30, 170, 50), "blue": (40, 60, 220), "yellow": (235, 200, 20),
+    "red": (220, 30, 30),
+    "green": (30, 170, 50),
+    "blue": (40, 60, 220),
+    "yellow": (235, 200, 20),
 }
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
 QUESTIONS: tuple[str, ...] = ("what is in the image ?", "describe the picture .")
 BACKGROUND = (255, 255, 255)
 
 
-def shape_image(shape: str, colour: str, size: int = 30, rng: random.Random | None = None
-                ) -> Any:
+def shape_image(shape: str, colour: str, size: int = 30, rng: random.Random | None = None) -> Any:
     """One ``size`` x ``size`` RGB PIL image with a single filled shape, about centred (size and
     position jittered by a few pixels, so no two images are the same).
 
@@ -45,8 +47,10 @@ def shape_image(shape: str, colour: str, size: int = 30, rng: random.Random | No
     from PIL import Image, ImageDraw
 
     if shape not in SHAPES or colour not in COLOURS:
-        raise ValueError(f"shape_image({shape!r}, {colour!r}): shape must be one of {SHAPES}, "
-                         f"colour one of {tuple(COLOURS)}")
+        raise ValueError(
+            f"shape_image({shape!r}, {colour!r}): shape must be one of {SHAPES}, "
+            f"colour one of {tuple(COLOURS)}"
+        )
     rng = rng or random.Random(0)
     img = Image.new("RGB", (size, size), BACKGROUND)
     draw = ImageDraw.Draw(img)
@@ -62,16 +66,17 @@ def shape_image(shape: str, colour: str, size: int = 30, rng: random.Random | No
     elif shape == "square":
         draw.rectangle(box, fill=fill)
     else:
-        draw.polygon([(x0 + side // 2, y0), (x0, y0 + side - 1), (x0 + side - 1, y0 + side - 1)],
-                     fill=fill)
+        draw.polygon(
+            [(x0 + side // 2, y0), (x0, y0 + side - 1), (x0 + side - 1, y0 + side - 1)], fill=fill
+        )
     return img
 
 
-def shapes_record(idx: int, image: str, shape: str, colour: str, question: str
-                  ) -> dict[str, Any]:
+def shapes_record(idx: int, image: str, shape: str, colour: str, question: str) -> dict[str, Any]:
     """One LLaVA-format record (``image`` relative to the JSONL file's folder)."""
     return {
-        "id": str(idx), "image": image,
+        "id": str(idx),
+        "image": image,
         "conversations": [
             {"from": "human", "value": f"<image>\n{question}"},
             {"from": "gpt", "value": f"a {colour} {shape}"},
@@ -79,8 +84,9 @@ def shapes_record(idx: int, image: str, shape: str, colour: str, question: str
     }
 
 
-def make_shapes_dataset(out_dir: str | Path, *, n_train: int = 64, n_eval: int = 8,
-                        image_size: int = 30, seed: int = 0) -> dict[str, Path]:
+def make_shapes_dataset(
+    out_dir: str | Path, *, n_train: int = 64, n_eval: int = 8, image_size: int = 30, seed: int = 0
+) -> dict[str, Path]:
     """Write ``images/*.png``, ``train.jsonl`` and ``eval.jsonl`` under ``out_dir``.
 
     Classes cycle through every colour x shape pair, so even a small set covers all of them.

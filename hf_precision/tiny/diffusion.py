@@ -134,10 +134,17 @@ def tiny_unet(in_channels: int = 4, seed: int = 0) -> Any:
 
     torch.manual_seed(seed)
     unet: Any = UNet2DConditionModel(
-        sample_size=8, in_channels=in_channels, out_channels=4, layers_per_block=1,
-        block_out_channels=(8, 16), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16,
-        attention_head_dim=4, norm_num_groups=4)
+        sample_size=8,
+        in_channels=in_channels,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(8, 16),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=16,
+        attention_head_dim=4,
+        norm_num_groups=4,
+    )
     return unet.requires_grad_(False)
 
 
@@ -147,9 +154,16 @@ def tiny_vae(seed: int = 0) -> Any:
 
     torch.manual_seed(seed)
     vae: Any = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        norm_num_groups=4, layers_per_block=1, sample_size=16)
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        norm_num_groups=4,
+        layers_per_block=1,
+        sample_size=16,
+    )
     return vae.requires_grad_(False)
 
 
@@ -159,7 +173,17 @@ def tiny_text_encoder(cls: Any = None, seed: int = 0) -> Any:
     from transformers import CLIPTextConfig, CLIPTextModel
 
     torch.manual_seed(seed)
-    return (cls or CLIPTextModel)(CLIPTextConfig(
-        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, max_position_embeddings=8, bos_token_id=0, eos_token_id=1,
-        pad_token_id=0, projection_dim=16)).requires_grad_(False)
+    return (cls or CLIPTextModel)(
+        CLIPTextConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=8,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=0,
+            projection_dim=16,
+        )
+    ).requires_grad_(False)

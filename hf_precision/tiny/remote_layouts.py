@@ -155,7 +155,12 @@ class Resampler(nn.Module):
     """
 
     def __init__(
-        self, grid_size: int, embed_dim: int, num_heads: int, kv_dim: int, adaptive: bool,
+        self,
+        grid_size: int,
+        embed_dim: int,
+        num_heads: int,
+        kv_dim: int,
+        adaptive: bool,
         table_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
@@ -172,8 +177,7 @@ class Resampler(nn.Module):
     def forward(self, x: torch.Tensor, tgt_size: tuple[int, int]) -> torch.Tensor:
         if self.adaptive:
             pos = get_2d_sincos_pos_embed(self.embed_dim, tgt_size)
-            pos_embed = torch.from_numpy(pos).to(device=x.device,
-                                                 dtype=self.table_dtype or x.dtype)
+            pos_embed = torch.from_numpy(pos).to(device=x.device, dtype=self.table_dtype or x.dtype)
         else:  # get_abs_pos: interpolate in fp32, cast back to the table's dtype
             side = int(math.sqrt(self.pos_embed.shape[0]))
             grid = self.pos_embed.float().reshape(1, side, side, -1).permute(0, 3, 1, 2)
@@ -361,8 +365,7 @@ class OmniLMMTiny(RemoteVLM):
         tower = self.tower
         dtype = tower.pos_embed.data.dtype
         side = self.config.image_size // tower.patch_size
-        return self.model.resampler(tower.forward_features(pixel_values.type(dtype)),
-                                    (side, side))
+        return self.model.resampler(tower.forward_features(pixel_values.type(dtype)), (side, side))
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.get_input_embeddings()
@@ -377,8 +380,14 @@ class PLoRA(nn.Linear):
     token plus ``Plora_B(Plora_A(x)) * scaling`` on the image tokens only (``im_mask``, set on
     the module by the model before the language model runs)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 lora_r: int = 4, lora_alpha: int = 8) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        lora_r: int = 4,
+        lora_alpha: int = 8,
+    ) -> None:
         super().__init__(in_features, out_features, bias)
         self.lora_scaling = lora_alpha / lora_r
         self.Plora_A = nn.Linear(in_features, lora_r, bias=False)
@@ -425,8 +434,9 @@ class XComposerTiny(RemoteVLM):
         super().__init__()
         torch.manual_seed(seed)
         self.config = RemoteConfig("internlmxcomposer2", image_size=30, num_image_tokens=25)
-        self.vit = VisionTowerWrapper(TinyViT(image_size=30, patch_size=6, width=16,
-                                              linear_patch=True))
+        self.vit = VisionTowerWrapper(
+            TinyViT(image_size=30, patch_size=6, width=16, linear_patch=True)
+        )
         self.vision_proj = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32))
         llm = _tiny_llama()
         for layer in llm.model.layers:
@@ -453,8 +463,9 @@ class XComposerTiny(RemoteVLM):
         hidden = self.model(inputs_embeds=inputs_embeds, attention_mask=attention_mask)
         return self.output(hidden.last_hidden_state)
 
-    def get_vllm_embedding(self, input_ids: torch.Tensor, pixel_values: torch.Tensor
-                           ) -> torch.Tensor:
+    def get_vllm_embedding(
+        self, input_ids: torch.Tensor, pixel_values: torch.Tensor
+    ) -> torch.Tensor:
         im_mask = input_ids == self.config.image_token_id  # the image tokens get the PLoRA
         for m in self.model.modules():
             if isinstance(m, PLoRA):
@@ -484,9 +495,17 @@ class XTunerLLaVATiny(RemoteVLM):
         torch.manual_seed(seed)
         self.config = RemoteConfig("xtuner_llava", image_size=30, num_image_tokens=25)
         self.llm = _tiny_llama()
-        self.visual_encoder = CLIPVisionModel(CLIPVisionConfig(
-            image_size=30, patch_size=6, hidden_size=16, intermediate_size=32,
-            num_hidden_layers=2, num_attention_heads=2, projection_dim=16))
+        self.visual_encoder = CLIPVisionModel(
+            CLIPVisionConfig(
+                image_size=30,
+                patch_size=6,
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                projection_dim=16,
+            )
+        )
         self.projector = ProjectorModel(16, 32)
         self.visual_select_layer = -2
         self.eval()
@@ -494,8 +513,9 @@ class XTunerLLaVATiny(RemoteVLM):
             self.to(dtype)
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        out = self.visual_encoder(pixel_values.to(self.visual_encoder.dtype),
-                                  output_hidden_states=True)
+        out = self.visual_encoder(
+            pixel_values.to(self.visual_encoder.dtype), output_hidden_states=True
+        )
         return self.projector(out.hidden_states[self.visual_select_layer][:, 1:])
 
     def get_input_embeddings(self) -> nn.Module:
@@ -510,8 +530,11 @@ class ProjectorModel(nn.Module):
 
     def __init__(self, visual_hidden_size: int, llm_hidden_size: int) -> None:
         super().__init__()
-        self.model = nn.Sequential(nn.Linear(visual_hidden_size, llm_hidden_size), nn.GELU(),
-                                   nn.Linear(llm_hidden_size, llm_hidden_size))
+        self.model = nn.Sequential(
+            nn.Linear(visual_hidden_size, llm_hidden_size),
+            nn.GELU(),
+            nn.Linear(llm_hidden_size, llm_hidden_size),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)

@@ -104,11 +104,18 @@ def plain_loop(out: Path) -> dict[str, Any]:
     accelerator.save_state(str(ckpt))
     accelerator.wait_for_everyone()
     accelerator.load_state(str(ckpt))
-    return {"wrapped": type(model).__name__, "loss": loss, "generated": list(generated.shape),
-            "digest": dtype_map(model).digest(), "groups": group_dtypes(model),
-            "policy": guard.policy.name if guard.policy else None, "events": guard.events,
-            "written": [p.name for p in guard._reporter.written],
-            "policy_file": (ckpt / POLICY_FILE).is_file(), "steps": guard.steps}
+    return {
+        "wrapped": type(model).__name__,
+        "loss": loss,
+        "generated": list(generated.shape),
+        "digest": dtype_map(model).digest(),
+        "groups": group_dtypes(model),
+        "policy": guard.policy.name if guard.policy else None,
+        "events": guard.events,
+        "written": [p.name for p in guard._reporter.written],
+        "policy_file": (ckpt / POLICY_FILE).is_file(),
+        "steps": guard.steps,
+    }
 
 
 @scenario
@@ -131,14 +138,28 @@ def _trainer(out: Path, callback: Any, model: torch.nn.Module) -> Any:
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
-        output_dir=str(out), use_cpu=True, bf16=True, report_to=[], max_steps=2,
-        per_device_train_batch_size=2, per_device_eval_batch_size=2, eval_strategy="steps",
-        eval_steps=1, save_strategy="no", remove_unused_columns=False, disable_tqdm=True,
-        dataloader_num_workers=0, learning_rate=1e-3, seed=0, ddp_backend="gloo",
-        ddp_timeout=60)
+        output_dir=str(out),
+        use_cpu=True,
+        bf16=True,
+        report_to=[],
+        max_steps=2,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="no",
+        remove_unused_columns=False,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        learning_rate=1e-3,
+        seed=0,
+        ddp_backend="gloo",
+        ddp_timeout=60,
+    )
     data = rows_of(model)
-    return Trainer(model=model, args=args, train_dataset=data, eval_dataset=data,
-                   callbacks=[callback])
+    return Trainer(
+        model=model, args=args, train_dataset=data, eval_dataset=data, callbacks=[callback]
+    )
 
 
 @scenario
@@ -150,10 +171,15 @@ def trainer(out: Path) -> dict[str, Any]:
     t = _trainer(out, cb, model)
     result = t.train()
     metrics = t.evaluate()
-    return {"world_size": t.args.world_size, "loss": result.training_loss,
-            "eval_loss": metrics["eval_loss"], "digest": dtype_map(model).digest(),
-            "groups": group_dtypes(model), "events": cb.events,
-            "written": [p.name for p in cb._reporter.written]}
+    return {
+        "world_size": t.args.world_size,
+        "loss": result.training_loss,
+        "eval_loss": metrics["eval_loss"],
+        "digest": dtype_map(model).digest(),
+        "groups": group_dtypes(model),
+        "events": cb.events,
+        "written": [p.name for p in cb._reporter.written],
+    }
 
 
 @scenario
@@ -163,7 +189,8 @@ def trainer_disagree(out: Path) -> dict[str, Any]:
     from hf_precision import PrecisionGuardCallback, PrecisionPolicy
 
     policy = PrecisionPolicy.from_preset(
-        "bf16", group_dtypes={"vision_encoder": "fp16"} if rank() == 1 else {})
+        "bf16", group_dtypes={"vision_encoder": "fp16"} if rank() == 1 else {}
+    )
     cb = PrecisionGuardCallback(policy, report=False)
     _trainer(out, cb, split_llava()).train()
     return {"trained": True}
@@ -210,14 +237,22 @@ def fsdp2(out: Path) -> dict[str, Any]:
     except PrecisionError as err:
         wrong = str(err)
     unchanged = {n: (str(p.dtype), type(p).__name__) for n, p in model.named_parameters()}
-    return {"wrapper": detect_wrapper(model), "cast": before != after,
-            "cast_by_wrong_policy": after != unchanged, "skipped": len(report.skipped),
-            "all_dtensor": all(t == "DTensor" for _, t in after.values()),
-            "compute": sorted({str(d) for d in wrapper_compute_dtypes(model).values()}),
-            "groups": group_dtypes(model), "digest": dmap.digest(),
-            "sharded": sum(r.sharded for r in dmap), "numel": dmap.total_params,
-            "loss": float(out_.loss), "logits": logits_dtype, "wrong_policy": wrong,
-            "written": [p.name for p in guard._reporter.written]}
+    return {
+        "wrapper": detect_wrapper(model),
+        "cast": before != after,
+        "cast_by_wrong_policy": after != unchanged,
+        "skipped": len(report.skipped),
+        "all_dtensor": all(t == "DTensor" for _, t in after.values()),
+        "compute": sorted({str(d) for d in wrapper_compute_dtypes(model).values()}),
+        "groups": group_dtypes(model),
+        "digest": dmap.digest(),
+        "sharded": sum(r.sharded for r in dmap),
+        "numel": dmap.total_params,
+        "loss": float(out_.loss),
+        "logits": logits_dtype,
+        "wrong_policy": wrong,
+        "written": [p.name for p in guard._reporter.written],
+    }
 
 
 @scenario
@@ -243,9 +278,14 @@ def fsdp1(out: Path) -> dict[str, Any]:
     out_ = wrapped(**tiny_batch(model))
     out_.loss.backward()
     dmap = dtype_map(wrapped)
-    return {"wrapper": detect_wrapper(wrapped), "cast": before != after,
-            "loss": float(out_.loss), "digest": dmap.digest(),
-            "digest_no_numel": rank_digest(dmap, with_numel=False), "groups": group_dtypes(wrapped)}
+    return {
+        "wrapper": detect_wrapper(wrapped),
+        "cast": before != after,
+        "loss": float(out_.loss),
+        "digest": dmap.digest(),
+        "digest_no_numel": rank_digest(dmap, with_numel=False),
+        "groups": group_dtypes(wrapped),
+    }
 
 
 # ----------------------------------------------------------------------------- DeepSpeed (CPU)
@@ -255,25 +295,45 @@ def fsdp1(out: Path) -> dict[str, Any]:
 def ds_config(stage: int, **extra: Any) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": stage}
     if stage == 3:  # partition tiny tensors too, and gather them for save_pretrained
-        zero.update(stage3_param_persistence_threshold=0,
-                    stage3_gather_16bit_weights_on_model_save=True)
-    return {"zero_optimization": zero, "bf16": {"enabled": "auto"},
-            "fp16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
-            # the Trainer's torch AdamW, not DeepSpeed's CPU Adam (a compiled op)
-            "zero_force_ds_cpu_optimizer": False, **extra}
+        zero.update(
+            stage3_param_persistence_threshold=0, stage3_gather_16bit_weights_on_model_save=True
+        )
+    return {
+        "zero_optimization": zero,
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        # the Trainer's torch AdamW, not DeepSpeed's CPU Adam (a compiled op)
+        "zero_force_ds_cpu_optimizer": False,
+        **extra,
+    }
 
 
 def ds_args(out: Path, stage: int, *, bf16: bool, config: dict[str, Any] | None = None) -> Any:
     from transformers import TrainingArguments
 
     return TrainingArguments(
-        output_dir=str(out), use_cpu=True, bf16=bf16,
+        output_dir=str(out),
+        use_cpu=True,
+        bf16=bf16,
         deepspeed=ds_config(stage, **(config or {})),
-        report_to=[], max_steps=2, per_device_train_batch_size=2, per_device_eval_batch_size=2,
-        eval_strategy="steps", eval_steps=1, save_strategy="no", remove_unused_columns=False,
-        disable_tqdm=True, dataloader_num_workers=0, learning_rate=1e-3, seed=0,
-        ddp_backend="gloo", ddp_timeout=60)
+        report_to=[],
+        max_steps=2,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="no",
+        remove_unused_columns=False,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        learning_rate=1e-3,
+        seed=0,
+        ddp_backend="gloo",
+        ddp_timeout=60,
+    )
 
 
 def ds_done() -> None:
@@ -284,9 +344,14 @@ def ds_done() -> None:
     unset_hf_deepspeed_config()
 
 
-def ds_run(out: Path, model: torch.nn.Module, args: Any, cb: Any,
-           rows: list[dict[str, torch.Tensor]],
-           after_init: Callable[[], None] | None = None) -> dict[str, Any]:
+def ds_run(
+    out: Path,
+    model: torch.nn.Module,
+    args: Any,
+    cb: Any,
+    rows: list[dict[str, torch.Tensor]],
+    after_init: Callable[[], None] | None = None,
+) -> dict[str, Any]:
     from transformers import Trainer
 
     from hf_precision import PrecisionWarning
@@ -294,8 +359,9 @@ def ds_run(out: Path, model: torch.nn.Module, args: Any, cb: Any,
     try:
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always", PrecisionWarning)
-            t = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows,
-                        callbacks=[cb])
+            t = Trainer(
+                model=model, args=args, train_dataset=rows, eval_dataset=rows, callbacks=[cb]
+            )
             if after_init is not None:
                 after_init()
             result = t.train()
@@ -303,9 +369,13 @@ def ds_run(out: Path, model: torch.nn.Module, args: Any, cb: Any,
     finally:
         warnings.simplefilter("ignore")
         ds_done()
-    return {"engine": type(t.model_wrapped).__name__, "loss": result.training_loss,
-            "eval_loss": metrics["eval_loss"], "events": cb.events,
-            "warnings": [str(w.message) for w in seen if w.category is PrecisionWarning]}
+    return {
+        "engine": type(t.model_wrapped).__name__,
+        "loss": result.training_loss,
+        "eval_loss": metrics["eval_loss"],
+        "events": cb.events,
+        "warnings": [str(w.message) for w in seen if w.category is PrecisionWarning],
+    }
 
 
 @scenario
@@ -316,8 +386,11 @@ def ds_zero2_fp32(out: Path) -> dict[str, Any]:
     rows = rows_of(model)
     cb = PrecisionGuardCallback(report=False)
     res = ds_run(out, model, ds_args(out, 2, bf16=False), cb, rows)
-    return {**res, "policy": cb.policy.name if cb.policy else None,
-            "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+    return {
+        **res,
+        "policy": cb.policy.name if cb.policy else None,
+        "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+    }
 
 
 @scenario
@@ -332,10 +405,14 @@ def ds_zero2_bf16_keep_fp32_tower(out: Path) -> dict[str, Any]:
     cb = PrecisionGuardCallback(policy, report_dir=str(out / "precision"))
     res = ds_run(out, model, ds_args(out, 2, bf16=True), cb, rows)
     report = json.loads((out / "precision" / "000000-on_train_begin.json").read_text())
-    return {**res, "tower": sorted({str(p.dtype) for p in model.model.vision_tower.parameters()}),
-            "mismatches": report["mismatches"],
-            "cast_rows": sum(r["mismatch"] and r["reason"].startswith("cast by DeepSpeed")
-                             for r in report["drift"])}
+    return {
+        **res,
+        "tower": sorted({str(p.dtype) for p in model.model.vision_tower.parameters()}),
+        "mismatches": report["mismatches"],
+        "cast_rows": sum(
+            r["mismatch"] and r["reason"].startswith("cast by DeepSpeed") for r in report["drift"]
+        ),
+    }
 
 
 @scenario
@@ -345,10 +422,10 @@ def ds_zero2_keep_fp32_tower_raise(out: Path) -> dict[str, Any]:
     model = split_llava()
     model.model.vision_tower.float()  # as the policy wants it: nothing to cast at on_init_end
     rows = rows_of(model)
-    policy = PrecisionPolicy.from_preset("bf16", keep_fp32=("model.vision_tower",),
-                                         mode="raise")
-    ds_run(out, model, ds_args(out, 2, bf16=True), PrecisionGuardCallback(policy, report=False),
-           rows)
+    policy = PrecisionPolicy.from_preset("bf16", keep_fp32=("model.vision_tower",), mode="raise")
+    ds_run(
+        out, model, ds_args(out, 2, bf16=True), PrecisionGuardCallback(policy, report=False), rows
+    )
     return {"trained": True}
 
 
@@ -372,14 +449,17 @@ def _zero3_load(out: Path, *, bf16: bool) -> tuple[Any, Any, list[dict[str, torc
     # group torchrun made (without it zero.Init sees one process and rejects the batch sizes).
     deepspeed.init_distributed(dist_backend="gloo")
     model = LlavaForConditionalGeneration.from_pretrained(
-        ckpt, dtype=torch.bfloat16 if bf16 else torch.float32)
+        ckpt, dtype=torch.bfloat16 if bf16 else torch.float32
+    )
     model.model.vision_tower.requires_grad_(False)
     return model, args, rows
 
 
 def _storage(model: torch.nn.Module) -> dict[str, list[str]]:
-    return {n: [str(p.dtype), str(p.ds_tensor.dtype), str(p.numel())]
-            for n, p in model.named_parameters()}
+    return {
+        n: [str(p.dtype), str(p.ds_tensor.dtype), str(p.numel())]
+        for n, p in model.named_parameters()
+    }
 
 
 @scenario
@@ -400,11 +480,18 @@ def ds_zero3_init_bf16(out: Path) -> dict[str, Any]:
 
     res = ds_run(out, model, args, cb, rows, after_init)
     dmap = dtype_map(model)
-    return {**res, **seen, "partitioned": partitioned, "params": len(before),
-            "numel": dmap.total_params, "sharded": sum(r.sharded for r in dmap),
-            "groups": {g: [s.numel.get(d, 0) for d in s.dtypes] for g, s in dmap.groups.items()},
-            "data_vs_partition": sorted({(str(p.dtype), str(p.ds_tensor.dtype))
-                                         for p in model.parameters()})}
+    return {
+        **res,
+        **seen,
+        "partitioned": partitioned,
+        "params": len(before),
+        "numel": dmap.total_params,
+        "sharded": sum(r.sharded for r in dmap),
+        "groups": {g: [s.numel.get(d, 0) for d in s.dtypes] for g, s in dmap.groups.items()},
+        "data_vs_partition": sorted(
+            {(str(p.dtype), str(p.ds_tensor.dtype)) for p in model.parameters()}
+        ),
+    }
 
 
 @scenario
@@ -414,8 +501,11 @@ def ds_zero3_fp32(out: Path) -> dict[str, Any]:
     model, args, rows = _zero3_load(out, bf16=False)
     cb = PrecisionGuardCallback(report=False)
     res = ds_run(out, model, args, cb, rows)
-    return {**res, "policy": cb.policy.name if cb.policy else None,
-            "partition_dtypes": sorted({str(p.ds_tensor.dtype) for p in model.parameters()})}
+    return {
+        **res,
+        "policy": cb.policy.name if cb.policy else None,
+        "partition_dtypes": sorted({str(p.ds_tensor.dtype) for p in model.parameters()}),
+    }
 
 
 @scenario
@@ -429,8 +519,7 @@ def ds_json_contradicts_flag(out: Path) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- GPU (accelerate)
-def _gpu_run(out: Path, *, fsdp: int = 0, zero: int = 0, bf16_true: bool = False
-             ) -> dict[str, Any]:
+def _gpu_run(out: Path, *, fsdp: int = 0, zero: int = 0, bf16_true: bool = False) -> dict[str, Any]:
     """accelerate wraps the model itself (FSDP1/FSDP2/DeepSpeed): the guard casts before and
     verifies after; accelerate's fp32 upcast of trainable weights is expected."""
     from accelerate import Accelerator
@@ -443,32 +532,45 @@ def _gpu_run(out: Path, *, fsdp: int = 0, zero: int = 0, bf16_true: bool = False
     kw: dict[str, Any] = {}
     if fsdp:
         kw["fsdp_plugin"] = FullyShardedDataParallelPlugin(
-            fsdp_version=fsdp, auto_wrap_policy="transformer_based_wrap",
+            fsdp_version=fsdp,
+            auto_wrap_policy="transformer_based_wrap",
             transformer_cls_names_to_wrap=["LlamaDecoderLayer", "CLIPEncoderLayer"],
-            **({"use_orig_params": True} if fsdp == 1 else {}))
+            **({"use_orig_params": True} if fsdp == 1 else {}),
+        )
     if zero:
-        kw["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config={
-            "zero_optimization": {"stage": zero}, "bf16": {"enabled": "auto"},
-            "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1})
+        kw["deepspeed_plugin"] = DeepSpeedPlugin(
+            hf_ds_config={
+                "zero_optimization": {"stage": zero},
+                "bf16": {"enabled": "auto"},
+                "train_micro_batch_size_per_gpu": 2,
+                "gradient_accumulation_steps": 1,
+            }
+        )
     accelerator = Accelerator(mixed_precision="bf16", **kw)
     model = tiny_llava(dtype=torch.bfloat16 if bf16_true else None)
     loader = torch.utils.data.DataLoader(rows_of(model), batch_size=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = PrecisionGuardPlugin("bf16-true" if bf16_true else None,
-                                 report_dir=str(out / "precision"))
+    guard = PrecisionGuardPlugin(
+        "bf16-true" if bf16_true else None, report_dir=str(out / "precision")
+    )
     model, optimizer, loader = guard.prepare(accelerator, model, optimizer, loader)
     loss = loop(accelerator, model, optimizer, loader)
     with guard.evaluating(model), torch.no_grad():
         model(**next(iter(loader)))
     wrapper = wrapper_of(model) or ("DeepSpeed" if zero else None)
     assert guard.policy is not None
-    check = check_wrapped(model, guard.policy, wrapper=wrapper,
-                          deepspeed_dtype=guard.deepspeed_dtype)
-    return {"wrapper": wrapper, "expected_wrapper": "DeepSpeed" if zero else f"FSDP{fsdp}"
-            .replace("FSDP1", "FSDP"), "violations": check.violations,
-            "expected": check.expected, "loss_finite": bool(torch.isfinite(torch.tensor(loss))),
-            "events": guard.events,
-            "digest": rank_digest(dtype_map(model), with_numel=wrapper == "FSDP2")}
+    check = check_wrapped(
+        model, guard.policy, wrapper=wrapper, deepspeed_dtype=guard.deepspeed_dtype
+    )
+    return {
+        "wrapper": wrapper,
+        "expected_wrapper": "DeepSpeed" if zero else f"FSDP{fsdp}".replace("FSDP1", "FSDP"),
+        "violations": check.violations,
+        "expected": check.expected,
+        "loss_finite": bool(torch.isfinite(torch.tensor(loss))),
+        "events": guard.events,
+        "digest": rank_digest(dtype_map(model), with_numel=wrapper == "FSDP2"),
+    }
 
 
 @scenario
@@ -513,8 +615,12 @@ def main() -> None:
         try:
             result = {"ok": True, **SCENARIOS[name](where)}
         except Exception as err:  # recorded for the pytest side, which asserts on it
-            result = {"ok": False, "error": type(err).__name__, "message": str(err),
-                      "traceback": traceback.format_exc()}
+            result = {
+                "ok": False,
+                "error": type(err).__name__,
+                "message": str(err),
+                "traceback": traceback.format_exc(),
+            }
         result["seconds"] = round(time.perf_counter() - t0, 2)
         (where / f"rank{rank()}.json").write_text(json.dumps(result, indent=1, default=str))
         reset_accelerate()

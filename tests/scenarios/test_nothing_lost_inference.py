@@ -16,8 +16,9 @@ LM_ATTN = r".*language_model.*\.(q_proj|v_proj)"
 
 
 def _fp32_trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    return {n: p for n, p in model.named_parameters()
-            if p.requires_grad and p.dtype == torch.float32}
+    return {
+        n: p for n, p in model.named_parameters() if p.requires_grad and p.dtype == torch.float32
+    }
 
 
 def _train_and_evaluate(trainer_for, model, batch, **kw):
@@ -54,8 +55,9 @@ def test_connector_trained_in_fp32_inside_a_bf16_idefics2(trainer_for):
 
 
 def test_minicpmv2_lora_with_no_flag_keeps_adapters_fp32(trainer_for):
-    model = get_peft_model(MiniCPMV2Tiny(torch.bfloat16),
-                           LoraConfig(r=4, target_modules=r"llm.*\.(q_proj|v_proj)"))
+    model = get_peft_model(
+        MiniCPMV2Tiny(torch.bfloat16), LoraConfig(r=4, target_modules=r"llm.*\.(q_proj|v_proj)")
+    )
     kept = _fp32_trainable(model)
     assert kept
     _train_and_evaluate(trainer_for, model, MiniCPMV2Tiny().batch(4))
@@ -76,8 +78,10 @@ def test_text_only_models_keep_fp32_trainables(trainer_for):
     from transformers import FalconConfig, FalconForCausalLM, LlamaConfig, LlamaForCausalLM
 
     small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
-    models = [LlamaForCausalLM(LlamaConfig(intermediate_size=64, num_key_value_heads=2, **small)),
-              FalconForCausalLM(FalconConfig(**small))]
+    models = [
+        LlamaForCausalLM(LlamaConfig(intermediate_size=64, num_key_value_heads=2, **small)),
+        FalconForCausalLM(FalconConfig(**small)),
+    ]
     for base in models:
         base.to(torch.bfloat16)
         model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "query_key_value"]))

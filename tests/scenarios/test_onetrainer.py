@@ -76,9 +76,12 @@ def test_1_unet_time_embedding_linear_fed_fp32(accelerator: object) -> None:
     unet = tiny_unet().to(HALF)  # weight dtype fp16
     unet.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_v"]))
     optimizer = torch.optim.AdamW([p for p in unet.parameters() if p.requires_grad], lr=1e-3)
-    batch = {"latents": torch.randn(2, 4, 8, 8), "noise": torch.randn(2, 4, 8, 8),  # cached fp32
-             "timesteps": torch.tensor([10, 700]),
-             "encoder_hidden_states": torch.randn(2, 5, 16, dtype=HALF)}
+    batch = {
+        "latents": torch.randn(2, 4, 8, 8),
+        "noise": torch.randn(2, 4, 8, 8),  # cached fp32
+        "timesteps": torch.tensor([10, 700]),
+        "encoder_hidden_states": torch.randn(2, 5, 16, dtype=HALF),
+    }
 
     def train_step(unet: nn.Module) -> torch.Tensor:
         pred = unet(batch["latents"], batch["timesteps"], batch["encoder_hidden_states"]).sample
@@ -103,15 +106,27 @@ def test_2_sampling_conv_gets_fp16_latents_into_the_fp32_vae() -> None:
     vae = tiny_vae()  # kept in fp32, as OneTrainer's separate VAE dtype allows
     unet, text_encoder = tiny_unet().to(HALF), tiny_text_encoder().to(HALF)
     pipe: Any = StableDiffusionPipeline(
-        vae=vae, text_encoder=text_encoder, tokenizer=None, unet=unet,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=None,
+        unet=unet,
         scheduler=DDPMScheduler(num_train_timesteps=100, steps_offset=1, clip_sample=False),
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
     pipe.set_progress_bar_config(disable=True)
     prompt = text_encoder(torch.tensor([[0, 5, 6, 7, 1]]))[0]
 
     def sample() -> torch.Tensor:  # diffusers' own sampling code
-        return pipe(prompt_embeds=prompt, num_inference_steps=2, guidance_scale=1.0,
-                    height=16, width=16, output_type="pt").images
+        return pipe(
+            prompt_embeds=prompt,
+            num_inference_steps=2,
+            guidance_scale=1.0,
+            height=16,
+            width=16,
+            output_type="pt",
+        ).images
 
     with pytest.raises(RuntimeError, match=HALF_INTO_FP32):
         sample()
@@ -149,8 +164,13 @@ class MaskedUNet(nn.Module):
         super().__init__()
         self.unet = unet
 
-    def forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
-                encoder_hidden_states: torch.Tensor, latent_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        latent_mask: torch.Tensor,
+    ) -> torch.Tensor:
         sample = torch.cat([latents, latent_mask], dim=1)
         return self.unet(sample, timesteps, encoder_hidden_states).sample
 
@@ -203,8 +223,9 @@ def test_recipe_training_code_fails_without_the_guard(tmp_path: Path) -> None:
     gets the fp32 images. tests/test_diffusion.py trains the same loop with the guard."""
     from accelerate.state import AcceleratorState
 
-    spec = importlib.util.spec_from_file_location("recipe_lora_diffusion_scenario",
-                                                  ROOT / "recipes" / "lora_diffusion.py")
+    spec = importlib.util.spec_from_file_location(
+        "recipe_lora_diffusion_scenario", ROOT / "recipes" / "lora_diffusion.py"
+    )
     assert spec is not None and spec.loader is not None
     recipe = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = recipe
@@ -212,7 +233,16 @@ def test_recipe_training_code_fails_without_the_guard(tmp_path: Path) -> None:
     AcceleratorState._reset_state(True)
     try:
         with pytest.raises(RuntimeError, match=FP32_INTO_HALF):
-            recipe.main(["--config", str(ROOT / "recipes/configs/diffusion/tiny.yaml"),
-                         "--output_dir", str(tmp_path), "--max_steps", "1", "--no_guard"])
+            recipe.main(
+                [
+                    "--config",
+                    str(ROOT / "recipes/configs/diffusion/tiny.yaml"),
+                    "--output_dir",
+                    str(tmp_path),
+                    "--max_steps",
+                    "1",
+                    "--no_guard",
+                ]
+            )
     finally:
         AcceleratorState._reset_state(True)

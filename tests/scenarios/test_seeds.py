@@ -132,8 +132,14 @@ def test_seed1_on_xtuners_own_llava_layout(trainer_for, generate_on_evaluate, re
     model, base = _xtuner_layout()
     samples = generate_on_evaluate(base.batch(2))
     guard = PrecisionGuardCallback()
-    trainer = trainer_for(model, base.batch(4), fp16=True, eval_strategy="steps", eval_steps=1,
-                          callbacks=[guard, samples])
+    trainer = trainer_for(
+        model,
+        base.batch(4),
+        fp16=True,
+        eval_strategy="steps",
+        eval_steps=1,
+        callbacks=[guard, samples],
+    )
     assert guard.groups is not None and guard.groups.rule == "xtuner_llava"
     head = base.llm.base_model.model.lm_head
     head_in = record_inputs(head)
@@ -191,8 +197,9 @@ def test_seed2_omnilmm_lora_vpm_on_another_device(trainer_for):
     with pytest.raises(RuntimeError, match="meta"):
         model(**base.batch())
     # bf16_full_eval postpones Trainer's own model.to(device): the guard sees the devices first
-    with pytest.raises(PrecisionError,
-                       match=r"(?s)meta device while the model is on cpu.*model\.vision_tower\."):
+    with pytest.raises(
+        PrecisionError, match=r"(?s)meta device while the model is on cpu.*model\.vision_tower\."
+    ):
         trainer_for(
             model,
             base.batch(4),
@@ -220,8 +227,7 @@ def test_seed2_list_held_tower_bf16_flag_meta_and_dtype_map(trainer_for):
     assert groups.held == {"vision_encoder": "list"}
     model = _lora(base, targets=OMNI_LM)
     with pytest.warns(PrecisionWarning, match="held in a list"):
-        trainer = trainer_for(model, base.batch(4), bf16=True,
-                              callbacks=[PrecisionGuardCallback()])
+        trainer = trainer_for(model, base.batch(4), bf16=True, callbacks=[PrecisionGuardCallback()])
     assert trainer.train().global_step == 2
     tower = base.model.vision_tower[0]
     assert {p.dtype for p in tower.parameters()} == {torch.bfloat16}
@@ -233,8 +239,12 @@ def test_seed2_list_held_tower_bf16_flag_meta_and_dtype_map(trainer_for):
 
     meta = OmniLMMTiny(torch.bfloat16, tune_clip=False)
     meta.model.vision_tower[0].to("meta")
-    with pytest.warns(PrecisionWarning), pytest.raises(
-            PrecisionError, match=r"(?s)model\.vision_tower \(held in a list, outside the module"):
+    with (
+        pytest.warns(PrecisionWarning),
+        pytest.raises(
+            PrecisionError, match=r"(?s)model\.vision_tower \(held in a list, outside the module"
+        ),
+    ):
         enforce_policy(meta, "bf16")
 
 

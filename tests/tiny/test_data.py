@@ -36,7 +36,8 @@ def test_deterministic_per_seed(tmp_path: Path) -> None:
     b = make_shapes_dataset(tmp_path / "b", n_train=4, n_eval=1, seed=3)
     assert a["train"].read_text() == b["train"].read_text()
     assert (tmp_path / "a/images/00002.png").read_bytes() == (
-        tmp_path / "b/images/00002.png").read_bytes()
+        tmp_path / "b/images/00002.png"
+    ).read_bytes()
 
 
 def test_shape_image_colours_the_shape() -> None:

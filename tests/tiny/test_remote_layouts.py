@@ -26,8 +26,14 @@ from hf_precision.tiny.remote_layouts import (
 LAYOUT: dict[type[RemoteVLM], tuple[str, ...]] = {
     MiniCPMV2Tiny: ("vpm", "resampler", "llm", "llm.lm_head"),
     OmniLMMTiny: ("model", "model.vision_tower", "model.resampler", "lm_head"),
-    XComposerTiny: ("vit", "vit.vision_tower", "vision_proj", "model", "output",
-                    "model.layers.0.self_attn.q_proj.Plora_A"),
+    XComposerTiny: (
+        "vit",
+        "vit.vision_tower",
+        "vision_proj",
+        "model",
+        "output",
+        "model.layers.0.self_attn.q_proj.Plora_A",
+    ),
     InternVLTiny: ("vision_model", "mlp1", "language_model", "language_model.lm_head"),
     XTunerLLaVATiny: ("llm", "visual_encoder", "projector", "projector.model", "llm.lm_head"),
 }
@@ -44,6 +50,8 @@ def _patch_embed(model: RemoteVLM, vision: torch.nn.Module) -> torch.nn.Module:
     if isinstance(model, XTunerLLaVATiny):  # an HF CLIPVisionModel (its path differs in 4.x)
         return model.visual_encoder.get_input_embeddings()
     return vision.get_submodule("patch_embed")
+
+
 HALF = [torch.bfloat16, torch.float16]
 
 
