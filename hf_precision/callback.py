@@ -1,6 +1,6 @@
 """``PrecisionGuardCallback``: one line in ``Trainer(callbacks=[...])``.
 
-Lifecycle (see DESIGN.md "Where to act"):
+Lifecycle (docs/architecture.md):
 
 * ``on_init_end`` — before the optimizer and ``accelerator.prepare`` exist: enforce the policy
   (the safest moment to cast) and install the guards;

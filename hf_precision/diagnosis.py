@@ -17,7 +17,7 @@ from .dtypes import dtype_name, is_castable, majority_dtype
 from .groups import ModuleGroups
 from .policy import PrecisionPolicy
 
-#: Root-cause classes of DESIGN.md that a recorded pass can tell apart.
+#: Root-cause classes (docs/architecture.md) that a recorded pass can tell apart.
 CLASS_NAMES: dict[str, str] = {
     "A": "input from outside (batch tensor in another dtype)",
     "B": "component dtype split (groups in different dtypes)",

@@ -7,8 +7,8 @@ are tracked by object identity), a post-hook notes what each module produced. Wh
 with a dtype/device mismatch, the innermost failing call stack is searched, from the outside in,
 for the first module whose input differs from its own weights; the error then names that
 module, the producer of the offending input, what the policy expected, the root-cause class
-(DESIGN.md: A batch, B component split, C fp32 leak, F tensor made in forward, G device) and the
-fix.
+(docs/architecture.md: A batch, B component split, C fp32 leak, F tensor made in forward,
+G device) and the fix.
 
 >>> import torch
 >>> from hf_precision import diagnose

@@ -16,7 +16,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import LlavaProcessor, PreTrainedConfig, PreTrainedModel
 
-# Shared tiny text-model kwargs (DESIGN.md "Tiny offline models"); ids follow the tiny tokenizer.
+# Shared tiny text-model kwargs (offline: nothing is downloaded); ids follow the tiny tokenizer.
 PAD_ID, BOS_ID, EOS_ID, UNK_ID, IMAGE_TOKEN_ID = 0, 1, 2, 3, 255
 TXT: dict[str, int] = dict(
     vocab_size=256,
