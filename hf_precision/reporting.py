@@ -247,6 +247,7 @@ class PrecisionReporter:
         self.events: list[tuple[str, int]] = []
         self.wandb: Any = None
         self._png_cache: tuple[Any, bytes] | None = None
+        self._warned: set[str] = set()  # kinds of report failure already warned about
         if wandb and is_main_process:
             from .report_wandb import WandbSink
 
@@ -329,26 +330,16 @@ class PrecisionReporter:
         png = self._render_png(dmap, event, step)
         png_path = None
         if self.report_dir is not None:
-            self.report_dir.mkdir(parents=True, exist_ok=True)
-            if png is not None:
-                png_path = self.report_dir / f"{stem}.png"
-                png_path.write_bytes(png)
-                self.written.append(png_path)
-            path = self.report_dir / f"{stem}.json"
-            payload = {
-                "event": event,
-                "step": step,
-                "policy": policy.to_dict() if policy is not None else None,
-                "mismatches": mismatches,
-                "bytes_by_dtype": dmap.bytes_by_dtype,
-                "dtype_map": dmap.to_dict(),
-                "drift": drift,
-                "changes": report.to_dict()["changes"] if report is not None else [],
-                "wrapper_casts": report.to_dict()["wrapper_casts"] if report is not None else [],
-                "picture": png_path.name if png_path is not None else None,
-            }
-            path.write_text(json.dumps(payload, indent=1))
-            self.written.append(path)
+            try:
+                png_path = self._write_event_files(
+                    stem, event, step, policy, mismatches, dmap, drift, report, png
+                )
+            except OSError as err:  # a report is an observer: it never stops training
+                self._failed(
+                    "files",
+                    f"could not write the dtype map of {event} under "
+                    f"{self.report_dir} ({type(err).__name__}: {err})",
+                )
         text = render_table(dmap, title=f"hf-precision {event} (step {step})")
         if drift:
             text += (
@@ -364,13 +355,89 @@ class PrecisionReporter:
         if self.console:
             logger.info("%s", text)
         if self.report_dir is not None:
-            with open(self.report_dir / "precision.log", "a", encoding="utf-8") as fh:
-                fh.write(text + "\n\n")
+            try:
+                with open(self.report_dir / "precision.log", "a", encoding="utf-8") as fh:
+                    fh.write(text + "\n\n")
+            except OSError as err:
+                self._failed(
+                    "files",
+                    f"could not append to {self.report_dir / 'precision.log'} "
+                    f"({type(err).__name__}: {err})",
+                )
         if self.wandb is not None:
-            self._to_wandb(
-                event, step, dmap, rows, aggregated, drift, mismatches, policy, png, png_path, first
-            )
+            try:
+                self._to_wandb(
+                    event,
+                    step,
+                    dmap,
+                    rows,
+                    aggregated,
+                    drift,
+                    mismatches,
+                    policy,
+                    png,
+                    png_path,
+                    first,
+                )
+            except Exception as err:  # W&B's own errors: warn once, the files still go on
+                self._failed(
+                    "wandb",
+                    f"could not log the dtype map of {event} to W&B ({type(err).__name__}: {err})",
+                )
         return dmap
+
+    def _failed(self, what: str, detail: str) -> None:
+        """Warn once per kind of report (files, W&B); training goes on."""
+        if what in self._warned:
+            return
+        self._warned.add(what)
+        fix = (
+            "Fix: pass PrecisionGuardCallback(report_dir=<a writable folder>) or report=False"
+            if what == "files"
+            else "Fix: check the W&B run, or report_to without 'wandb'"
+        )
+        warnings.warn(
+            f"hf-precision report: {detail}. Training goes on; later failures of this "
+            f"kind are not repeated. {fix}.",
+            PrecisionWarning,
+            stacklevel=3,
+        )
+
+    def _write_event_files(
+        self,
+        stem: str,
+        event: str,
+        step: int,
+        policy: Any,
+        mismatches: int,
+        dmap: DtypeMap,
+        drift: list[dict[str, Any]],
+        report: Any,
+        png: bytes | None,
+    ) -> Path | None:
+        assert self.report_dir is not None
+        self.report_dir.mkdir(parents=True, exist_ok=True)
+        png_path = None
+        if png is not None:
+            png_path = self.report_dir / f"{stem}.png"
+            png_path.write_bytes(png)
+            self.written.append(png_path)
+        path = self.report_dir / f"{stem}.json"
+        payload = {
+            "event": event,
+            "step": step,
+            "policy": policy.to_dict() if policy is not None else None,
+            "mismatches": mismatches,
+            "bytes_by_dtype": dmap.bytes_by_dtype,
+            "dtype_map": dmap.to_dict(),
+            "drift": drift,
+            "changes": report.to_dict()["changes"] if report is not None else [],
+            "wrapper_casts": report.to_dict()["wrapper_casts"] if report is not None else [],
+            "picture": png_path.name if png_path is not None else None,
+        }
+        path.write_text(json.dumps(payload, indent=1))
+        self.written.append(path)
+        return png_path
 
     def _to_wandb(
         self,

@@ -330,3 +330,48 @@ def test_wandb_goes_offline_only_without_a_login(tmp_path, capsys):
     assert wandb_offline_unless_logged_in(logged_in) is False and "WANDB_MODE" not in logged_in
     for env in ({"WANDB_API_KEY": "k"}, {"WANDB_MODE": "disabled"}, {"WANDB_MODE": "offline"}):
         assert wandb_offline_unless_logged_in(dict(env, HOME=str(tmp_path / "x"))) is False
+
+
+def _train_with_report_dir(make_trainer: Any, report_dir: Path) -> tuple[Any, list[str]]:
+    from hf_precision import PrecisionGuardCallback
+
+    model = tiny_llava()
+    model.model.vision_tower.to(torch.float16)  # something to cast and report
+    cb = PrecisionGuardCallback("bf16", report_dir=str(report_dir))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", PrecisionWarning)
+        trainer = make_trainer(
+            model, tiny_batch(model), callbacks=[cb], eval_strategy="steps", eval_steps=1
+        )
+        out = trainer.train()
+        trainer.evaluate()
+    assert out.global_step == 2 and torch.isfinite(torch.tensor(out.training_loss))
+    msgs = [str(w.message) for w in seen if "hf-precision report:" in str(w.message)]
+    return cb, msgs
+
+
+def test_an_unwritable_report_dir_warns_once_and_training_goes_on(
+    make_trainer: Any, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    cb, msgs = _train_with_report_dir(make_trainer, blocker / "precision")
+    assert len(msgs) == 1, msgs  # once, although every event failed to write
+    assert "could not write the dtype map of on_init_end" in msgs[0]
+    assert "NotADirectoryError" in msgs[0] and "report_dir=<a writable folder>" in msgs[0]
+    assert len(cb.events) >= 5  # every event still ran
+
+
+def test_a_full_disk_warns_once_and_training_goes_on(make_trainer: Any, tmp_path: Path) -> None:
+    full = Path("/dev/full")
+    if not full.exists():
+        pytest.skip("needs /dev/full (Linux) to make writes fail with ENOSPC")
+    report_dir = tmp_path / "precision"
+    report_dir.mkdir()
+    (report_dir / "precision.log").symlink_to(full)  # every append fails: no space left
+    (report_dir / "000000-on_init_end.json").symlink_to(full)
+    cb, msgs = _train_with_report_dir(make_trainer, report_dir)
+    assert len(msgs) == 1, msgs
+    assert "No space left on device" in msgs[0] or "ENOSPC" in msgs[0] or "Errno 28" in msgs[0]
+    # events that could be written still were
+    assert (report_dir / "000000-on_train_begin.json").is_file()
