@@ -77,6 +77,11 @@ def cast_tensor(
             # i.e. sentinels: on an accelerator they are clamped the same way, without the host
             # sync a check would cost (a sync per guarded cast stalls the launch queue).
             out.clamp_(min=info.min, max=info.max)
+        elif torch.compiler.is_compiling():
+            # Under torch.compile a Python-level read of a value breaks the graph: clamp what
+            # the cast made inf (not what was inf already), branch-free and without a warning.
+            made_inf = out.isinf() & ~t.isinf()
+            out = torch.where(made_inf, out.clamp(min=info.min, max=info.max), out)
         elif not _all_finite(out) and bool(out.isinf().any()) and not bool(t.isinf().any()):
             amax = float(t.detach().abs().amax())
             warnings.warn(

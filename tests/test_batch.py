@@ -91,3 +91,31 @@ def test_collator_audit_mode_changes_nothing():
     feats = [{"pixel_values": torch.rand(3)}]
     out = PrecisionCollator(policy=PrecisionPolicy.from_preset("bf16", mode="audit"))(feats)
     assert out["pixel_values"].dtype == torch.float32
+
+
+def test_the_guard_adds_no_graph_break_under_torch_compile():
+    """The batch hook fires every step: it must not read tensor values in Python (no bool() of
+    a tensor, no .item()), which would break the compiled graph. The breaks left are the
+    model's own (transformers'), the same with and without the guard."""
+    import torch._dynamo as dynamo
+
+    from hf_precision import enforce_policy, install_guards
+    from hf_precision.tiny import tiny_batch, tiny_llava
+
+    batch = {k: v for k, v in tiny_batch(tiny_llava()).items() if k != "labels"}
+    assert batch["pixel_values"].dtype == torch.float32  # the hook has a narrowing cast to do
+
+    def reasons(model, inputs):
+        dynamo.reset()
+        found = dynamo.explain(model)(**inputs).break_reasons
+        return [(str(r.reason).splitlines()[0], [f.filename for f in r.user_stack]) for r in found]
+
+    guarded = tiny_llava()
+    enforce_policy(guarded, "fp16-true")
+    install_guards(guarded, "fp16-true")
+    with_guard = reasons(guarded, batch)
+    bare = tiny_llava().half()
+    without = reasons(bare, {**batch, "pixel_values": batch["pixel_values"].half()})
+    assert not [r for r, files in with_guard if any("hf_precision" in f for f in files)]
+    assert sorted(r for r, _ in with_guard) == sorted(r for r, _ in without)
+    dynamo.reset()

@@ -370,7 +370,7 @@ def test_a_full_disk_warns_once_and_training_goes_on(make_trainer: Any, tmp_path
     report_dir.mkdir()
     (report_dir / "precision.log").symlink_to(full)  # every append fails: no space left
     (report_dir / "000000-on_init_end.json").symlink_to(full)
-    cb, msgs = _train_with_report_dir(make_trainer, report_dir)
+    _, msgs = _train_with_report_dir(make_trainer, report_dir)
     assert len(msgs) == 1, msgs
     assert "No space left on device" in msgs[0] or "ENOSPC" in msgs[0] or "Errno 28" in msgs[0]
     # events that could be written still were
