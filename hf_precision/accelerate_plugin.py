@@ -60,7 +60,7 @@ from .dtypes import dtype_name
 from .enforce import EnforceReport, enforce_policy
 from .errors import PrecisionError, PrecisionWarning
 from .groups import ModuleGroups, find_module_groups, unwrap_model
-from .hooks import GuardHandle, install_guards, remove_guards
+from .hooks import GuardHandle, claim_model, install_guards, release_model, remove_guards
 from .policy import PrecisionPolicy, policy_call, resolve_policy, with_overrides
 
 logger = logging.getLogger("hf_precision")
@@ -282,6 +282,7 @@ class PrecisionGuardPlugin:
         if self.report and self._reporter is None:
             self._reporter = self._make_reporter()
         root, _ = unwrap_model(model)
+        claim_model(root, self, self.policy, self._call)
         entry = next((g for g in self._guarded if g.root is root), None)
         if entry is None:
             entry = _Guarded(model, root, find_module_groups(root))
@@ -338,6 +339,7 @@ class PrecisionGuardPlugin:
                 groups=g.groups,
                 mode=policy.mode,
                 optimizer=self._optimizers[0] if self._optimizers else None,
+                allow_wrapped=True,
             )
         if found and event != "setup":
             verb = (
@@ -463,6 +465,7 @@ class PrecisionGuardPlugin:
         self._handles.clear()
         for g in self._guarded:
             remove_guards(g.model)
+            release_model(g.root, self)
 
     def __repr__(self) -> str:
         policy = self.policy.describe() if self.policy is not None else "inferred at prepare"

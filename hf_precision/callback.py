@@ -31,7 +31,7 @@ from .dtypes import dtype_name
 from .enforce import EnforceReport, enforce_policy
 from .errors import PrecisionError, PrecisionWarning
 from .groups import ModuleGroups, find_module_groups, unwrap_model
-from .hooks import GuardHandle, install_guards
+from .hooks import GuardHandle, claim_model, install_guards
 from .policy import PrecisionPolicy, policy_call, resolve_policy, with_overrides
 
 logger = logging.getLogger("hf_precision")
@@ -111,6 +111,7 @@ class PrecisionGuardCallback(TrainerCallback):
         self._reporter: Any = None
         self._root: nn.Module | None = None
         self._wrapper_casts: set[str] = set()  # what a wrapper cast against the policy (warned)
+        self._said: set[str] = set()  # warnings already given
 
     # ------------------------------------------------------------------ setup
     def _with_overrides(self, policy: PrecisionPolicy) -> PrecisionPolicy:
@@ -124,12 +125,27 @@ class PrecisionGuardCallback(TrainerCallback):
         root, _ = unwrap_model(model)
         if self._root is root and self.policy is not None and self.groups is not None:
             return True
+        first = self._root is None
         self._root = root
-        if self.policy is None:
+        if self._policy_arg is None:  # inferred: from this Trainer's arguments and model
+            before = self.policy
             self.policy = self._with_overrides(PrecisionPolicy.from_training_args(args, root))
-        elif self.policy.full_eval_dtype is None:
+            if not first and before is not None and before != self.policy:
+                warnings.warn(
+                    f"{self._call} was used with another Trainer before: the policy is "
+                    f"inferred again from this Trainer's arguments and model, "
+                    f"{self.policy.describe()} (was {before.describe()}). Fix: give each "
+                    "Trainer its own PrecisionGuardCallback() to silence this.",
+                    PrecisionWarning,
+                    stacklevel=3,
+                )
+            if not first:
+                self._reporter = None  # this Trainer's output_dir and report_to
+        elif self.policy is not None and self.policy.full_eval_dtype is None:
             flags = PrecisionPolicy.from_training_args(args)
             self.policy = self.policy.replace(full_eval_dtype=flags.full_eval_dtype)
+        assert self.policy is not None
+        claim_model(root, self, self.policy, self._call)
         self._check_args(args, root)
         self.groups = find_module_groups(root)
         if self.report and self._reporter is None:
@@ -147,6 +163,28 @@ class PrecisionGuardCallback(TrainerCallback):
         policy = self.policy
         assert policy is not None
         check_training_args(args)  # the DeepSpeed JSON's bf16/fp16 sections vs --bf16/--fp16
+        flag = (
+            "bf16"
+            if getattr(args, "bf16", False)
+            else "fp16"
+            if getattr(args, "fp16", False)
+            else None
+        )
+        autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(flag or "")
+        if (
+            self._policy_arg is not None
+            and autocast is not None
+            and autocast != policy.compute_dtype
+        ):
+            warnings.warn(
+                f"{self._call} with TrainingArguments({flag}=True): the Trainer autocasts to "
+                f"{dtype_name(autocast)} but the policy computes in "
+                f"{dtype_name(policy.compute_dtype)} ({policy.describe()}). Fix: "
+                f"PrecisionGuardCallback() follows the flags ({flag!r}), or pass "
+                f"PrecisionGuardCallback({flag!r}), or change the flag.",
+                PrecisionWarning,
+                stacklevel=4,
+            )
         if (
             getattr(args, "fp16", False)
             and policy.trainable_dtype == torch.float16
@@ -192,7 +230,7 @@ class PrecisionGuardCallback(TrainerCallback):
             )
             casts = {c.name for c in audit.wrapper_casts}
             if casts and casts != self._wrapper_casts:  # once, not at every evaluation
-                warnings.warn(audit.warnings[-1], PrecisionWarning, stacklevel=3)
+                warnings.warn(audit.wrapper_note or "", PrecisionWarning, stacklevel=3)
             self._wrapper_casts = casts
         if audit.changes and mode == "fix" and not allow_cast:
             wrapper = owned_by_wrapper(model, args)
@@ -219,6 +257,19 @@ class PrecisionGuardCallback(TrainerCallback):
                 f"{audit.changes[0].describe()}",
                 PrecisionWarning,
                 stacklevel=3,
+            )
+        for w in report.warnings:  # said once; enforce_policy already said those it applied
+            if w not in self._said:
+                self._said.add(w)
+                if not report.applied:
+                    warnings.warn(w, PrecisionWarning, stacklevel=3)
+        if event == "on_init_end" and report.applied and report.changes:
+            groups = sorted({c.group for c in report.changes})
+            logger.warning(
+                "hf-precision: cast %d tensor(s) in %s to %s (details in the precision report)",
+                len(report.changes),
+                ", ".join(groups),
+                policy.describe(),
             )
         self.last_report = report
         self.handle = install_guards(model, policy, report, groups=self.groups)
@@ -325,6 +376,9 @@ class PrecisionGuardCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if kwargs.get("model") is not None:
+            # load_best_model_at_end (or any end-of-train reload) brings weights back in the
+            # dtype they were saved/loaded in: repair and report it like an evaluation
+            self._verify(kwargs["model"], "on_train_end", args, state, kwargs)
             self._refresh_stash(kwargs["model"])
 
     def _after_eval(

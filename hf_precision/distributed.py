@@ -454,7 +454,7 @@ def explain_wrapped(
     """Drop from an audit what FSDP/DeepSpeed do on purpose (see :func:`check_wrapped`); raise
     for the rest unless the policy only audits. What the wrapper cast against the policy (a
     keep-fp32 group held in bf16) is listed in ``wrapper_casts`` with a message (with the fix)
-    in ``warnings``, and raised in ``raise`` mode. Without such a wrapper ``audit`` is
+    in ``wrapper_note``, and raised in ``raise`` mode. Without such a wrapper ``audit`` is
     returned."""
     wrapper = detect_wrapper(model, args=args)
     if wrapper not in ("FSDP", "FSDP2", "DeepSpeed"):
@@ -471,7 +471,7 @@ def explain_wrapped(
     if check.casts and policy.mode == "raise":
         raise PrecisionError(check.cast_message(where))
     kept = copy.copy(audit)
-    kept.warnings = [*audit.warnings, check.cast_message(where)] if check.casts else audit.warnings
+    kept.wrapper_note = check.cast_message(where) if check.casts else None
     kept.changes = [c for c in audit.changes if clean_name(c.name) in check.names]
     kept.wrapper_casts = [
         Change(

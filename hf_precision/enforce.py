@@ -29,7 +29,14 @@ from torch import nn
 
 from .dtypes import dtype_name, is_castable, narrows_range, zero3_dtype
 from .errors import PrecisionError, PrecisionWarning
-from .groups import OTHER, ModuleGroups, find_module_groups, hidden_module, unwrap_model
+from .groups import (
+    OTHER,
+    ModuleGroups,
+    find_module_groups,
+    hidden_module,
+    owning_wrapper,
+    unwrap_model,
+)
 from .policy import PrecisionPolicy
 
 _MAX_LISTED = 12
@@ -76,6 +83,8 @@ class EnforceReport:
     group_dtypes: dict[str, set[torch.dtype]] = field(default_factory=dict)
     #: what a wrapper (DeepSpeed, FSDP) cast against the policy: reported, never cast back
     wrapper_casts: list[Change] = field(default_factory=list)
+    #: the message (with the fix) that goes with ``wrapper_casts``
+    wrapper_note: str | None = None
     device: torch.device | None = None
 
     def __bool__(self) -> bool:
@@ -169,6 +178,51 @@ def _cast_optimizer_state(
             state[key] = value.to(device=device, dtype=dtype)
 
 
+def _unmatched_patterns(
+    root: nn.Module, policy: PrecisionPolicy, groups: ModuleGroups, report: EnforceReport
+) -> list[str]:
+    """One message per ``keep_fp32`` pattern that selects nothing and per ``group_dtypes``
+    group the model does not have (a typo such as ``model.vison_tower`` is silent otherwise)."""
+    import difflib
+
+    from .policy import PRESET_DEFAULTS
+
+    preset = PRESET_DEFAULTS.get(policy.name or "", {})  # a preset's own rules (vae32) are general
+    used = {reason for _, reason in report.kept_fp32}
+    out = []
+    for pat in policy.keep_fp32:
+        if f"keep_fp32 {pat!r}" in used or pat in preset.get("keep_fp32", ()):
+            continue
+        names = [n for n, _ in root.named_modules() if n]
+        close = difflib.get_close_matches(pat.removeprefix("re:"), names, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        out.append(
+            f"keep_fp32 pattern {pat!r} selects no parameter or buffer of "
+            f"{type(root).__name__}.{hint} Fix: use an exact name, a module path prefix, one "
+            "path component, or 're:<regex>' (see PrecisionPolicy.keep_fp32)."
+        )
+    for group in policy.group_dtypes:
+        if group not in groups and group not in preset.get("group_dtypes", {}):
+            out.append(
+                f"group_dtypes[{group!r}] names a group {type(root).__name__} does not have "
+                f"(found: {', '.join(groups.names) or 'none'}). Fix: drop it, or register a "
+                "group rule that finds it."
+            )
+    return out
+
+
+def _refuse_wrapped(model: nn.Module, wrapper: str, report: EnforceReport) -> PrecisionError:
+    return PrecisionError(
+        f"enforce_policy({wrapper}(...)): {len(report.changes)} tensor(s) violate "
+        f"{report.policy.describe()} but {wrapper} already holds the parameters, so they "
+        "cannot be cast in place:\n  "
+        + "\n  ".join(c.describe() for c in report.changes[:8])
+        + f"\nFix: call enforce_policy(model, ...) on the model before {wrapper} wraps it "
+        "(PrecisionGuardCallback in Trainer(callbacks=[...]) and guard.prepare(accelerator, ...) "
+        "do), or load the model in the policy's dtypes; mode='audit' only reports."
+    )
+
+
 def enforce_policy(
     model: nn.Module,
     policy: PrecisionPolicy | str | None = None,
@@ -176,12 +230,15 @@ def enforce_policy(
     groups: ModuleGroups | None = None,
     optimizer: Any = None,
     mode: str | None = None,
+    allow_wrapped: bool = False,
 ) -> EnforceReport:
     """Bring ``model`` to ``policy`` in place and return what changed.
 
     ``mode`` overrides ``policy.mode``: ``"audit"`` changes nothing and reports what would
     change; ``"fix"`` casts; ``"raise"`` raises :class:`PrecisionError` listing the violations.
-    Pass the ``optimizer`` when it already holds state, so its moment tensors follow.
+    Pass the ``optimizer`` when it already holds state, so its moment tensors follow. A model
+    that DDP/FSDP/DeepSpeed already wraps is not cast (a :class:`PrecisionError` says what to
+    do) unless ``allow_wrapped`` (the accelerate plugin's drift repair under DDP).
     """
     root, _ = unwrap_model(model)
     policy = PrecisionPolicy.resolve(policy, root)
@@ -300,6 +357,10 @@ def enforce_policy(
                 todo.append((*item[:4], held[owner], item[5]))
                 report.changes.append(change)
 
+    report.warnings += _unmatched_patterns(root, policy, groups, report)
+    wrapper = owning_wrapper(model)
+    if mode == "fix" and report.changes and wrapper is not None and not allow_wrapped:
+        raise _refuse_wrapped(model, wrapper, report)
     if meta and device is not None:
         unreached = [
             f"{p} (held in a {groups.held.get(g, 'attribute')}, outside the module "

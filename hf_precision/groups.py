@@ -207,15 +207,30 @@ _MODULE_WRAPPERS = {
 }
 
 
+def _module_wrapper(model: nn.Module) -> bool:
+    """A DDP-like wrapper of any class: its one registered child is ``module``."""
+    return list(model._modules) == ["module"] and isinstance(model._modules["module"], nn.Module)
+
+
+def owning_wrapper(model: nn.Module) -> str | None:
+    """The class name of a wrapper that holds the parameters of what it wraps (DDP, FSDP1,
+    DeepSpeed, DataParallel), so that casting them in place desynchronises it; else ``None``."""
+    name = type(model).__name__
+    return name if name in _MODULE_WRAPPERS else None
+
+
 def unwrap_model(model: nn.Module) -> tuple[nn.Module, str]:
-    """Peel DDP/FSDP1/DataParallel/DeepSpeed, ``torch.compile`` and PEFT wrappers.
+    """Peel DDP/FSDP1/DataParallel/DeepSpeed (and any wrapper whose one child is ``module``),
+    ``torch.compile`` and PEFT wrappers.
 
     Returns the innermost model and the path prefix of it inside ``model``.
     """
     prefix = ""
     while True:
         inner, seg = getattr(model, "_orig_mod", None), "_orig_mod."
-        if not isinstance(inner, nn.Module) and type(model).__name__ in _MODULE_WRAPPERS:
+        if not isinstance(inner, nn.Module) and (
+            type(model).__name__ in _MODULE_WRAPPERS or _module_wrapper(model)
+        ):
             inner, seg = getattr(model, "module", None), "module."
         if not isinstance(inner, nn.Module) and hasattr(model, "peft_config"):
             base = getattr(model, "base_model", None)

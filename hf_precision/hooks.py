@@ -496,3 +496,34 @@ def guard_targets(model: nn.Module) -> Mapping[str, tuple[str, str]]:
         if st is not None:
             out[path] = (st.kind, dtype_name(st.dtype))
     return out
+
+
+_OWNER_ATTR = "_hf_precision_owner"
+
+
+def claim_model(root: nn.Module, owner: object, policy: PrecisionPolicy, call: str) -> None:
+    """Mark ``root`` as guarded by ``owner``. A second guard with another policy raises: the two
+    would "repair" each other's casts at every event and the last one would silently win."""
+    held = root.__dict__.get(_OWNER_ATTR)
+    if held is not None:
+        other, other_policy, other_call = held
+        alive = other() if callable(other) else None
+        if alive is not None and alive is not owner and other_policy != policy:
+            raise PrecisionError(
+                f"{call}: {type(root).__name__} is already guarded by {other_call} with "
+                f"policy {other_policy.describe()}; this guard's policy is "
+                f"{policy.describe()}. Two guards with different policies repair each other's "
+                "casts at every event and the last one wins.\nFix: keep one guard (one "
+                "PrecisionGuardCallback in Trainer(callbacks=[...]), or one "
+                "PrecisionGuardPlugin), or give both the same policy."
+            )
+    import weakref
+
+    root.__dict__[_OWNER_ATTR] = (weakref.ref(owner), policy, call)
+
+
+def release_model(root: nn.Module, owner: object) -> None:
+    """Undo :func:`claim_model` when ``owner`` holds the claim (its guards were removed)."""
+    held = root.__dict__.get(_OWNER_ATTR)
+    if held is not None and held[0]() is owner:
+        del root.__dict__[_OWNER_ATTR]

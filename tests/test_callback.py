@@ -188,3 +188,148 @@ def test_raise_mode_lets_autocast_handle_its_ops(make_trainer):
     trainer = make_trainer(model, tiny_batch(model), callbacks=[cb], bf16=True)
     result = trainer.train()
     assert torch.isfinite(torch.tensor(result.training_loss))
+
+
+# ----------------------------------------------------------------------------- misuse, said once
+def test_a_keep_fp32_pattern_that_matches_nothing_warns_once(make_trainer):
+    import warnings as w
+
+    from hf_precision import PrecisionPolicy, PrecisionWarning
+
+    model = tiny_llava()
+    policy = PrecisionPolicy.from_preset(
+        "bf16", keep_fp32=["model.vison_tower"], group_dtypes={"resampler": "fp32"}
+    )
+    with w.catch_warnings(record=True) as seen:
+        w.simplefilter("always", PrecisionWarning)
+        trainer = make_trainer(
+            model,
+            tiny_batch(model),
+            bf16=True,
+            callbacks=[PrecisionGuardCallback(policy, report=False)],
+        )
+        trainer.train()
+    msgs = [str(x.message) for x in seen if issubclass(x.category, PrecisionWarning)]
+    typo = [m for m in msgs if "'model.vison_tower' selects no parameter" in m]
+    assert len(typo) == 1 and "Did you mean 'model.vision_tower'?" in typo[0]
+    absent = [m for m in msgs if "group_dtypes['resampler'] names a group" in m]
+    assert len(absent) == 1 and "LlavaForConditionalGeneration does not have" in absent[0]
+
+
+def test_a_callback_reused_with_another_trainer_infers_again(make_trainer):
+    cb = PrecisionGuardCallback(report=False)
+    first = tiny_llava()
+    make_trainer(first, tiny_batch(first), callbacks=[cb], bf16=True)
+    assert cb.policy is not None and cb.policy.name == "bf16"
+    second = tiny_llava()
+    with pytest.warns(UserWarning, match=r"used with another Trainer before.*fp32"):
+        make_trainer(second, tiny_batch(second), callbacks=[cb])  # no flag, fp32 model
+    assert cb.policy.name == "fp32"
+    assert {p.dtype for p in second.parameters()} == {torch.float32}  # not cast with bf16
+
+
+def test_two_guards_with_different_policies_on_one_model_raise(make_trainer):
+    from hf_precision import PrecisionGuardPlugin
+
+    model = tiny_llava()
+    with pytest.raises(
+        PrecisionError,
+        match=r"(?s)PrecisionGuardCallback\('bf16-true'\): LlavaForConditionalGeneration is "
+        r"already guarded by PrecisionGuardCallback\('bf16'\).*Fix: keep one guard",
+    ):
+        make_trainer(
+            model,
+            tiny_batch(model),
+            bf16=True,
+            callbacks=[
+                PrecisionGuardCallback("bf16", report=False),
+                PrecisionGuardCallback("bf16-true", report=False),
+            ],
+        )
+    # the same policy twice is harmless; a plugin with another policy is refused too
+    kept = make_trainer(
+        model,
+        tiny_batch(model),
+        bf16=True,
+        callbacks=[
+            PrecisionGuardCallback("bf16", report=False),
+            PrecisionGuardCallback("bf16", report=False),
+        ],
+    )
+    with pytest.raises(PrecisionError, match="already guarded"):
+        PrecisionGuardPlugin("fp16", report=False).setup(model)
+    assert kept.callback_handler is not None
+
+
+def test_a_preset_that_contradicts_the_flag_warns(make_trainer):
+    model = tiny_llava()
+    with pytest.warns(
+        UserWarning,
+        match=r"PrecisionGuardCallback\('fp32'\) with "
+        r"TrainingArguments\(bf16=True\): the Trainer autocasts to bfloat16",
+    ):
+        make_trainer(
+            model,
+            tiny_batch(model),
+            bf16=True,
+            callbacks=[PrecisionGuardCallback("fp32", report=False)],
+        )
+
+
+def test_train_end_repairs_what_load_best_model_at_end_brought_back(make_trainer, tmp_path):
+    base = tiny_llava(torch.bfloat16)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=LM_ATTN))
+    cb = PrecisionGuardCallback("bf16-true")  # adapters in bf16, by name
+    trainer = make_trainer(
+        model,
+        tiny_batch(base),
+        callbacks=[cb],
+        max_steps=2,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+    )
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    trainer.train()
+    ends = [(e, n) for e, n in cb.events if e == "on_train_end"]
+    assert ends and ends[-1][1] > 0  # the reload brought adapters back in PEFT's fp32
+    assert {p.dtype for p in lora} == {torch.bfloat16}  # ... and the guard repaired them
+    assert list(Path(trainer.args.output_dir, "precision").glob("*-on_train_end.json"))
+
+
+def test_wrappers_are_unwrapped_or_refused():
+    from hf_precision import enforce_policy, find_module_groups
+
+    class MyWrapper(torch.nn.Module):  # any DDP-like wrapper: one child called `module`
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    model = tiny_llava()
+    assert find_module_groups(MyWrapper(model)).rule == "llava"
+    model.model.vision_tower.to(torch.float16)
+    with pytest.raises(
+        PrecisionError,
+        match=r"(?s)enforce_policy\(DataParallel\(\.\.\.\)\): "
+        r"\d+ tensor\(s\) violate.*before DataParallel wraps it",
+    ):
+        enforce_policy(torch.nn.DataParallel(model), "bf16")
+    assert model.model.vision_tower.embeddings.patch_embedding.weight.dtype == torch.float16
+    report = enforce_policy(torch.nn.DataParallel(model), "bf16", mode="audit")
+    assert report.changes and not report.applied
+
+
+def test_the_init_repair_is_said_on_the_console(make_trainer, caplog):
+    import logging
+
+    model = tiny_llava()
+    model.model.vision_tower.to(torch.float16)
+    with caplog.at_level(logging.WARNING, logger="hf_precision"):
+        make_trainer(
+            model, tiny_batch(model), bf16=True, callbacks=[PrecisionGuardCallback(report=False)]
+        )
+    lines = [r.getMessage() for r in caplog.records if "hf-precision: cast" in r.getMessage()]
+    assert len(lines) == 1 and "vision_encoder" in lines[0]

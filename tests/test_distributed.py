@@ -401,7 +401,10 @@ def two_ranks(tmp_path_factory):
     lock in the folder all workers share, the others read its results."""
     from filelock import FileLock
 
-    shared = tmp_path_factory.getbasetemp().parent
+    base = tmp_path_factory.getbasetemp()
+    # under xdist each worker's basetemp sits in the session's folder; without it basetemp is
+    # the session's folder (its parent is shared by every session: stale results)
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     out = shared / "torchrun"
     with FileLock(str(shared / "torchrun.lock")):
         done = out / "results.json"

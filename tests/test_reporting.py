@@ -197,6 +197,7 @@ def test_trainer_wandb_offline_tables_match_dtype_map(
         "000000-on_train_begin.json",
         "000002-before_evaluate.json",
         "000002-on_evaluate.json",
+        "000002-on_train_end.json",
     }
 
 
@@ -232,7 +233,7 @@ def test_wandb_log_failure_warns_once_and_training_goes_on(
     msgs = _precision_warnings(record)
     assert len(msgs) == 1 and "W&B is down" in msgs[0] and "files" in msgs[0], msgs
     assert trainer.state.global_step == 2
-    assert len(list((Path(trainer.args.output_dir) / "precision").glob("*.json"))) == 4
+    assert len(list((Path(trainer.args.output_dir) / "precision").glob("*.json"))) == 5
 
 
 def test_wandb_missing_warns_once_files_still_written(
