@@ -127,6 +127,24 @@ def _parser() -> argparse.ArgumentParser:
             )
             s.add_argument("--no-generate", action="store_true", help="skip generate()")
             s.add_argument(
+                "--image-size",
+                type=int,
+                default=None,
+                help="image side in pixels for the synthetic batch (default: the config's)",
+            )
+            s.add_argument(
+                "--text-len",
+                type=int,
+                default=None,
+                help="text tokens per row of the synthetic batch (default: 6)",
+            )
+            s.add_argument(
+                "--image-token-id",
+                type=int,
+                default=None,
+                help="image placeholder id (default: the config's image_token_id)",
+            )
+            s.add_argument(
                 "--max-params",
                 type=int,
                 default=50_000_000,
@@ -187,7 +205,7 @@ def model_classes(config: Any) -> list[Any]:
     return out
 
 
-def build_model(config: Any, *, meta: bool, dtype: Any = None) -> Any:
+def build_model(config: Any, *, meta: bool, dtype: Any = None, exit_on_error: bool = True) -> Any:
     import torch
 
     errors = []
@@ -200,9 +218,140 @@ def build_model(config: Any, *, meta: bool, dtype: Any = None) -> Any:
                     if cls.__name__.startswith("Auto")
                     else cls._from_config(config, **kwargs)
                 )
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            errors.append(f"{cls.__name__}: {str(err).splitlines()[0][:120]}")
-    fail(f"cannot build a model for {type(config).__name__}: {'; '.join(errors)}")
+        except (ValueError, KeyError, TypeError, AttributeError, ImportError) as err:
+            text = " ".join(str(err).split())  # ImportError texts start with a blank line
+            errors.append(f"{cls.__name__}: {text[:160]}")
+    message = f"cannot build a model for {type(config).__name__}: {'; '.join(errors)}"
+    if not exit_on_error:
+        raise _BuildError(message, errors[0] if errors else "")
+    fail(message)
+
+
+#: Default configs of some model types do not build without values a checkpoint (or its
+#: tokenizer) supplies; the smallest repair that makes each build, for a bare-type audit.
+CONFIG_REPAIRS: dict[str, Any] = {
+    # SigLIP default width 1152 with 14 heads: not divisible.
+    "aya_vision": lambda c: setattr(c.vision_config, "num_attention_heads", 16),
+    # The VQ token map comes from the tokenizer of a checkpoint.
+    "chameleon": lambda c: setattr(c, "vocabulary_map", {"<image>": 8711}),
+    "emu3": lambda c: setattr(c, "vocabulary_map", {"<image>": 8711, "<|extra_200|>": 8712}),
+    "hunyuan_vl": lambda c: setattr(c.text_config, "head_dim", 128),
+    "granite4_vision": lambda c: c.__dict__.update(
+        deepstack_layer_map=[(0, 0)], downsample_rate="2/4"
+    ),
+    "deepseek_ocr2": lambda c: setattr(
+        c.text_config, "mlp_layer_types", ["dense"] * c.text_config.num_hidden_layers
+    ),
+}
+
+
+def fill_subconfigs(config: Any) -> bool:
+    """Default configs of some omni models leave ``vision_config`` (and audio) ``None``: fill
+    them with the concrete sub-config classes' defaults so the towers are built."""
+    if getattr(config, "vision_config", 0) is not None:
+        return False
+    filled = False
+    for key, cls in getattr(config, "sub_configs", {}).items():
+        if getattr(config, key, 0) is None and cls.__name__ != "AutoConfig":
+            setattr(config, key, cls())
+            filled = True
+    return filled
+
+
+def build_bare(model_type: str, dtype: Any = None) -> tuple[Any, str | None]:
+    """A model type's default config built on the meta device (repaired when the default does
+    not build: see :data:`CONFIG_REPAIRS`), and a note saying what was filled or repaired."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    note = (
+        "vision/audio sub-configs filled with their defaults" if fill_subconfigs(config) else None
+    )
+    try:
+        return build_model(config, meta=True, dtype=dtype, exit_on_error=False), note
+    except _BuildError as err:
+        repair = CONFIG_REPAIRS.get(model_type)
+        if repair is None:
+            fail(str(err))
+        config = AutoConfig.for_model(model_type)
+        fill_subconfigs(config)
+        repair(config)
+        return build_model(config, meta=True, dtype=dtype), (
+            f"default config repaired for the audit ({err.first})"
+        )
+
+
+class _BuildError(Exception):
+    def __init__(self, message: str, first: str) -> None:
+        super().__init__(message)
+        self.first = first
+
+
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def stored_dtypes(folder: Path) -> dict[str, Any]:
+    """name -> dtype of every floating tensor in the folder's ``*.safetensors`` files, read
+    from their headers (metadata only: no tensor data is read)."""
+    import struct
+
+    import torch
+
+    out: dict[str, Any] = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with open(path, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        for name, meta in header.items():
+            dt = _SAFETENSORS_DTYPES.get(meta.get("dtype", "")) if isinstance(meta, dict) else None
+            if dt is not None:
+                out[name] = getattr(torch, dt)
+    return out
+
+
+def _model_keys(model: Any, key: str, renamings: list[Any]) -> list[str]:
+    """Names a stored key may have in the model: itself, after transformers' checkpoint
+    renamings (legacy layouts such as ``language_model.model.*``), with one ``model.`` segment
+    dropped or added."""
+    out = [key]
+    for r in renamings:
+        try:
+            new, _ = r.rename_source_key(out[-1])
+        except Exception:  # renaming objects differ between transformers versions
+            continue
+        if new and new != out[-1]:
+            out.append(new)
+    for k in list(out):
+        parts = k.split(".")
+        out += [".".join(parts[:i] + parts[i + 1 :]) for i, p in enumerate(parts) if p == "model"]
+        out.append("model." + k)
+    return out
+
+
+def apply_stored_dtypes(model: Any, stored: dict[str, Any]) -> tuple[int, int]:
+    """Give the meta model's tensors the dtypes they are stored in (matched by name, through
+    transformers' checkpoint renamings); returns (matched, stored) counts."""
+    import torch
+
+    try:  # transformers 5.x: how legacy checkpoint keys map to module names
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        renamings = list(get_checkpoint_conversion_mapping(model.config.model_type) or ())
+    except (ImportError, AttributeError, KeyError):
+        renamings = []
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    matched = 0
+    with torch.no_grad():
+        for key, dt in stored.items():
+            name = next((k for k in _model_keys(model, key, renamings) if k in tensors), None)
+            if name is None:
+                continue
+            t = tensors[name]
+            if t.is_floating_point() and t.dtype != dt:
+                t.data = torch.empty_like(t, dtype=dt, device="meta")
+            matched += 1
+    return matched, len(stored)
 
 
 def set_trainable(model: Any, spec: str) -> None:
@@ -259,13 +408,35 @@ def _audit(args: argparse.Namespace) -> int:
     kind, where = resolve_source(args.source)
     config = load_config(kind, where)
     dtype = None if args.dtype == "auto" else parse_dtype(args.dtype, call="--dtype")
+    stored = stored_dtypes(where) if kind == "path" and Path(where).is_dir() else {}
+    note = None
+    dtype_from = "--dtype" if dtype is not None else ""
+    if dtype is None and not stored and not args.weights:
+        declared = (
+            getattr(config, "dtype", None)
+            if "dtype" in dir(config)
+            else getattr(config, "torch_dtype", None)
+        )
+        if declared is not None and str(declared) != "auto":
+            dtype = parse_dtype(str(declared), call="config.dtype")
+            dtype_from = "the config's dtype"
+        else:
+            dtype = policy.frozen_dtype
+            dtype_from = "the policy's dtype (the config declares none)"
     if args.weights:
         if kind != "path" or not Path(where).is_dir():
             fail("--weights needs a local checkpoint folder")
         cls = model_classes(config)[0]
         model = cls.from_pretrained(str(where), local_files_only=True, dtype=dtype or "auto")
+        dtype_from = dtype_from or "as loaded"
+    elif kind == "type":
+        model, note = build_bare(str(where), dtype=dtype)
     else:
         model = build_model(config, meta=True, dtype=dtype)
+        if stored and dtype is None:
+            matched, total = apply_stored_dtypes(model, stored)
+            dtype_from = f"as stored in the safetensors files ({matched} of {total} tensors"
+            dtype_from += ")" if matched == total else "; the rest in the config's dtype)"
     set_trainable(model, args.trainable)
     report = check_policy(model, policy)
     dmap = dtype_map(model, report.groups, policy=policy)
@@ -281,6 +452,8 @@ def _audit(args: argparse.Namespace) -> int:
         "rule": report.groups.rule,
         "built": "weights" if args.weights else "meta",
         "dtype": dtype_name(dtype) if dtype is not None else "auto",
+        "dtype_from": dtype_from,
+        "note": note,
         "policy": policy.to_dict(),
         "ok": ok,
         "violations": len(report.changes),
@@ -294,12 +467,19 @@ def _audit(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=1, default=str))
         return 0 if ok else 1
+    tied_in: dict[str, str] = {}  # group -> "name -> owner" of a weight tied elsewhere
+    for rec in dmap:
+        for t in rec.tied:
+            tied_in.setdefault(rec.group, f"{rec.path}.{t}")
     rows = []
     for g in dmap.groups.values():
         want = dtype_name(policy.group_dtype(g.group))
         if g.trainable and policy.trainable_dtype is not None:
             want += f" (trainable {dtype_name(policy.trainable_dtype)})"
         bad = sum(by_group.get(g.group, {}).values())
+        if not g.numel and g.group in tied_in:
+            rows.append([g.group, f"tied: {tied_in[g.group]}", "0", "-", "-", want, "ok (tied)"])
+            continue
         rows.append(
             [
                 g.group,
@@ -312,6 +492,10 @@ def _audit(args: argparse.Namespace) -> int:
             ]
         )
     built = "weights loaded" if args.weights else "built on the meta device"
+    if dtype_from:
+        built += f", dtypes: {dtype_from}"
+    if note:
+        built += f"; {note}"
     _print_table(
         f"{type(model).__name__} ({info['model_type']}, groups by rule "
         f"{report.groups.rule!r}, {built})",

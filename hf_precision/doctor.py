@@ -52,9 +52,40 @@ def _doctor_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
                 )
             model = build_model(config, meta=False)
     try:
-        return model, tiny_batch(model)
-    except KeyError as err:
-        fail(f"doctor: cannot build a synthetic batch for {type(model).__name__}: {err}")
+        return model, tiny_batch(
+            model,
+            image_size=args.image_size,
+            text_len=args.text_len,
+            image_token_id=args.image_token_id,
+        )
+    except (KeyError, ValueError) as err:
+        fail(
+            f"doctor: cannot build a synthetic batch for {type(model).__name__}: {err}. "
+            f"{_BATCH_FIX}"
+        )
+
+
+_BATCH_FIX = (
+    "The batch is built from the config (vocab size, image token id, image size); pass the "
+    "values your processor uses: --image-size N, --text-len N, --image-token-id N"
+)
+
+
+def _run(diagnose: Any, model: Any, batch: dict[str, Any], **kwargs: Any) -> Any:
+    """``diagnose`` on the synthetic batch; a batch that does not fit the model (shape, index)
+    ends in a one-line message saying which values to pass, not a traceback."""
+    from .diagnostics import is_mismatch_error
+
+    try:
+        return diagnose(model, batch, **kwargs)
+    except (IndexError, RuntimeError, ValueError) as err:
+        if isinstance(err, RuntimeError) and is_mismatch_error(err):
+            raise
+        shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in batch.items() if hasattr(v, "shape"))
+        fail(
+            f"doctor: the synthetic batch ({shapes}) does not fit {type(model).__name__}: "
+            f"{type(err).__name__}: {str(err).splitlines()[0][:200]}. {_BATCH_FIX}"
+        )
 
 
 def doctor(args: argparse.Namespace) -> int:
@@ -95,7 +126,8 @@ def doctor(args: argparse.Namespace) -> int:
     )
     results = {}
     try:
-        results["train"] = diagnose(
+        results["train"] = _run(
+            diagnose,
             model,
             batch,
             backward=True,
@@ -107,8 +139,14 @@ def doctor(args: argparse.Namespace) -> int:
             model.eval()
             handle = guard(args.mode)
             steps["generate"] = f"generate(), guard mode {args.mode!r}, no autocast"
-            results["generate"] = diagnose(
-                model, batch, forward=False, generate=True, policy=policy, raise_on_error=False
+            results["generate"] = _run(
+                diagnose,
+                model,
+                batch,
+                forward=False,
+                generate=True,
+                policy=policy,
+                raise_on_error=False,
             )
     finally:
         handle.remove()

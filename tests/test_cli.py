@@ -65,7 +65,9 @@ def test_audit_model_type_full_size_on_meta() -> None:
 
 
 def test_audit_model_type_violation(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["audit", "llava", "--policy", "bf16", "--plain"]) == 1  # config dtype unset
+    # an explicit fp32 load against the bf16 policy (a bare type with --dtype auto audits in
+    # the policy's dtype when the config declares none: tests/test_cli_checkpoints.py)
+    assert main(["audit", "llava", "--policy", "bf16", "--dtype", "fp32", "--plain"]) == 1
     out = capsys.readouterr().out
     assert "VIOLATES policy bf16" in out and "language_model float32->bfloat16" in out
 

@@ -319,22 +319,36 @@ def tiny_text_llama(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrain
     return build_tiny("llama", dtype, seed)
 
 
-def num_image_tokens(config: PreTrainedConfig) -> int:
-    """Placeholder tokens one image expands to in the tiny configs (what a processor inserts)."""
+def _vision(config: Any) -> tuple[int, int]:
+    """(image size, patch size) of the config's vision tower (tiny defaults when absent)."""
+    vision = getattr(config, "vision_config", None)
+    size = getattr(vision, "image_size", None) or 30
+    patch = getattr(vision, "patch_size", None) or 6
+    return int(size if not isinstance(size, (list, tuple)) else size[0]), int(
+        patch if not isinstance(patch, (list, tuple)) else patch[0]
+    )
+
+
+def num_image_tokens(config: PreTrainedConfig, image_size: int | None = None) -> int:
+    """Placeholder tokens one image expands to (what a processor inserts), from the config."""
     mt = config.model_type
-    if mt == "llava":  # 5x5 patches; "default" strategy drops CLS
-        return 25
-    if mt == "llava_next":  # base tile 25 + one 5x5 tile with a newline per row
-        return 25 + 5 * 6
+    size, patch = _vision(config)
+    side = (image_size or size) // patch
+    if mt == "llava":  # patches (+ CLS for CLIP towers); the "default" strategy drops one
+        vision_type = getattr(getattr(config, "vision_config", None), "model_type", "")
+        cls = int("siglip" not in str(vision_type))
+        default = getattr(config, "vision_feature_select_strategy", "default") == "default"
+        return side**2 + cls - int(default)
+    if mt == "llava_next":  # base tile + one tile with a newline per row
+        return side**2 + side * (side + 1)
     if mt == "idefics2":
         return int(config.perceiver_config.resampler_n_latents)
     if mt == "idefics3":
-        side = config.vision_config.image_size // config.vision_config.patch_size
         return int(side**2 // config.scale_factor**2)
     if mt == "qwen2_vl":  # grid (1, 4, 4) merged 2x2
         return 4
     if mt == "paligemma":
-        return int((config.vision_config.image_size // config.vision_config.patch_size) ** 2)
+        return int(side**2)
     if mt == "minicpmv4_6":  # 8x8 patches, 2x2 window merger then 2x2 merger
         return 4
     if mt == "blip-2":
@@ -346,21 +360,54 @@ def num_image_tokens(config: PreTrainedConfig) -> int:
     raise KeyError(f"no tiny batch recipe for model_type {mt!r}")
 
 
+def image_token_of(config: Any) -> int | None:
+    """The image placeholder id the config declares (``image_token_id`` / ``_index``)."""
+    for key in ("image_token_id", "image_token_index"):
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
 def tiny_batch(
-    model: Any, batch_size: int = 2, seed: int = 0, with_labels: bool = True
+    model: Any,
+    batch_size: int = 2,
+    seed: int = 0,
+    with_labels: bool = True,
+    *,
+    image_size: int | None = None,
+    text_len: int | None = None,
+    image_token_id: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """A valid fp32 forward batch for a tiny model (or its config): one image per row.
+    """A valid fp32 forward batch for a model (or its config): one image per row.
 
     Rows are ``[prefix] + image placeholders + [suffix] + text``; ``labels`` copy ``input_ids``
-    with the image placeholders set to -100. Floating tensors are fp32 on purpose: that is what
+    with the image placeholders set to -100. The vocabulary size, the image token id, the image
+    size and the number of image tokens come from the config (``image_size``, ``text_len``,
+    ``image_token_id`` override them). Floating tensors are fp32 on purpose: that is what
     collators and processors produce (root-cause class A).
     """
     cfg = getattr(model, "config", model)
     mt = cfg.model_type
     g = torch.Generator().manual_seed(seed)
-    b, n_img = batch_size, num_image_tokens(cfg)
-    text = torch.randint(4, 200, (b, _TEXT_LEN), generator=g)
-    img_id = {"qwen2_vl": QWEN_IMAGE, "kosmos-2": 4}.get(mt, IMAGE_TOKEN_ID)
+    size = image_size or _vision(cfg)[0]
+    b, n_img = batch_size, num_image_tokens(cfg, size)
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    vocab = int(getattr(text_cfg, "vocab_size", None) or 256)
+    default_img = {"qwen2_vl": QWEN_IMAGE, "kosmos-2": 4}.get(mt, IMAGE_TOKEN_ID)
+    img_id = (
+        image_token_id
+        if image_token_id is not None
+        else (image_token_of(cfg) if mt not in ("kosmos-2",) else None) or default_img
+    )
+    if img_id >= vocab and n_img:
+        raise ValueError(f"image token id {img_id} is outside the vocabulary ({vocab})")
+    hi = min(vocab, 200)
+    if hi - 4 < 2:
+        raise ValueError(f"vocabulary of {vocab} tokens is too small for a text batch")
+    text = torch.randint(4, hi, (b, text_len or _TEXT_LEN), generator=g)
+    special = torch.tensor([img_id, QWEN_IMAGE, QWEN_VIDEO, QWEN_VISION_START, QWEN_VISION_END])
+    text = torch.where(torch.isin(text, special), torch.full_like(text, 4), text)
     prefix: list[int] = [BOS_ID]
     suffix: list[int] = []
     if mt == "qwen2_vl":
@@ -381,19 +428,19 @@ def tiny_batch(
         return torch.randn(*shape, generator=g, dtype=torch.float32)
 
     if mt in ("llava", "blip-2", "kosmos-2"):
-        batch["pixel_values"] = pixels(b, 3, 30, 30)
+        batch["pixel_values"] = pixels(b, 3, size, size)
     elif mt == "llava_next":
-        batch["pixel_values"] = pixels(b, 2, 3, 30, 30)  # (B, tiles, C, H, W)
-        batch["image_sizes"] = torch.tensor([[30, 30]] * b)
+        batch["pixel_values"] = pixels(b, 2, 3, size, size)  # (B, tiles, C, H, W)
+        batch["image_sizes"] = torch.tensor([[size, size]] * b)
     elif mt in ("idefics2", "idefics3"):
-        batch["pixel_values"] = pixels(b, 1, 3, 32, 32)  # (B, images, C, H, W)
-        batch["pixel_attention_mask"] = torch.ones(b, 1, 32, 32, dtype=torch.bool)
+        batch["pixel_values"] = pixels(b, 1, 3, size, size)  # (B, images, C, H, W)
+        batch["pixel_attention_mask"] = torch.ones(b, 1, size, size, dtype=torch.bool)
     elif mt == "qwen2_vl":
         batch["pixel_values"] = pixels(b * 16, 3 * 2 * 4 * 4)  # flattened patches
         batch["image_grid_thw"] = torch.tensor([[1, 4, 4]] * b)
         batch["mm_token_type_ids"] = is_img.long()  # text 0, image 1 (drives M-RoPE)
     elif mt == "paligemma":
-        batch["pixel_values"] = pixels(b, 3, 32, 32)
+        batch["pixel_values"] = pixels(b, 3, size, size)
         # prefix (image + bos + first half of the text) is bidirectional, the rest is the suffix
         tt = torch.ones_like(input_ids)
         tt[:, : len(prefix) + n_img + _TEXT_LEN // 2] = 0
