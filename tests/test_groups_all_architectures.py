@@ -19,6 +19,7 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as MAPPING,
 )
 
+from hf_precision.cli import CONFIG_REPAIRS, fill_subconfigs
 from hf_precision.groups import OTHER, ModuleGroups, find_module_groups, group_rules
 
 pytestmark = pytest.mark.xdist_group("all_architectures")  # one worker builds them once
@@ -26,22 +27,9 @@ pytestmark = pytest.mark.xdist_group("all_architectures")  # one worker builds t
 ARCHITECTURES = sorted(MAPPING)
 Paths = dict[str, tuple[str, ...]]
 
-# Default configs that do not build, and the smallest repair that makes them build. Each is
-# tried only after the default failed; the failure stays in the report either way.
-REPAIRS: dict[str, Callable[[Any], None]] = {
-    # SigLIP default width 1152 with 14 heads: not divisible.
-    "aya_vision": lambda c: setattr(c.vision_config, "num_attention_heads", 16),
-    # The VQ token map comes from the tokenizer of a checkpoint.
-    "chameleon": lambda c: setattr(c, "vocabulary_map", {"<image>": 8711}),
-    "emu3": lambda c: setattr(c, "vocabulary_map", {"<image>": 8711, "<|extra_200|>": 8712}),
-    "hunyuan_vl": lambda c: setattr(c.text_config, "head_dim", 128),
-    "granite4_vision": lambda c: c.__dict__.update(
-        deepstack_layer_map=[(0, 0)], downsample_rate="2/4"
-    ),
-    "deepseek_ocr2": lambda c: setattr(
-        c.text_config, "mlp_layer_types", ["dense"] * c.text_config.num_hidden_layers
-    ),
-}
+# Default configs that do not build, and the smallest repair that makes them build: the same
+# table `hf-precision audit <model_type>` uses. Each is tried only after the default failed.
+REPAIRS: dict[str, Callable[[Any], None]] = CONFIG_REPAIRS
 _VISUAL = re.compile(r"vision|visual|image|pixel|patch|vq", re.I)
 
 
@@ -70,17 +58,7 @@ def _from_config(config: Any) -> nn.Module:
     return model
 
 
-def _fill_vision(config: Any) -> bool:
-    """Default configs of some omni models leave ``vision_config`` (and audio) None: build the
-    towers from the concrete sub-config classes so discovery sees them."""
-    if getattr(config, "vision_config", 0) is not None:
-        return False
-    filled = False
-    for key, cls in getattr(config, "sub_configs", {}).items():
-        if getattr(config, key, 0) is None and cls.__name__ != "AutoConfig":
-            setattr(config, key, cls())
-            filled = True
-    return filled
+_fill_vision = fill_subconfigs
 
 
 @pytest.fixture(scope="module")
