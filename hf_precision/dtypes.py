@@ -53,8 +53,54 @@ for _name in (
 for _name in ("int4", "uint4", "quint4x2", "qint8", "quint8"):
     if hasattr(torch, _name):
         _QUANT_DTYPES.add(getattr(torch, _name))
-#: Parameter classes of bitsandbytes & co. whose storage is packed.
-_QUANT_PARAM_CLASSES = {"Params4bit", "Int8Params", "QBytesTensor", "AffineQuantizedTensor"}
+#: Quantized storage recognised by type, never by dtype (torchao and optimum-quanto tensors
+#: report the floating dtype they dequantize to): class names (any class in the MRO) and
+#: module prefixes of the classes -> the library. Libraries are never imported to check.
+QUANTIZED_CLASSES: dict[str, str] = {
+    "Params4bit": "bitsandbytes",
+    "Int8Params": "bitsandbytes",
+    "QTensor": "optimum-quanto",
+    "QBytesTensor": "optimum-quanto",
+    "AffineQuantizedTensor": "torchao",
+    "TorchAOBaseTensor": "torchao",
+    "NF4Tensor": "torchao",
+    "Float8Tensor": "torchao",
+    "HQQLinear": "hqq",
+}
+QUANTIZED_MODULES: dict[str, str] = {
+    "torchao.": "torchao",
+    "optimum.quanto.": "optimum-quanto",
+    "bitsandbytes.": "bitsandbytes",
+    "hqq.": "hqq",
+    "compressed_tensors.": "compressed-tensors",
+}
+
+
+def register_quantized(name: str, library: str) -> None:
+    """Recognise a new library's quantized tensors: ``name`` is a tensor class name (any class
+    in the MRO) or, ending with ``.``, a module prefix.
+
+    >>> register_quantized("mylib.", "mylib")
+    """
+    (QUANTIZED_MODULES if name.endswith(".") else QUANTIZED_CLASSES)[name] = library
+
+
+def quantized_library(tensor: torch.Tensor) -> str | None:
+    """The library whose quantized storage ``tensor`` is (``"torchao"``, ``"bitsandbytes"``,
+    ...), ``"packed"`` for integer/fp8 storage of unknown origin, or ``None``."""
+    cls = type(tensor)
+    if cls is torch.Tensor or cls is torch.nn.Parameter:
+        return "packed" if tensor.dtype in _QUANT_DTYPES else None
+    for base in cls.__mro__:
+        if base is torch.Tensor:
+            break
+        lib = QUANTIZED_CLASSES.get(base.__name__)
+        if lib is None:
+            module = base.__module__ + "."
+            lib = next((v for k, v in QUANTIZED_MODULES.items() if module.startswith(k)), None)
+        if lib is not None:
+            return lib
+    return "packed" if tensor.dtype in _QUANT_DTYPES else None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -100,8 +146,10 @@ def parse_dtype(value: object, *, call: str) -> torch.dtype:
 
 
 def is_quantized(tensor: torch.Tensor) -> bool:
-    """True for packed/quantized storage (int8, uint8, fp8, 4-bit param classes)."""
-    return tensor.dtype in _QUANT_DTYPES or type(tensor).__name__ in _QUANT_PARAM_CLASSES
+    """True for quantized storage: packed int8/uint8/fp8 tensors and the tensor classes of
+    bitsandbytes, torchao, optimum-quanto, HQQ, compressed-tensors (see
+    :func:`quantized_library`). Such tensors are never cast, range-checked or written."""
+    return quantized_library(tensor) is not None
 
 
 def is_castable(tensor: torch.Tensor) -> bool:
