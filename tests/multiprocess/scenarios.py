@@ -134,13 +134,13 @@ def plain_disagree(out: Path) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- Trainer
-def _trainer(out: Path, callback: Any, model: torch.nn.Module) -> Any:
-    from transformers import Trainer, TrainingArguments
+def training_args(out: Path, **kw: Any) -> Any:
+    """Two steps of batch 2 on CPU/gloo, an evaluation after each, no checkpoints, no trackers."""
+    from transformers import TrainingArguments
 
-    args = TrainingArguments(
+    defaults: dict[str, Any] = dict(
         output_dir=str(out),
         use_cpu=True,
-        bf16=True,
         report_to=[],
         max_steps=2,
         per_device_train_batch_size=2,
@@ -156,6 +156,13 @@ def _trainer(out: Path, callback: Any, model: torch.nn.Module) -> Any:
         ddp_backend="gloo",
         ddp_timeout=60,
     )
+    return TrainingArguments(**{**defaults, **kw})
+
+
+def _trainer(out: Path, callback: Any, model: torch.nn.Module) -> Any:
+    from transformers import Trainer
+
+    args = training_args(out, bf16=True)
     data = rows_of(model)
     return Trainer(
         model=model, args=args, train_dataset=data, eval_dataset=data, callbacks=[callback]
@@ -314,28 +321,8 @@ def ds_config(stage: int, **extra: Any) -> dict[str, Any]:
 
 
 def ds_args(out: Path, stage: int, *, bf16: bool, config: dict[str, Any] | None = None) -> Any:
-    from transformers import TrainingArguments
 
-    return TrainingArguments(
-        output_dir=str(out),
-        use_cpu=True,
-        bf16=bf16,
-        deepspeed=ds_config(stage, **(config or {})),
-        report_to=[],
-        max_steps=2,
-        per_device_train_batch_size=2,
-        per_device_eval_batch_size=2,
-        eval_strategy="steps",
-        eval_steps=1,
-        save_strategy="no",
-        remove_unused_columns=False,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        learning_rate=1e-3,
-        seed=0,
-        ddp_backend="gloo",
-        ddp_timeout=60,
-    )
+    return training_args(out, bf16=bf16, deepspeed=ds_config(stage, **(config or {})))
 
 
 def ds_done() -> None:
