@@ -1,0 +1,96 @@
+"""TRL's trainers are ``Trainer`` subclasses: the callback works with them unchanged. SFTTrainer
+on a tiny LLaVA (a real processor, images in the conversation, LoRA through ``peft_config``)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from hf_precision import PrecisionGuardCallback
+from hf_precision.tiny import tiny_llava, tiny_llava_processor
+from hf_precision.tiny.data import shape_image
+
+trl = pytest.importorskip("trl", reason="TRL is in the 'integrations' test extra")
+LM_ATTN = r".*language_model.*\.(q_proj|v_proj)"
+
+
+def _dataset() -> Any:
+    from datasets import Dataset
+
+    pairs = [("circle", "red"), ("square", "blue"), ("triangle", "green"), ("circle", "yellow")]
+    return Dataset.from_list(
+        [
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image"},
+                            {"type": "text", "text": "what is in the image ?"},
+                        ],
+                    },
+                    {"role": "assistant", "content": [{"type": "text", "text": f"a {c} {s}"}]},
+                ],
+                "images": [shape_image(s, c)],
+            }
+            for s, c in pairs
+        ]
+    )
+
+
+def _split_llava() -> Any:
+    model = tiny_llava(torch.bfloat16)
+    model.model.vision_tower.float()  # the tower from another checkpoint, in fp32
+    return model
+
+
+def _sft(tmp_path: Any, model: Any, callbacks: list[Any], **kw: Any) -> Any:
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        max_steps=2,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        max_length=None,
+        **kw,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trl.SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=_dataset(),
+            eval_dataset=_dataset(),
+            processing_class=tiny_llava_processor(),
+            peft_config=LoraConfig(r=4, target_modules=LM_ATTN),
+            callbacks=callbacks,
+        )
+
+
+# SFTConfig turns bf16 on by default: "no flag" is bf16=False said explicitly
+@pytest.mark.parametrize("flag", [{"bf16": True}, {"bf16": False}], ids=["bf16", "no-flag"])
+def test_sft_trainer_on_a_split_vlm_with_the_callback(tmp_path: Any, flag: dict[str, Any]):
+    cb = PrecisionGuardCallback(report=False)
+    trainer = _sft(tmp_path, _split_llava(), [cb], **flag)
+    model = trainer.model
+    out = trainer.train()
+    metrics = trainer.evaluate()
+    assert torch.isfinite(torch.tensor([out.training_loss, metrics["eval_loss"]])).all()
+    assert cb.policy is not None and cb.policy.name == ("bf16" if flag["bf16"] else "bf16-true")
+    frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+    lora = {p.dtype for n, p in model.named_parameters() if "lora_" in n}
+    assert frozen == {torch.bfloat16} and lora == {torch.float32}  # adapters kept fp32
+
+
+def test_sft_trainer_without_a_flag_fails_without_the_guard(tmp_path: Any):
+    # no autocast: the fp32 tower's features meet the bf16 projector
+    trainer = _sft(tmp_path, _split_llava(), [], bf16=False)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        trainer.train()
