@@ -116,3 +116,51 @@ def test_a_new_library_is_one_line() -> None:
         assert quantized_library(t) == "mylib" and is_quantized(t)
     finally:
         del QUANTIZED_CLASSES["PackedTensor"]
+
+
+# 8-bit: with 4-bit weights the Trainer's evaluation step fails inside bitsandbytes' CPU
+# kernels on this tiny model ("shape '[32, 0]' is invalid"), with or without the guard; the
+# 4-bit load itself is covered by test_bitsandbytes_4bit_from_pretrained.
+@pytest.mark.parametrize("bits", [8])
+def test_qlora_with_bitsandbytes_trains_evaluates_and_generates(
+    bits: int, tmp_path: Any, make_trainer: Any
+) -> None:
+    """The QLoRA path: bitsandbytes via from_pretrained(quantization_config=...),
+    prepare_model_for_kbit_training, LoRA, the callback with bf16=True (CPU backend)."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig, LlavaForConditionalGeneration
+
+    from hf_precision import PrecisionGuardCallback
+
+    source = tiny_llava(torch.bfloat16)
+    source.save_pretrained(tmp_path / "ckpt")
+    config = (
+        BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
+        if bits == 4
+        else BitsAndBytesConfig(load_in_8bit=True)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = LlavaForConditionalGeneration.from_pretrained(
+            tmp_path / "ckpt", quantization_config=config, dtype=torch.bfloat16
+        )
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+        model = get_peft_model(
+            base, LoraConfig(r=4, target_modules=r".*language_model.*\.(q_proj|v_proj)")
+        )
+    before = _snapshot(model)
+    assert before
+    cb = PrecisionGuardCallback(report=False)
+    trainer = make_trainer(
+        model, tiny_batch(source), callbacks=[cb], bf16=True, eval_strategy="steps", eval_steps=1
+    )
+    out = trainer.train()
+    metrics = trainer.evaluate()
+    assert torch.isfinite(torch.tensor([out.training_loss, metrics["eval_loss"]])).all()
+    _same(model, before)  # the packed weights: same objects, same bytes
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+    with torch.no_grad():
+        ids = model.generate(
+            **{k: v for k, v in tiny_batch(source).items() if k != "labels"}, max_new_tokens=2
+        )
+    assert ids.shape[1] == tiny_batch(source)["input_ids"].shape[1] + 2
