@@ -190,10 +190,11 @@ def _unmatched_patterns(
     preset = PRESET_DEFAULTS.get(policy.name or "", {})  # a preset's own rules (vae32) are general
     used = {reason for _, reason in report.kept_fp32}
     out = []
+    names: list[str] = []  # module paths for "did you mean", walked once if a pattern misses
     for pat in policy.keep_fp32:
         if f"keep_fp32 {pat!r}" in used or pat in preset.get("keep_fp32", ()):
             continue
-        names = [n for n, _ in root.named_modules() if n]
+        names = names or [n for n, _ in root.named_modules() if n]
         close = difflib.get_close_matches(pat.removeprefix("re:"), names, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         out.append(

@@ -26,7 +26,7 @@ import difflib
 import json
 import re
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -253,13 +253,9 @@ class PrecisionPolicy:
 
     def replace(self, **changes: Any) -> PrecisionPolicy:
         """A new policy with ``changes`` applied (this one is unchanged)."""
-        known = {f.name for f in dataclasses.fields(self)}
-        bad = sorted(set(changes) - known)
-        if bad:
-            raise PrecisionError(
-                f"PrecisionPolicy.replace({', '.join(f'{b}=...' for b in bad)}): unknown "
-                f"field(s) {bad}.\nAllowed: {', '.join(sorted(known))}."
-            )
+        _reject_unknown_fields(
+            changes, _FIELDS, lambda bad: f"PrecisionPolicy.replace({_as_kwargs(bad)})"
+        )
         return dataclasses.replace(self, **changes)
 
     # ---------------------------------------------------------------- constructors
@@ -282,13 +278,11 @@ class PrecisionPolicy:
                 "PrecisionPolicy(compute_dtype=..., frozen_dtype=..., trainable_dtype=...)."
             )
         compute, frozen, trainable = PRESETS[key]
-        known = {f.name for f in dataclasses.fields(cls)}
-        bad = sorted(set(overrides) - known)
-        if bad:
-            raise PrecisionError(
-                f"PrecisionPolicy.from_preset({name!r}, {', '.join(f'{b}=...' for b in bad)}): "
-                f"unknown field(s) {bad}.\nAllowed: {', '.join(sorted(known))}."
-            )
+        _reject_unknown_fields(
+            overrides,
+            _FIELDS,
+            lambda bad: f"PrecisionPolicy.from_preset({name!r}, {_as_kwargs(bad)})",
+        )
         kwargs: dict[str, Any] = dict(
             compute_dtype=compute, frozen_dtype=frozen, trainable_dtype=trainable, name=key
         )
@@ -462,13 +456,7 @@ class PrecisionPolicy:
                 f"PrecisionPolicy.from_dict(version={version!r}): this hf-precision reads policy "
                 f"version {POLICY_VERSION}. Fix: upgrade hf-precision or re-save the policy."
             )
-        known = {f.name for f in dataclasses.fields(cls)}
-        bad = sorted(set(data) - known)
-        if bad:
-            raise PrecisionError(
-                f"PrecisionPolicy.from_dict(...): unknown field(s) {bad}.\n"
-                f"Allowed: {', '.join(sorted(known))}."
-            )
+        _reject_unknown_fields(data, _FIELDS, lambda bad: "PrecisionPolicy.from_dict(...)")
         return cls(**data)
 
     def to_json(self, **kwargs: Any) -> str:
@@ -489,6 +477,30 @@ class PrecisionPolicy:
             f"{self.name or 'custom'} (frozen {frozen}, trainable "
             f"{train}, compute {dtype_name(self.compute_dtype)}{extra}; mode={self.mode})"
         )
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(PrecisionPolicy))
+
+
+def _as_kwargs(names: Iterable[str]) -> str:
+    return ", ".join(f"{n}=..." for n in names)
+
+
+def _reject_unknown_fields(
+    given: Iterable[str], known: Iterable[str], call: Callable[[list[str]], str]
+) -> None:
+    """The one check of field names: ``call(bad)`` is how the user called us."""
+    known = set(known)
+    bad = sorted(set(given) - known)
+    if bad:
+        raise PrecisionError(
+            f"{call(bad)}: unknown field(s) {bad}.\nAllowed: {', '.join(sorted(known))}."
+        )
+
+
+def _as_call(err: PrecisionError, call: str) -> PrecisionError:
+    """``err`` said as the user's own ``call`` (a front end's), not the inner one."""
+    return PrecisionError(f"{call}: {str(err).split(': ', 1)[-1]}")
 
 
 def infer_preset(model: nn.Module) -> str:
@@ -527,8 +539,7 @@ def with_overrides(policy: PrecisionPolicy, *, call: str, **overrides: Any) -> P
     try:
         return policy.replace(**changes)
     except PrecisionError as err:
-        detail = str(err).split(": ", 1)[-1]
-        raise PrecisionError(f"{call}: {detail}") from None
+        raise _as_call(err, call) from None
 
 
 def resolve_policy(
@@ -539,8 +550,7 @@ def resolve_policy(
     try:
         return PrecisionPolicy.resolve("fp32" if value is None else value)
     except PrecisionError as err:
-        detail = str(err).split(": ", 1)[-1]
-        raise PrecisionError(f"{call}: {detail}") from None
+        raise _as_call(err, call) from None
 
 
 _PRESET_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9.-]*$")
@@ -571,12 +581,7 @@ def register_preset(
             "Fix: choose another name."
         )
     fixed = {"compute_dtype", "frozen_dtype", "trainable_dtype", "name"}
-    known = {f.name for f in dataclasses.fields(PrecisionPolicy)} - fixed
-    bad = sorted(set(defaults) - known)
-    if bad:
-        raise PrecisionError(
-            f"{call}: unknown field(s) {bad}.\nAllowed: {', '.join(sorted(known))}."
-        )
+    _reject_unknown_fields(defaults, _FIELDS - fixed, lambda bad: call)
     dtypes = tuple(
         parse_dtype(v, call=f"{call}.{k}")
         for k, v in (("compute", compute), ("frozen", frozen), ("trainable", trainable))
