@@ -7,7 +7,7 @@ export WANDB_SILENT ?= true
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast lint typecheck bench gpu-test nightly clean
+.PHONY: setup demo test test-fast test-tf4 lint typecheck bench gpu-test nightly clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,26 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q
 
+# The transformers 4.x leg: its own venv (.venv-tf4) with the 4.57 line and the peft that goes
+# with it; the core, scenario and seed-layout tests run there (see the README's compatibility
+# table). The 5.x leg is `make test`.
+TF4_VENV ?= .venv-tf4
+TF4_PINS ?= "transformers==4.57.6" "peft==0.17.1"
+TF4_TESTS ?= tests/test_enforce.py tests/test_groups.py tests/test_hooks.py tests/test_batch.py \
+	tests/test_policy.py tests/test_dtype_map.py tests/test_dtypes.py tests/test_callback.py \
+	tests/scenarios tests/tiny
+
+$(TF4_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(TF4_VENV)
+	$(TF4_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TF4_VENV)/bin/python -m pip install -q "torch==2.13.0"
+	$(TF4_VENV)/bin/python -m pip install -q "torch==2.13.0" $(TF4_PINS) -e ".[wandb,test]"
+	touch $@
+
+test-tf4: $(TF4_VENV)/.installed
+	$(TF4_VENV)/bin/python -c "import transformers, peft; print('transformers', transformers.__version__, '/ peft', peft.__version__)"
+	$(TF4_VENV)/bin/python -m pytest -n 2 --dist loadgroup -q $(TF4_TESTS)
+
 test-fast: setup
 	$(BIN)/python -m pytest -q -x -m "not slow and not multiprocess"
 
@@ -49,4 +69,4 @@ nightly: setup
 	HF_PRECISION_PROPERTY_EXAMPLES=1000 $(BIN)/python -m pytest -q -m slow
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) $(TF4_VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

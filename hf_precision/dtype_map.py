@@ -24,7 +24,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .dtypes import dtype_name, is_quantized, zero3_dtype
+from .dtypes import (
+    dtype_name,
+    is_quantized,
+    logical_numel,
+    quantized_format,
+    storage_bytes,
+    zero3_dtype,
+)
 from .groups import (
     OTHER,
     ModuleGroups,
@@ -49,7 +56,9 @@ class ModuleRecord:
     path: str
     group: str
     type: str
-    params: dict[str, int] = field(default_factory=dict)  # dtype -> numel
+    # dtype -> numel; a library's quantized weights count under their format
+    # ("bitsandbytes:nf4->bfloat16", see dtypes.quantized_format), with their storage bytes
+    params: dict[str, int] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)  # dtype -> bytes (params + buffers)
     buffers: dict[str, int] = field(default_factory=dict)  # dtype -> numel
     devices: list[str] = field(default_factory=list)
@@ -234,12 +243,16 @@ class DtypeMap:
 
     def table(self) -> str:
         """A plain-text per-group table."""
-        head = f"{'group':<15} {'dtypes':<26} {'devices':<12} {'params':>12} {'trainable':>10}"
+        cells = {
+            g.group: ", ".join(f"{d}:{n}" for d, n in sorted(g.numel.items())) or "-"
+            for g in self.groups.values()
+        }
+        w = max([26, *map(len, cells.values())])
+        head = f"{'group':<15} {'dtypes':<{w}} {'devices':<12} {'params':>12} {'trainable':>10}"
         lines = [head, "-" * len(head)]
         for g in self.groups.values():
-            dts = ", ".join(f"{d}:{n}" for d, n in sorted(g.numel.items())) or "-"
             lines.append(
-                f"{g.group:<15} {dts:<26} {'/'.join(g.devices) or '-':<12} "
+                f"{g.group:<15} {cells[g.group]:<{w}} {'/'.join(g.devices) or '-':<12} "
                 f"{sum(g.numel.values()):>12,} {g.trainable:>10,}"
             )
         return "\n".join(lines)
@@ -358,6 +371,8 @@ def _dtype_map(model: nn.Module, groups: ModuleGroups | None, policy: Any) -> Dt
                 if plain:
                     dt_info[dtype] = info
             dt, nbytes, quant = info[0], n * info[1], info[2]
+            if quant and not plain:  # a library's tensor: by format, its weights, real bytes
+                dt, n, nbytes = quantized_format(p, mod), logical_numel(p), storage_bytes(p)
             device = p.device
             dev = dev_names.get(device)
             if dev is None:

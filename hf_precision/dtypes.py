@@ -103,6 +103,66 @@ def quantized_library(tensor: torch.Tensor) -> str | None:
     return "packed" if tensor.dtype in _QUANT_DTYPES else None
 
 
+def quantized_compute_dtype(
+    tensor: torch.Tensor, module: torch.nn.Module | None = None
+) -> torch.dtype | None:
+    """The floating dtype a quantized weight computes in: the dtype torchao and optimum-quanto
+    tensors report (what they dequantize to), bitsandbytes' ``compute_dtype`` (its module's, or
+    the quant state's), ``None`` when the storage does not say (packed int8, bnb 8-bit: those
+    layers compute in the dtype of their input)."""
+    if tensor.is_floating_point() and quantized_library(tensor) not in (None, "packed"):
+        return tensor.dtype
+    dtype = getattr(module, "compute_dtype", None)
+    if dtype is None:
+        dtype = getattr(getattr(tensor, "quant_state", None), "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+def quantized_format(tensor: torch.Tensor, module: torch.nn.Module | None = None) -> str:
+    """How the dtype map names quantized storage: ``library:format->compute dtype``
+    (``"bitsandbytes:nf4->bfloat16"``, ``"optimum-quanto:qint8->bfloat16"``,
+    ``"torchao:Int8Tensor->bfloat16"``), or the storage dtype (``"int8"``) for packed tensors
+    of unknown origin.
+
+    >>> quantized_format(torch.zeros(2, dtype=torch.int8))
+    'int8'
+    """
+    library = quantized_library(tensor)
+    if library is None or library == "packed":
+        return dtype_name(tensor.dtype)
+    qtype = getattr(tensor, "qtype", None)  # optimum-quanto
+    fmt = getattr(tensor, "quant_type", None) or getattr(qtype, "name", None)  # bnb 4-bit
+    if not isinstance(fmt, str):
+        fmt = {"Int8Params": "int8"}.get(type(tensor).__name__, type(tensor).__name__)
+    compute = quantized_compute_dtype(tensor, module)
+    return f"{library}:{fmt}" + (f"->{dtype_name(compute)}" if compute is not None else "")
+
+
+def logical_numel(tensor: torch.Tensor) -> int:
+    """How many weights a tensor stands for: bitsandbytes packs two 4-bit weights per byte and
+    keeps the real shape in its quant state; every other tensor reports its own."""
+    shape = getattr(getattr(tensor, "quant_state", None), "shape", None)
+    if isinstance(shape, (torch.Size, tuple, list)) and shape:
+        return int(torch.Size(shape).numel())
+    return tensor.numel()
+
+
+def storage_bytes(tensor: torch.Tensor) -> int:
+    """Bytes the tensor really holds: the sum of a tensor subclass's inner tensors
+    (``__tensor_flatten__``: torchao, optimum-quanto), else ``numel * element_size``."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) and hasattr(
+        tensor, "__tensor_flatten__"
+    ):
+        try:
+            names = tensor.__tensor_flatten__()[0]
+        except Exception:  # a subclass that cannot flatten: count what it reports
+            names = ()
+        inner = [getattr(tensor, n, None) for n in names]
+        if inner and all(isinstance(t, torch.Tensor) for t in inner):
+            return sum(storage_bytes(t) for t in inner if isinstance(t, torch.Tensor))
+    return tensor.numel() * tensor.element_size()
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (the spelling of ``config.json``'s ``torch_dtype``)."""
     return str(dtype).removeprefix("torch.")

@@ -27,7 +27,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .dtypes import dtype_name, is_castable, narrows_range, zero3_dtype
+from .dtypes import (
+    dtype_name,
+    is_castable,
+    narrows_range,
+    quantized_compute_dtype,
+    quantized_format,
+    zero3_dtype,
+)
 from .errors import PrecisionError, PrecisionWarning
 from .groups import (
     OTHER,
@@ -435,7 +442,10 @@ def _plan_one(
 ) -> None:
     if not is_castable(t):
         if t.is_floating_point() or kind == "param":
-            report.skipped.append((full, f"quantized storage ({dtype_name(t.dtype)})"))
+            report.skipped.append((full, f"quantized storage ({quantized_format(t, mod)})"))
+            compute = quantized_compute_dtype(t, mod)
+            if compute is not None:  # its layer computes in that dtype: leaf guards go there
+                report.group_dtypes.setdefault(group, set()).add(compute)
         return
     target, reason = policy.target_dtype(
         full,

@@ -219,6 +219,14 @@ def owning_wrapper(model: nn.Module) -> str | None:
     return name if name in _MODULE_WRAPPERS else None
 
 
+def _is_peft(model: nn.Module) -> bool:
+    """A peft wrapper (``PeftModel`` and subclasses): transformers 4.x models carry a
+    ``peft_config`` of their own once an adapter is attached, so the attribute alone is not it."""
+    return hasattr(model, "peft_config") and any(
+        c.__module__.startswith("peft.") for c in type(model).__mro__
+    )
+
+
 def unwrap_model(model: nn.Module) -> tuple[nn.Module, str]:
     """Peel DDP/FSDP1/DataParallel/DeepSpeed (and any wrapper whose one child is ``module``),
     ``torch.compile`` and PEFT wrappers.
@@ -232,7 +240,7 @@ def unwrap_model(model: nn.Module) -> tuple[nn.Module, str]:
             type(model).__name__ in _MODULE_WRAPPERS or _module_wrapper(model)
         ):
             inner, seg = getattr(model, "module", None), "module."
-        if not isinstance(inner, nn.Module) and hasattr(model, "peft_config"):
+        if not isinstance(inner, nn.Module) and _is_peft(model):
             base = getattr(model, "base_model", None)
             inner, seg = getattr(base, "model", None), "base_model.model."
         if not isinstance(inner, nn.Module):

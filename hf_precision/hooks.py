@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .batch import cast_batch, cast_tensor, key_dtypes_for
-from .dtypes import dtype_name, is_castable, majority_dtype
+from .dtypes import dtype_name, is_castable, majority_dtype, quantized_compute_dtype
 from .errors import PrecisionError
 from .groups import OTHER, ModuleGroups, find_module_groups, unwrap_model
 from .policy import PrecisionPolicy
@@ -270,11 +270,21 @@ def installed_guards(model: nn.Module) -> int:
     return sum(1 for m in _all_modules(root) if _ATTR in m.__dict__)
 
 
-def _own_weight(mod: nn.Module) -> torch.Tensor | None:
+def _own_weight(mod: nn.Module) -> tuple[torch.dtype, torch.Tensor | None] | None:
+    """The dtype a leaf computes in and the weight to follow if it is cast later: a quantized
+    weight's compute dtype first (torchao, optimum-quanto, bitsandbytes 4-bit kernels expect
+    their input in it), else the first floating weight's dtype."""
+    castable = None
     for p in mod._parameters.values():
-        if p is not None and is_castable(p):
-            return p
-    return None
+        if p is None:
+            continue
+        if is_castable(p):
+            castable = castable if castable is not None else p
+            continue
+        compute = quantized_compute_dtype(p, mod)
+        if compute is not None:  # a library tensor reporting its compute dtype can lead too
+            return compute, p if p.dtype == compute else None
+    return (castable.dtype, castable) if castable is not None else None
 
 
 def _receiving(
@@ -353,6 +363,29 @@ def _ref_param(
     return fallback
 
 
+def _leaf_state(
+    kind: str,
+    path: str,
+    own: tuple[torch.dtype, torch.Tensor | None],
+    policy: PrecisionPolicy,
+    compute: Mapping[int, torch.dtype],
+    move: bool,
+) -> _GuardState:
+    """The guard of one weighted leaf (``entry`` or ``leaf``): its inputs in the dtype the leaf
+    computes in (FSDP mixed precision's param_dtype where that casts the weight)."""
+    dtype, w = own
+    wrapped = w is not None and id(w) in compute
+    dev = w.device if w is not None and move and w.device.type != "meta" else None
+    return _GuardState(
+        kind,
+        path,
+        compute[id(w)] if w is not None and wrapped else dtype,
+        dev,
+        policy.mode,
+        ref=None if wrapped else w,
+    )
+
+
 def _put_entry(
     mod: nn.Module,
     path: str,
@@ -368,20 +401,13 @@ def _put_entry(
     for sub_path, sub in mod.named_modules():
         if sub is mod or isinstance(sub, _SKIP_LEAVES):
             continue
-        w = _own_weight(sub)
-        if w is None:
+        own = _own_weight(sub)
+        if own is None:
             continue
-        dev = w.device if move and w.device.type != "meta" else None
-        where = f"{path}.{sub_path}" if path else sub_path
         put(
             sub,
-            _GuardState(
-                "entry",
-                where,
-                compute.get(id(w), w.dtype),
-                dev,
-                policy.mode,
-                ref=None if id(w) in compute else w,
+            _leaf_state(
+                "entry", f"{path}.{sub_path}" if path else sub_path, own, policy, compute, move
             ),
             handle.boundary,
         )
@@ -465,22 +491,9 @@ def install_guards(
         for path, group, mod in _walk(root, groups):
             if group not in leaf_groups or id(mod) in wanted or isinstance(mod, _SKIP_LEAVES):
                 continue
-            w = _own_weight(mod)
-            if w is None:
-                continue
-            dev = w.device if move and w.device.type != "meta" else None
-            put(
-                mod,
-                _GuardState(
-                    "leaf",
-                    path,
-                    compute.get(id(w), w.dtype),
-                    dev,
-                    policy.mode,
-                    ref=None if id(w) in compute else w,
-                ),
-                handle.leaf,
-            )
+            own = _own_weight(mod)
+            if own is not None:
+                put(mod, _leaf_state("leaf", path, own, policy, compute, move), handle.leaf)
     for mod in list(_all_modules(root)):  # guards no longer wanted (a group stopped mixing)
         if _ATTR in mod.__dict__ and id(mod) not in wanted:
             _uninstall(mod)

@@ -40,6 +40,13 @@ class ListDataset(torch.utils.data.Dataset):
         return self.rows[i]
 
 
+@pytest.fixture(autouse=True)
+def _no_leaked_mixed_precision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers 4.x's ``TrainingArguments(bf16=True)`` exports ACCELERATE_MIXED_PRECISION,
+    which every later ``Accelerator()`` in the process would read: each test starts without."""
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+
+
 @pytest.fixture
 def make_trainer(tmp_path: Any) -> Callable[..., Any]:
     """``make_trainer(model, batch, callbacks=[...], **training_args) -> Trainer`` on CPU."""

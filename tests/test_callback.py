@@ -7,7 +7,7 @@ from peft import LoraConfig, get_peft_model
 
 from hf_precision import PrecisionError, PrecisionGuardCallback
 from hf_precision.hooks import installed_guards
-from hf_precision.tiny import tiny_batch, tiny_llava
+from hf_precision.tiny import tiny_batch, tiny_llava, tower_body
 
 LM_ATTN = r".*language_model.*\.(q_proj|v_proj)"
 
@@ -317,7 +317,10 @@ def test_wrappers_are_unwrapped_or_refused():
         r"\d+ tensor\(s\) violate.*before DataParallel wraps it",
     ):
         enforce_policy(torch.nn.DataParallel(model), "bf16")
-    assert model.model.vision_tower.embeddings.patch_embedding.weight.dtype == torch.float16
+    assert (
+        tower_body(model.model.vision_tower).embeddings.patch_embedding.weight.dtype
+        == torch.float16
+    )
     report = enforce_policy(torch.nn.DataParallel(model), "bf16", mode="audit")
     assert report.changes and not report.applied
 

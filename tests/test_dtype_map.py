@@ -18,8 +18,11 @@ def test_records_groups_and_counts_match_parameters():
     rec = m.records["model.multi_modal_projector.linear_1"]
     assert rec.group == "projector" and rec.params == {"float32": 32 * 32 + 32}
     assert rec.trainable == 32 * 32 + 32
-    # inv_freq + original_inv_freq, 4 frequencies each (head_dim 8)
-    assert m.records["model.language_model.rotary_emb"].buffers == {"float32": 8}
+    # inv_freq (+ original_inv_freq in transformers 5), 4 frequencies each (head_dim 8)
+    rotary = model.model.language_model.rotary_emb
+    assert m.records["model.language_model.rotary_emb"].buffers == {
+        "float32": 4 * len(list(rotary.buffers()))
+    }
     assert m.bytes_by_dtype["bfloat16"] == 2 * sum(
         p.numel() for p in model.model.vision_tower.parameters()
     )

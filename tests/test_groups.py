@@ -151,6 +151,8 @@ def llava() -> nn.Module:
 
 @pytest.mark.parametrize("builder", list(TINY))
 def test_tiny_models_exact_groups(builder: str) -> None:
+    if builder == "tiny_minicpmv4_6" and not tiny.tiny_available("minicpmv4_6"):
+        pytest.skip("MiniCPM-V 4.6 is not in this transformers (it came with 5.x)")
     model = getattr(tiny, builder)()
     rule, paths, params = TINY[builder]
     with warnings.catch_warnings():

@@ -11,7 +11,7 @@ import torch
 
 from hf_precision import dtype_map, enforce_policy, install_guards
 from hf_precision.dtypes import is_quantized, quantized_library, register_quantized
-from hf_precision.tiny import tiny_batch, tiny_llava
+from hf_precision.tiny import tiny_batch, tiny_llava, tower_body
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, tuple[int, dict[str, torch.Tensor]]]:
@@ -82,11 +82,67 @@ def test_subclass_weights_are_never_touched(quantize: Any) -> None:
     _same(model, before)
 
 
+#: (policy given to the callback, TrainingArguments flags, how the model is loaded)
+_RUNS = {
+    "bf16": (None, {"bf16": True}, "bf16"),  # the policy inferred from bf16=True
+    "fp16-true": ("fp16-true", {}, "bf16"),  # a pure fp16 policy over bf16-computing weights
+    "split": (None, {}, "split"),  # vision tower fp32, the rest bf16, no flag
+}
+
+
+@pytest.mark.parametrize("run", list(_RUNS))
+@pytest.mark.parametrize("quantize", [_torchao, _quanto], ids=["torchao", "quanto"])
+def test_training_evaluate_generate_with_quantized_weights(
+    quantize: Any, run: str, make_trainer: Any
+) -> None:
+    """A trainable projector over a quantized language model: the callback trains, evaluates
+    and generates under each policy; the quantized tensors stay the same objects and bytes."""
+    from hf_precision import PrecisionGuardCallback
+
+    policy, flags, load = _RUNS[run]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tiny_llava(torch.bfloat16)
+        if load == "split":
+            model.model.vision_tower.float()
+        library = quantize(model)
+    for name, p in model.named_parameters():
+        p.requires_grad = "multi_modal_projector" in name
+    before = _snapshot(model)
+    projector = model.model.multi_modal_projector.linear_1.weight
+    start = projector.detach().clone()
+    cb = PrecisionGuardCallback(policy, report=False)
+    trainer = make_trainer(
+        model, tiny_batch(model), callbacks=[cb], eval_strategy="steps", eval_steps=1, **flags
+    )
+    out = trainer.train()
+    metrics = trainer.evaluate()
+    assert torch.isfinite(torch.tensor([out.training_loss, metrics["eval_loss"]])).all()
+    assert not torch.equal(projector.detach().float(), start.float()), "the projector trained"
+    # trainable weights stay fp32 for the optimizer, unless the policy names pure fp16
+    assert projector.dtype == (torch.float16 if run == "fp16-true" else torch.float32)
+    _same(model, before)
+    with torch.no_grad():
+        ids = model.generate(
+            **{k: v for k, v in tiny_batch(model).items() if k != "labels"}, max_new_tokens=2
+        )
+    assert ids.shape[1] == tiny_batch(model)["input_ids"].shape[1] + 2
+    _same(model, before)
+    lm = dtype_map(model).groups["language_model"]
+    label = next(d for d in lm.numel if d.startswith(library))
+    assert label.endswith("->bfloat16"), label  # the dtype they compute in
+    assert lm.numel[label] == sum(p.numel() for n, p in model.named_parameters() if n in before)
+    # real storage: one int8 byte per weight plus the scales, less than the bf16 it replaces
+    assert lm.numel[label] < lm.bytes[label] < lm.numel[label] * 2
+
+
 def test_bitsandbytes_4bit_from_pretrained(tmp_path: Any) -> None:
     from transformers import BitsAndBytesConfig, LlavaForConditionalGeneration
 
     tiny_llava(torch.bfloat16).save_pretrained(tmp_path)
-    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
+    config = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = LlavaForConditionalGeneration.from_pretrained(
@@ -100,7 +156,16 @@ def test_bitsandbytes_4bit_from_pretrained(tmp_path: Any) -> None:
         report = enforce_policy(model, policy)
         assert all(c.name not in before for c in report.changes)
         _same(model, before)
-    assert dtype_map(model).groups["language_model"].quantized > 0
+    lm = dtype_map(model).groups["language_model"]
+    label = "bitsandbytes:nf4->bfloat16"  # library, format and the dtype it computes in
+    weights = sum(
+        p.quant_state.shape.numel()
+        for n, p in model.named_parameters()
+        if n in before and ".language_model." in n
+    )
+    assert lm.numel[label] == lm.quantized == weights  # weights, not packed bytes
+    assert lm.bytes[label] == weights // 2  # two 4-bit weights per byte
+    assert "uint8" not in lm.numel
 
 
 def test_a_new_library_is_one_line() -> None:
@@ -118,24 +183,40 @@ def test_a_new_library_is_one_line() -> None:
         del QUANTIZED_CLASSES["PackedTensor"]
 
 
-# 8-bit: with 4-bit weights the Trainer's evaluation step fails inside bitsandbytes' CPU
-# kernels on this tiny model ("shape '[32, 0]' is invalid"), with or without the guard; the
-# 4-bit load itself is covered by test_bitsandbytes_4bit_from_pretrained.
-@pytest.mark.parametrize("bits", [8])
+def _wide_llava() -> torch.nn.Module:
+    """The tiny LLaVA with 64-wide layers: bitsandbytes' CPU 4-bit inference path repacks each
+    weight by blocks of 64 input features (``in_features // 64`` rows of absmax) and fails on
+    narrower layers ("shape '[32, 0]' is invalid"), with or without the guard."""
+    from transformers import LlavaForConditionalGeneration
+
+    from hf_precision.tiny import tiny_config
+
+    config: Any = tiny_config("llava")
+    for sub in (config.vision_config, config.text_config):
+        sub.hidden_size, sub.intermediate_size = 64, 128
+    config.text_config.head_dim = 16  # k/v projections 32 wide: the repacking's block of rows
+    torch.manual_seed(0)
+    return LlavaForConditionalGeneration(config).eval().to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(("bits", "run"), [(4, "bf16"), (4, "fp16-true"), (8, "bf16")])
 def test_qlora_with_bitsandbytes_trains_evaluates_and_generates(
-    bits: int, tmp_path: Any, make_trainer: Any
+    bits: int, run: str, tmp_path: Any, make_trainer: Any
 ) -> None:
     """The QLoRA path: bitsandbytes via from_pretrained(quantization_config=...),
-    prepare_model_for_kbit_training, LoRA, the callback with bf16=True (CPU backend)."""
+    prepare_model_for_kbit_training, LoRA, the callback with bf16=True or a pure fp16 policy
+    (CPU backend)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig, LlavaForConditionalGeneration
 
     from hf_precision import PrecisionGuardCallback
 
-    source = tiny_llava(torch.bfloat16)
+    source = _wide_llava() if bits == 4 else tiny_llava(torch.bfloat16)
     source.save_pretrained(tmp_path / "ckpt")
     config = (
-        BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
+        BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+        )
         if bits == 4
         else BitsAndBytesConfig(load_in_8bit=True)
     )
@@ -150,17 +231,66 @@ def test_qlora_with_bitsandbytes_trains_evaluates_and_generates(
         )
     before = _snapshot(model)
     assert before
-    cb = PrecisionGuardCallback(report=False)
+    policy, flags, _ = _RUNS[run]
+    cb = PrecisionGuardCallback(policy, report=False)
     trainer = make_trainer(
-        model, tiny_batch(source), callbacks=[cb], bf16=True, eval_strategy="steps", eval_steps=1
+        model, tiny_batch(source), callbacks=[cb], eval_strategy="steps", eval_steps=1, **flags
     )
     out = trainer.train()
     metrics = trainer.evaluate()
     assert torch.isfinite(torch.tensor([out.training_loss, metrics["eval_loss"]])).all()
+    # bitsandbytes' CPU inference path repacks 4-bit weights in place at eval (its own tensor,
+    # its own layout) and unpacks them when saving: compare in the layout it saves
+    model.state_dict()
     _same(model, before)  # the packed weights: same objects, same bytes
-    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+    lora = torch.float16 if run == "fp16-true" else torch.float32  # the user named fp16
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {lora}
     with torch.no_grad():
         ids = model.generate(
             **{k: v for k, v in tiny_batch(source).items() if k != "labels"}, max_new_tokens=2
         )
     assert ids.shape[1] == tiny_batch(source)["input_ids"].shape[1] + 2
+
+
+@pytest.mark.parametrize("quantize", [_torchao, _quanto], ids=["torchao", "quanto"])
+def test_accelerate_plugin_leaves_quantized_weights_alone(quantize: Any, tmp_path: Any) -> None:
+    """PrecisionGuardPlugin in a plain accelerate loop over a quantized language model: the
+    trainable projector trains, generate works, the quantized tensors are untouched."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from hf_precision import PrecisionGuardPlugin
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tiny_llava(torch.bfloat16)
+        model.model.vision_tower.float()  # a split the plugin repairs
+        quantize(model)
+    for name, p in model.named_parameters():
+        p.requires_grad = "multi_modal_projector" in name
+    before = _snapshot(model)
+    batch = tiny_batch(model)
+    rows = [{k: v[i] for k, v in batch.items()} for i in range(2)]
+    loader = torch.utils.data.DataLoader(rows, batch_size=2)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    accelerator = Accelerator(cpu=True, mixed_precision="no", project_dir=str(tmp_path))
+    guard = PrecisionGuardPlugin("fp16-true", report=False)
+    model, optimizer, loader = guard.prepare(accelerator, model, optimizer, loader)
+    for b in loader:
+        loss = model(**b).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert torch.isfinite(loss)
+    with guard.evaluating(model), torch.no_grad():
+        ids = model.generate(**{k: v for k, v in b.items() if k != "labels"}, max_new_tokens=2)
+    assert ids.shape[1] == b["input_ids"].shape[1] + 2
+    assert (
+        tower_body(model.model.vision_tower).embeddings.patch_embedding.weight.dtype
+        == torch.float16
+    )
+    _same(model, before)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

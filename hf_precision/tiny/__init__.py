@@ -40,6 +40,7 @@ if TYPE_CHECKING:
         TINY_CONFIGS,
         build_tiny,
         num_image_tokens,
+        tiny_available,
         tiny_batch,
         tiny_blip2,
         tiny_config,
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
         tiny_paligemma,
         tiny_qwen2_vl,
         tiny_text_llama,
+        tower_body,
     )
 
 _MODULES: dict[str, tuple[str, ...]] = {
@@ -73,6 +75,8 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "tiny_paligemma",
         "tiny_qwen2_vl",
         "tiny_text_llama",
+        "tiny_available",
+        "tower_body",
     ),
     "remote_layouts": (
         "CONV_DTYPE_ERROR",
@@ -118,6 +122,7 @@ __all__ = [
     "onetrainer_batch",
     "onetrainer_examples",
     "remote_batch",
+    "tiny_available",
     "tiny_batch",
     "tiny_blip2",
     "tiny_config",
@@ -131,6 +136,7 @@ __all__ = [
     "tiny_paligemma",
     "tiny_qwen2_vl",
     "tiny_text_llama",
+    "tower_body",
 ]
 
 

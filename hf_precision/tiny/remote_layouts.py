@@ -21,6 +21,7 @@ weight type (torch.cuda.FloatTensor) should be the same or input should be a MKL
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,10 @@ class RemoteConfig:
         """As ``PreTrainedConfig.get_text_config`` (real remote configs are PreTrainedConfigs;
         ``Trainer.train`` calls it when given a processor)."""
         return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """As ``PreTrainedConfig.to_dict`` (peft 0.17 reads the model config through it)."""
+        return dataclasses.asdict(self)
 
 
 def get_2d_sincos_pos_embed(embed_dim: int, grid_size: int | tuple[int, int]) -> np.ndarray:

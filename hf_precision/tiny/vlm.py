@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
     from transformers import LlavaProcessor, PreTrainedConfig, PreTrainedModel
@@ -42,6 +43,17 @@ _CLIP_VIT: dict[str, Any] = {
 # Qwen2-VL special ids (the real ones are beyond a 256 vocab).
 QWEN_IMAGE, QWEN_VIDEO, QWEN_VISION_START, QWEN_VISION_END = 250, 251, 252, 253
 _TEXT_LEN = 6  # text tokens per row after the image placeholders
+
+
+def _accepts(class_name: str, name: str, method: str = "__init__") -> bool:
+    """Whether transformers' ``class_name.method`` takes ``name`` (a feature check, not a
+    version check: the 4.x and 5.x lines spell a few fields and inputs differently)."""
+    import inspect
+
+    import transformers
+
+    cls = getattr(transformers, class_name, None)
+    return cls is not None and name in inspect.signature(getattr(cls, method)).parameters
 
 
 def _llava() -> PreTrainedConfig:
@@ -99,6 +111,9 @@ def _qwen2_vl() -> PreTrainedConfig:
     from transformers import Qwen2VLConfig
 
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    # transformers 5 reads rope_parameters; 4.x reads rope_scaling (with type "mrope")
+    rope_key = "rope_parameters" if _accepts("Qwen2VLTextConfig", "rope_parameters") else None
+    text = {rope_key: rope} if rope_key else {"rope_scaling": {**rope, "type": "mrope"}}
     return Qwen2VLConfig(
         vision_config=dict(
             depth=2,
@@ -110,7 +125,7 @@ def _qwen2_vl() -> PreTrainedConfig:
             spatial_merge_size=2,
             temporal_patch_size=2,
         ),
-        text_config=dict(**TXT, **_IDS, rope_parameters=rope),
+        text_config=dict(**TXT, **_IDS, **text),
         image_token_id=QWEN_IMAGE,
         video_token_id=QWEN_VIDEO,
         vision_start_token_id=QWEN_VISION_START,
@@ -260,6 +275,29 @@ def _canonical(model_type: str) -> str:
     return key
 
 
+def tiny_available(model_type: str) -> bool:
+    """Whether the installed transformers has the model class ``model_type`` needs (MiniCPM-V
+    4.6 came with transformers 5; the 4.x line builds every other tiny model).
+
+    >>> tiny_available("llava")
+    True
+    """
+    import transformers
+
+    return hasattr(transformers, _MODEL_CLASSES[_canonical(model_type)])
+
+
+def tower_body(tower: nn.Module) -> nn.Module:
+    """The transformer inside a CLIP/SigLIP vision tower (``embeddings``, ``encoder``): the
+    tower itself in transformers 5, its ``vision_model`` in 4.x.
+
+    >>> tower_body(tiny_llava().model.vision_tower).encoder.layers[0].mlp.fc1.in_features
+    32
+    """
+    body = getattr(tower, "vision_model", None)
+    return body if isinstance(body, nn.Module) else tower
+
+
 def tiny_config(model_type: str) -> PreTrainedConfig:
     """A fresh tiny config for ``model_type`` (``blip_2``/``kosmos2`` aliases accepted)."""
     return TINY_CONFIGS[_canonical(model_type)]()
@@ -270,6 +308,12 @@ def build_tiny(model_type: str, dtype: torch.dtype | None = None, seed: int = 0)
     import transformers
 
     key = _canonical(model_type)
+    if not tiny_available(key):
+        raise ImportError(
+            f"build_tiny({model_type!r}): transformers {transformers.__version__} has no "
+            f"{_MODEL_CLASSES[key]}.\nFix: upgrade transformers, or use one of "
+            f"{sorted(k for k in TINY_CONFIGS if tiny_available(k))}."
+        )
     config = TINY_CONFIGS[key]()
     torch.manual_seed(seed)
     model: Any = getattr(transformers, _MODEL_CLASSES[key])(config)
@@ -438,7 +482,8 @@ def tiny_batch(
     elif mt == "qwen2_vl":
         batch["pixel_values"] = pixels(b * 16, 3 * 2 * 4 * 4)  # flattened patches
         batch["image_grid_thw"] = torch.tensor([[1, 4, 4]] * b)
-        batch["mm_token_type_ids"] = is_img.long()  # text 0, image 1 (drives M-RoPE)
+        if _accepts("Qwen2VLForConditionalGeneration", "mm_token_type_ids", "forward"):
+            batch["mm_token_type_ids"] = is_img.long()  # text 0, image 1 (drives M-RoPE)
     elif mt == "paligemma":
         batch["pixel_values"] = pixels(b, 3, size, size)
         # prefix (image + bos + first half of the text) is bidirectional, the rest is the suffix
@@ -506,9 +551,13 @@ def tiny_llava_processor(tmpdir: str | None = None) -> LlavaProcessor:
     With ``tmpdir`` it is saved there and reloaded with ``from_pretrained`` (round-trip check);
     without it, a throwaway directory is used for the same round trip.
     """
-    from transformers import CLIPImageProcessorPil, LlavaProcessor
+    import transformers
+    from transformers import LlavaProcessor
 
-    image_processor = CLIPImageProcessorPil(
+    # the PIL-backed processor is CLIPImageProcessorPil in transformers 5, CLIPImageProcessor
+    # in 4.x (where 5's CLIPImageProcessor name means the torchvision one)
+    pil = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
+    image_processor = pil(
         size={"shortest_edge": 30},
         crop_size={"height": 30, "width": 30},
     )

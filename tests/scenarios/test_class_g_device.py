@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_precision import PrecisionError, PrecisionGuardCallback, enforce_policy, install_guards
-from hf_precision.tiny import OmniLMMTiny, tiny_batch, tiny_llava
+from hf_precision.tiny import OmniLMMTiny, tiny_batch, tiny_llava, tower_body
 
 
 def _omnilmm_vpm_on_meta():
@@ -99,7 +99,7 @@ def test_on_cuda_a_group_left_on_cpu_is_moved():
     assert moved and {c.group for c in moved} == {"vision_encoder"}
     assert {c.device_after for c in moved} == {"cuda:0"}
     # integer buffers move too (CLIP's position_ids index the position embedding)
-    assert model.model.vision_tower.embeddings.position_ids.device.type == "cuda"
+    assert tower_body(model.model.vision_tower).embeddings.position_ids.device.type == "cuda"
     install_guards(model, "fp16-true", report)
     cpu_batch = tiny_batch(model)  # inputs left on CPU follow the receiving group to CUDA
     assert model(**cpu_batch).logits.device.type == "cuda"

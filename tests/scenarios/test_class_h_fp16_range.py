@@ -18,7 +18,7 @@ from hf_precision import (
     enforce_policy,
     install_guards,
 )
-from hf_precision.tiny import tiny_batch, tiny_llava
+from hf_precision.tiny import tiny_batch, tiny_llava, tower_body
 
 PLANTED = "model.multi_modal_projector.linear_1.weight"
 FP16 = torch.finfo(torch.float16)
@@ -55,7 +55,10 @@ def test_guard_keeps_the_out_of_range_weight_in_fp32_with_a_warning(trainer_for)
     # the module computes in one dtype: its bias stays with the kept weight
     assert projector.linear_1.bias.dtype == torch.float32
     assert projector.linear_2.weight.dtype == torch.float16
-    assert model.model.vision_tower.embeddings.patch_embedding.weight.dtype == torch.float16
+    assert (
+        tower_body(model.model.vision_tower).embeddings.patch_embedding.weight.dtype
+        == torch.float16
+    )
 
     with warnings.catch_warnings():
         # activations of the 70000 weight exceed fp16 at linear_2's input: clamped, with a warning

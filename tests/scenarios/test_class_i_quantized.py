@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from hf_precision import PrecisionGuardCallback, dtype_map, enforce_policy
-from hf_precision.tiny import tiny_batch, tiny_llava
+from hf_precision.tiny import tiny_batch, tiny_llava, tower_body
 
 NOT_INT8 = "expect B to be int8 tensor"
 
@@ -35,7 +35,7 @@ class Int8Linear(nn.Module):
 def _quantized_llava():
     """bf16 LLaVA whose frozen vision MLPs are int8, and an fp32 projector (a dtype split)."""
     model = tiny_llava(torch.bfloat16)
-    for layer in model.model.vision_tower.encoder.layers:
+    for layer in tower_body(model.model.vision_tower).encoder.layers:
         layer.mlp.fc1 = Int8Linear(layer.mlp.fc1)
     model.model.multi_modal_projector.float()
     model.train()
@@ -80,7 +80,7 @@ def test_guard_never_casts_quantized_weights_and_counts_them(trainer_for):
     after = _int8(model)
     assert set(after) == set(before)
     assert all(torch.equal(before[n], after[n]) for n in before)  # bit-identical storage
-    fc1 = model.model.vision_tower.encoder.layers[0].mlp.fc1
+    fc1 = tower_body(model.model.vision_tower).encoder.layers[0].mlp.fc1
     assert fc1.scales.dtype == fc1.bias.dtype == torch.bfloat16  # floating parts follow policy
     assert model.model.multi_modal_projector.linear_1.weight.dtype == torch.bfloat16
     in_optimizer = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
