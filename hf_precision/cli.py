@@ -427,7 +427,10 @@ def _audit(args: argparse.Namespace) -> int:
         if kind != "path" or not Path(where).is_dir():
             fail("--weights needs a local checkpoint folder")
         cls = model_classes(config)[0]
-        model = cls.from_pretrained(str(where), local_files_only=True, dtype=dtype or "auto")
+        # transformers spells the load dtype ``dtype`` since 4.56, ``torch_dtype`` before: the
+        # config says which (a feature check, not a version check)
+        key = "dtype" if "dtype" in dir(config) else "torch_dtype"
+        model = cls.from_pretrained(str(where), local_files_only=True, **{key: dtype or "auto"})
         dtype_from = dtype_from or "as loaded"
     elif kind == "type":
         model, note = build_bare(str(where), dtype=dtype)

@@ -49,6 +49,7 @@ internvl_chat          remote InternVL-Chat (``vision_model``/``mlp1``/``languag
 
 from __future__ import annotations
 
+import inspect
 import re
 import warnings
 from collections import deque
@@ -482,6 +483,8 @@ def _getter(root: nn.Module, group: str) -> tuple[object, str] | None:
         return None
     try:
         if group in ("vision_encoder", "audio_encoder"):
+            if "modality" not in inspect.signature(get).parameters:
+                return None  # transformers 4.x: get_encoder() takes no modality
             modality = "image" if group == "vision_encoder" else "audio"
             found = get(modality=modality)
             # get_encoder returns the model (or its base model) itself when it finds nothing.

@@ -28,6 +28,7 @@ MODULES = [
     "accelerate_plugin",
     "distributed",
     "deepspeed_config",
+    "tiny.vlm",
 ]
 
 
@@ -59,3 +60,38 @@ def test_readme_python_blocks_run(index, tmp_path, monkeypatch):
     exec(compile(block, f"README block {index}", "exec"), {})
     if "register_group_rule" in block:
         unregister_group_rule("my_vlm")
+
+
+_DISTRIBUTIONS = {"TRL": "trl", "DeepSpeed": "deepspeed"}
+
+
+def _compat_rows() -> list[list[str]]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Compatibility", 1)[1].split("\n## ", 1)[0]
+    rows = [line.strip("|").split("|") for line in section.splitlines() if line.startswith("| ")]
+    return [[c.strip() for c in row] for row in rows[1:]]  # the header row dropped
+
+
+def test_compatibility_table_matches_what_runs() -> None:
+    """The README's table: the versions of this leg are the installed ones, the 4.x column
+    is what ``make test-tf4`` pins, and every test it names exists."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import transformers
+
+    makefile = (ROOT / "Makefile").read_text()
+    rows = _compat_rows()
+    assert {r[0] for r in rows} >= {"transformers", "peft", "TRL", "bitsandbytes", "torchao"}
+    tf4 = transformers.__version__.startswith("4.")
+    for library, leg5, leg4, _, tests in rows:
+        for path in re.findall(r"`(tests/[^`]+)`", tests):
+            assert (ROOT / path).exists(), (library, path)
+        if leg4 != "–" and library in ("transformers", "peft"):
+            assert f'"{library}=={leg4}"' in makefile, (library, leg4)
+        try:
+            installed = version(_DISTRIBUTIONS.get(library, library))
+        except PackageNotFoundError:
+            continue  # an integration this leg does not install
+        want = leg4 if tf4 else leg5
+        if want != "–":
+            assert installed.startswith(want), (library, installed, want)

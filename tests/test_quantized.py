@@ -294,3 +294,26 @@ def test_accelerate_plugin_leaves_quantized_weights_alone(quantize: Any, tmp_pat
     _same(model, before)
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+
+
+def test_checkpoints_quanto_saves_torchao_quantize_does_not(tmp_path: Any) -> None:
+    """Saving: a quanto-quantized model saves after the guard ran. A model quantized in place
+    with torchao's ``quantize_`` cannot be saved by ``save_pretrained`` in transformers 5.23 /
+    torchao 0.18, with or without the guard ("invalid python storage"): save the trained parts
+    (``save_strategy="no"`` and ``trainer.save_model`` of the adapter or projector), or quantize
+    at load with ``from_pretrained(quantization_config=TorchAoConfig(...))``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quanto, torchao, plain = (tiny_llava(torch.bfloat16) for _ in range(3))
+        _quanto(quanto)
+        _torchao(torchao)
+        _torchao(plain)
+    enforce_policy(quanto, "fp16-true")
+    enforce_policy(torchao, "fp16-true")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quanto.save_pretrained(tmp_path / "quanto")
+        assert (tmp_path / "quanto" / "model.safetensors").is_file()
+        for model, where in ((plain, "plain"), (torchao, "guarded")):  # the same either way
+            with pytest.raises(RuntimeError, match="invalid python storage"):
+                model.save_pretrained(tmp_path / where)
