@@ -94,3 +94,68 @@ def test_sft_trainer_without_a_flag_fails_without_the_guard(tmp_path: Any):
     trainer = _sft(tmp_path, _split_llava(), [], bf16=False)
     with pytest.raises(RuntimeError, match="same dtype"):
         trainer.train()
+
+
+def _preferences() -> Any:
+    from datasets import Dataset
+
+    pairs = [("circle", "red"), ("square", "blue"), ("triangle", "green"), ("circle", "yellow")]
+    ask = [{"type": "image"}, {"type": "text", "text": "what is in the image ?"}]
+
+    def say(text: str) -> list[dict[str, Any]]:
+        return [{"role": "assistant", "content": [{"type": "text", "text": text}]}]
+
+    return Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": ask}],
+                "chosen": say(f"a {c} {s}"),
+                "rejected": say(f"a {c} {'circle' if s == 'square' else 'square'}"),
+                "images": [shape_image(s, c)],
+            }
+            for s, c in pairs
+        ]
+    )
+
+
+def _dpo(tmp_path: Any, callbacks: list[Any]) -> Any:
+    args = trl.DPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        max_steps=2,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        max_length=None,
+        bf16=False,  # no flag (DPOConfig, like SFTConfig, defaults to bf16)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trl.DPOTrainer(
+            model=_split_llava(),
+            args=args,
+            train_dataset=_preferences(),
+            eval_dataset=_preferences(),
+            processing_class=tiny_llava_processor(),
+            peft_config=LoraConfig(r=4, target_modules=LM_ATTN),
+            callbacks=callbacks,
+        )
+
+
+def test_dpo_trainer_on_a_split_vlm_fails_without_the_guard_and_trains_with_it(tmp_path: Any):
+    """A preference trainer: DPO with LoRA (the reference is the adapter-free base) on the
+    split tiny LLaVA, images in the prompts."""
+    with pytest.raises(RuntimeError, match="same dtype"):
+        _dpo(tmp_path / "bare", []).train()
+    cb = PrecisionGuardCallback(report=False)
+    trainer = _dpo(tmp_path / "guarded", [cb])
+    out = trainer.train()
+    metrics = trainer.evaluate()
+    assert torch.isfinite(torch.tensor([out.training_loss, metrics["eval_loss"]])).all()
+    assert "eval_rewards/margins" in metrics  # the DPO loss ran, chosen against rejected
+    model = trainer.model
+    lora = {p.dtype for n, p in model.named_parameters() if "lora_" in n}
+    frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+    assert lora == {torch.float32} and frozen == {torch.bfloat16}
