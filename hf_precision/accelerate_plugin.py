@@ -39,7 +39,6 @@ import os
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,40 +46,21 @@ import torch
 from torch import nn
 
 from .batch import PrecisionCollator
-from .distributed import (
-    check_deepspeed_config,
-    check_model_ranks,
-    check_wrapped,
-    deepspeed_config_of,
-    rank,
-    settle_shards,
-    wrapper_of,
-)
+from .deepspeed_config import check_deepspeed_config, deepspeed_config_of
+from .distributed import rank
 from .dtypes import dtype_name
-from .enforce import EnforceReport, enforce_policy
+from .enforce import EnforceReport
 from .errors import PrecisionError, PrecisionWarning
-from .groups import ModuleGroups, find_module_groups, unwrap_model
-from .hooks import GuardHandle, claim_model, install_guards, release_model, remove_guards
+from .groups import unwrap_model
+from .guard import PrecisionGuard
 from .policy import PrecisionPolicy, policy_call, resolve_policy, with_overrides
+from .wrappers import wrapper_of
 
 logger = logging.getLogger("hf_precision")
 
 #: Written beside every ``accelerator.save_state`` checkpoint (``PrecisionPolicy.from_json``).
 POLICY_FILE = "precision_policy.json"
 _STATE_VERSION = 1
-
-
-@dataclass
-class _Guarded:
-    """One model the guard looks after."""
-
-    model: nn.Module  # as the user holds it: wrapped after prepare
-    root: nn.Module
-    groups: ModuleGroups
-    handle: GuardHandle | None = None
-    params: tuple[torch.Tensor, ...] = ()
-    dtypes: tuple[torch.dtype, ...] = ()  # snapshot the step hook compares against
-    wrap_dtypes: dict[int, torch.dtype] = field(default_factory=dict)  # at wrapping time
 
 
 def policy_from_checkpoint(path: str | os.PathLike[str]) -> PrecisionPolicy:
@@ -141,7 +121,7 @@ class PrecisionGuardPlugin:
         self.events: list[tuple[str, int]] = []  # (event, number of violations found)
         self.last_report: EnforceReport | None = None
         self.deepspeed_dtype: torch.dtype | None = None
-        self._guarded: list[_Guarded] = []
+        self._guarded: list[PrecisionGuard] = []  # one engine per model
         self._optimizers: list[Any] = []
         self._handles: list[Any] = []
         self._accelerator: Any = None
@@ -171,9 +151,7 @@ class PrecisionGuardPlugin:
         out = result if len(objects) > 1 else (result,)
         for before, after in zip(objects, out):
             if isinstance(before, nn.Module):
-                entry = self._entry(before)
-                entry.model = after
-                entry.wrap_dtypes = {id(p): p.dtype for p in after.parameters()}
+                self._entry(before).mark_wrapped(after)
                 self.verify(after, "after_prepare")
             elif isinstance(after, torch.optim.Optimizer):  # AcceleratedOptimizer and kin
                 self._hook_optimizer(after)
@@ -268,7 +246,7 @@ class PrecisionGuardPlugin:
             return
         for g in self._guarded:
             # Cheap: one dtype read per parameter tensor; the full check runs only on a change.
-            if tuple(p.dtype for p in g.params) != g.dtypes:
+            if g.drifted():
                 self.verify(g.model, "before_optimizer_step", check_ranks=False)
 
     # ------------------------------------------------------------------ any loop
@@ -282,11 +260,17 @@ class PrecisionGuardPlugin:
         if self.report and self._reporter is None:
             self._reporter = self._make_reporter()
         root, _ = unwrap_model(model)
-        claim_model(root, self, self.policy, self._call)
-        entry = next((g for g in self._guarded if g.root is root), None)
-        if entry is None:
-            entry = _Guarded(model, root, find_module_groups(root))
-            self._guarded.append(entry)
+        if not any(g.root is root for g in self._guarded):
+            self._guarded.append(
+                PrecisionGuard(
+                    model,
+                    self.policy,
+                    name="PrecisionGuardPlugin",
+                    call=self._call,
+                    owner=self,
+                    reporter=self._reporter,
+                )
+            )
         self.verify(model, "setup")
         return model
 
@@ -312,85 +296,20 @@ class PrecisionGuardPlugin:
         g = self._entry(model)
         if model is not None and model is not g.model and model is not g.root:
             g.model = model  # a wrapper made outside prepare (FSDP1, DDP) around the same model
-        where = f"PrecisionGuardPlugin.{event}"
-        settle_shards(g.model)  # FSDP2 keeps the root unsharded after forward: read the shards
-        wrapper = wrapper_of(g.model)
-        audit = enforce_policy(g.model, policy, groups=g.groups, mode="audit")
-        report, found = audit, len(audit.changes)
-        if wrapper in ("FSDP", "FSDP2", "DeepSpeed"):
-            check = check_wrapped(
-                g.model, policy, g.groups, wrapper=wrapper, deepspeed_dtype=self.deepspeed_dtype
-            )
-            found = len(check.violations)
-            for why, n in check.expected.items():
-                logger.info("hf-precision %s: %d parameter(s) %s (expected)", event, n, why)
-            for note in check.notes[:8]:
-                warnings.warn(f"{where}: {note}", PrecisionWarning, stacklevel=2)
-            if check and policy.mode != "audit":
-                raise check.error(where, policy)
-            if check:
-                warnings.warn(str(check.error(where, policy)), PrecisionWarning, stacklevel=2)
-        elif audit.changes and policy.mode != "audit":
-            if wrapper == "DDP":
-                self._check_ddp_restore(g, audit, where)
-            report = enforce_policy(
-                g.model,
-                policy,
-                groups=g.groups,
-                mode=policy.mode,
-                optimizer=self._optimizers[0] if self._optimizers else None,
-                allow_wrapped=True,
-            )
-        if found and event != "setup":
-            verb = (
-                "repaired"
-                if policy.mode == "fix" and wrapper not in ("FSDP", "FSDP2", "DeepSpeed")
-                else "found"
-            )
-            first = audit.changes[0].describe() if audit.changes else ""
-            warnings.warn(
-                f"{where}: dtype drift {verb}: {found} tensor(s) did not match "
-                f"{policy.describe()}{', e.g. ' + first if first else ''}",
-                PrecisionWarning,
-                stacklevel=2,
-            )
+        g.policy, g.reporter, g.deepspeed_dtype = policy, self._reporter, self.deepspeed_dtype
+        report = g.verify(
+            event,
+            wrapper=wrapper_of(g.model),
+            optimizer=self._optimizers[0] if self._optimizers else None,
+            step=self.steps,
+            check_ranks=check_ranks and self.check_ranks,
+            log_clean=event != "before_optimizer_step",  # the step check logs only drift
+        )
         self.last_report = report
-        g.handle = install_guards(g.model, policy, report, groups=g.groups)
-        g.params = tuple(g.model.parameters())
-        g.dtypes = tuple(p.dtype for p in g.params)
-        self.events.append((event, found))
-        if event != "before_optimizer_step" or found:  # the step check logs only drift
-            self._log(event, g, report if found else None)
-        if check_ranks and self.check_ranks:
-            check_model_ranks(g.model, g.groups, policy=policy, where=where)
+        self.events.append(g.events[-1])
         return report
 
-    def _check_ddp_restore(self, g: _Guarded, audit: EnforceReport, where: str) -> None:
-        """DDP built its gradient buckets for the dtypes at wrapping time: only going back to
-        those is safe."""
-        named = dict(g.root.named_parameters())
-        bad = [
-            c
-            for c in audit.changes
-            if c.kind == "param"
-            and c.name in named
-            and dtype_name(g.wrap_dtypes.get(id(named[c.name]), named[c.name].dtype)) != c.after
-        ]
-        if bad:
-            raise PrecisionError(
-                f"{where}: {len(bad)} parameter(s) would change dtype under DDP, whose gradient "
-                "buckets were built for the dtypes at wrapping time:\n  "
-                + "\n  ".join(c.describe() for c in bad[:8])
-                + "\nFix: let guard.prepare cast before accelerator.prepare wraps the model."
-            )
-
-    def _log(self, event: str, g: _Guarded, report: EnforceReport | None) -> None:
-        if self._reporter is not None:
-            self._reporter.log_event(
-                event, g.model, step=self.steps, policy=self.policy, groups=g.groups, report=report
-            )
-
-    def _entry(self, model: nn.Module | None) -> _Guarded:
+    def _entry(self, model: nn.Module | None) -> PrecisionGuard:
         if not self._guarded:
             raise PrecisionError(
                 "PrecisionGuardPlugin: no model is guarded yet. Fix: call "
@@ -464,8 +383,7 @@ class PrecisionGuardPlugin:
             h.remove()
         self._handles.clear()
         for g in self._guarded:
-            remove_guards(g.model)
-            release_model(g.root, self)
+            g.teardown()
 
     def __repr__(self) -> str:
         policy = self.policy.describe() if self.policy is not None else "inferred at prepare"

@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from .dtypes import dtype_name, is_castable, narrows_range
-from .enforce import EnforceReport, enforce_policy
+from .enforce import EnforceReport
 from .errors import PrecisionError, PrecisionWarning
 from .groups import (
     GroupRule,
@@ -70,7 +70,8 @@ from .groups import (
     register_group_rule,
     unwrap_model,
 )
-from .hooks import LEAF_GUARDED_GROUPS, GuardHandle, install_guards
+from .guard import PrecisionGuard
+from .hooks import LEAF_GUARDED_GROUPS, GuardHandle
 from .policy import (
     DEFAULT_KEY_GROUPS,
     DEFAULT_SKIP_KEYS,
@@ -358,10 +359,11 @@ class DiffusionGuard:
     reports: dict[str, EnforceReport] = field(default_factory=dict)
     handles: dict[str, GuardHandle] = field(default_factory=dict)
     vae_overflow: list[tuple[str, float]] = field(default_factory=list)
+    guards: dict[str, PrecisionGuard] = field(default_factory=dict)  # the engine per component
 
     def remove(self) -> None:
-        for handle in self.handles.values():
-            handle.remove()
+        for guard in self.guards.values():
+            guard.teardown()
 
     def summary(self) -> str:
         lines = [f"guard_diffusion[{self.policy.describe()}]"]
@@ -433,9 +435,14 @@ def guard_diffusion(
             # vae(x) enters through the batch guard: x follows the VAE, not the denoiser, so an
             # fp32 VAE never sees inputs rounded to half on the way in.
             p = dataclasses.replace(p, compute_dtype=p.group_dtype("vae"))
-        report = enforce_policy(module, p, groups=groups, optimizer=optimizer, mode=mode)
-        out.groups[name], out.reports[name] = groups, report
-        out.handles[name] = install_guards(module, p, report, groups=groups)
+        if mode is not None:
+            p = p.replace(mode=mode)
+        # one-shot (no later events): a new guard_diffusion call replaces this one, no claim
+        guard = PrecisionGuard(module, p, name="guard_diffusion", groups=groups, claim=False)
+        report = guard.verify("setup", optimizer=optimizer)
+        out.guards[name], out.groups[name], out.reports[name] = guard, groups, report
+        assert guard.handle is not None
+        out.handles[name] = guard.handle
     return out
 
 

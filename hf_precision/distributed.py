@@ -40,6 +40,14 @@ from .enforce import Change, EnforceReport
 from .errors import PrecisionError
 from .groups import ModuleGroups, clean_name, find_module_groups, unwrap_model
 from .policy import PrecisionPolicy
+from .wrappers import (
+    WRAPPERS,
+    detect_wrapper,
+    planned_wrapper,
+    settle_shards,
+    wrapper_compute_dtypes,
+    wrapper_of,
+)
 
 _MAX_LISTED = 8
 __all__ = [
@@ -196,121 +204,6 @@ def check_model_ranks(
         )
 
 
-# ------------------------------------------------------------------------------- wrappers
-
-WRAPPERS = ("FSDP2", "FSDP", "DeepSpeed", "DDP")
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor" or type(getattr(t, "data", None)).__name__ == "DTensor"
-
-
-def _is_fsdp2_module(m: nn.Module) -> bool:
-    return callable(getattr(type(m), "_get_fsdp_state", None)) and hasattr(m, "reshard")
-
-
-def wrapper_of(model: nn.Module) -> str | None:
-    """Who holds ``model``'s parameters right now (one of :data:`WRAPPERS`), or ``None``."""
-    if type(model).__name__ == "DeepSpeedEngine":
-        return "DeepSpeed"
-    ddp = type(model).__name__ in ("DistributedDataParallel", "DataParallel")
-    inner = getattr(model, "module", model) if ddp else model
-    for m in inner.modules():
-        if _is_fsdp2_module(m):
-            return "FSDP2"
-        if type(m).__name__ == "FullyShardedDataParallel":
-            return "FSDP"
-    for p in inner.parameters():
-        if _is_dtensor(p):
-            return "FSDP2"
-        if getattr(p, "_is_flat_param", False):
-            return "FSDP"
-        if hasattr(p, "ds_id"):  # DeepSpeed ZeRO-3 partitions parameters in place
-            return "DeepSpeed"
-    return "DDP" if ddp else None
-
-
-def planned_wrapper(accelerator: Any = None, args: Any = None) -> str | None:
-    """The wrapper ``accelerator.prepare`` (or ``Trainer``) will put around the model."""
-    if accelerator is not None:
-        kind = str(getattr(getattr(accelerator, "distributed_type", None), "value", "") or "")
-        if kind == "DEEPSPEED":
-            return "DeepSpeed"
-        if kind == "FSDP":
-            return "FSDP2" if getattr(accelerator, "is_fsdp2", False) else "FSDP"
-        if kind.startswith("MULTI_") and int(getattr(accelerator, "num_processes", 1)) > 1:
-            return "DDP"
-    if args is not None:
-        if getattr(args, "deepspeed", None):
-            return "DeepSpeed"
-        if getattr(args, "fsdp", None):
-            cfg = getattr(args, "fsdp_config", None) or {}
-            return "FSDP2" if str(cfg.get("version", cfg.get("fsdp_version", 1))) == "2" else "FSDP"
-        if int(getattr(args, "world_size", 1) or 1) > 1:
-            return "DDP"
-    return None
-
-
-def detect_wrapper(
-    model: nn.Module | None = None, *, accelerator: Any = None, args: Any = None
-) -> str | None:
-    """``"FSDP2"``, ``"FSDP"``, ``"DeepSpeed"``, ``"DDP"`` or ``None``: the model's wrapper if it
-    has one, else the one the accelerator / ``TrainingArguments`` will add.
-
-    >>> from hf_precision.tiny import tiny_llava
-    >>> detect_wrapper(tiny_llava()) is None
-    True
-    """
-    found = wrapper_of(model) if model is not None else None
-    return found or planned_wrapper(accelerator, args)
-
-
-def settle_shards(model: nn.Module) -> int:
-    """Re-register FSDP2's sharded parameters where a forward left unsharded ones (the root
-    unit keeps them after forward), so dtypes read the stored weights; local, no collective.
-    Returns how many FSDP2 modules were resharded."""
-    n = 0
-    for m in model.modules():
-        if _is_fsdp2_module(m) and not all(
-            getattr(g, "is_sharded", True) for g in _param_groups(m)
-        ):
-            m.reshard()  # type: ignore[operator]
-            n += 1
-    return n
-
-
-def _param_groups(m: nn.Module) -> list[Any]:
-    state = m._get_fsdp_state()  # type: ignore[operator]
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # older torch: one group per state
-        one = getattr(state, "_fsdp_param_group", None)
-        groups = [one] if one is not None else []
-    return list(groups)
-
-
-def wrapper_compute_dtypes(model: nn.Module) -> dict[int, torch.dtype]:
-    """``id(parameter) -> dtype`` FSDP computes it in, for parameters whose FSDP mixed precision
-    casts them (FSDP2 ``MixedPrecisionPolicy.param_dtype``, FSDP1 ``MixedPrecision.param_dtype``).
-    Empty for models no FSDP wraps, so it is cheap to call."""
-    out: dict[int, torch.dtype] = {}
-    for m in model.modules():  # pre-order: inner FSDP1 units override outer ones
-        if _is_fsdp2_module(m):
-            for group in _param_groups(m):
-                # as FSDPParam.init_dtype_attrs decides it, which runs only at the first forward
-                want = getattr(getattr(group, "mp_policy", None), "param_dtype", None)
-                for fp in getattr(group, "fsdp_params", ()):
-                    p = fp.sharded_param
-                    out[id(p)] = want if want is not None and p.is_floating_point() else p.dtype
-        elif type(m).__name__ == "FullyShardedDataParallel":
-            mp = getattr(m, "mixed_precision", None)
-            dtype = getattr(mp, "param_dtype", None)
-            if dtype is not None:
-                for p in m.parameters():
-                    if p.is_floating_point():
-                        out[id(p)] = dtype
-    return out
-
-
 @dataclass
 class WrapperCheck:
     """What :func:`check_wrapped` found on a model a wrapper holds (nothing was cast)."""
@@ -450,22 +343,26 @@ def explain_wrapped(
     *,
     args: Any = None,
     where: str,
+    wrapper: str | None = None,
+    check: WrapperCheck | None = None,
 ) -> EnforceReport:
     """Drop from an audit what FSDP/DeepSpeed do on purpose (see :func:`check_wrapped`); raise
     for the rest unless the policy only audits. What the wrapper cast against the policy (a
     keep-fp32 group held in bf16) is listed in ``wrapper_casts`` with a message (with the fix)
     in ``wrapper_note``, and raised in ``raise`` mode. Without such a wrapper ``audit`` is
-    returned."""
-    wrapper = detect_wrapper(model, args=args)
+    returned. ``wrapper`` and ``check`` skip the detection and the check when the caller has
+    them."""
+    wrapper = wrapper or detect_wrapper(model, args=args)
     if wrapper not in ("FSDP", "FSDP2", "DeepSpeed"):
         return audit
-    check = check_wrapped(
-        model,
-        policy,
-        groups,
-        wrapper=wrapper,
-        deepspeed_dtype=check_training_args(args) if args is not None else None,
-    )
+    if check is None:
+        check = check_wrapped(
+            model,
+            policy,
+            groups,
+            wrapper=wrapper,
+            deepspeed_dtype=check_training_args(args) if args is not None else None,
+        )
     if check and policy.mode != "audit":
         raise check.error(where, policy)
     if check.casts and policy.mode == "raise":

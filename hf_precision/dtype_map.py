@@ -40,13 +40,10 @@ from .groups import (
     hidden_module,
     unwrap_model,
 )
+from .wrappers import is_sharded
 
 #: Tensor types that are never DTensors nor packed quantized storage.
 _PLAIN = (nn.Parameter, torch.Tensor)
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor" or type(getattr(t, "data", None)).__name__ == "DTensor"
 
 
 @dataclass
@@ -386,7 +383,7 @@ def _dtype_map(model: nn.Module, groups: ModuleGroups | None, policy: Any) -> Dt
                 rec.trainable += n
             if quant:
                 rec.quantized += n
-            if zero3 or (not plain and _is_dtensor(p)):
+            if zero3 or (not plain and is_sharded(p)):
                 rec.sharded += n
             summary = summaries.get(pgroup)
             if summary is None:

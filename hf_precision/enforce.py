@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,7 @@ from .groups import (
     unwrap_model,
 )
 from .policy import PrecisionPolicy
+from .wrappers import is_sharded
 
 _MAX_LISTED = 12
 #: Adapter weights whose layers cast their own input to the adapter dtype and the result back
@@ -131,10 +132,6 @@ class EnforceReport:
             "mixed_groups": list(self.mixed_groups),
             "rule": self.groups.rule,
         }
-
-
-def _is_sharded(p: torch.Tensor) -> bool:
-    return type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor"
 
 
 def model_device(root: nn.Module, groups: ModuleGroups) -> torch.device | None:
@@ -458,7 +455,7 @@ def _plan_one(
     if reason.startswith(("keep_fp32", "model._keep", "rotary")):
         report.kept_fp32.append((full, reason))
     zero3 = zero3_dtype(t) if kind == "param" else None
-    if zero3 is not None or _is_sharded(t):
+    if zero3 is not None or is_sharded(t):
         # The wrapper owns these tensors: writing .data would desynchronise them from its
         # partitions (ZeRO-3's ds_tensor) or shards. Verified elsewhere, never cast.
         held = zero3 or t.dtype
@@ -520,6 +517,23 @@ def _apply(
         t.grad = grad.to(device=device, dtype=dtype)
     if optimizer is not None:
         _cast_optimizer_state(optimizer, t, dtype, device)
+
+
+def restore_values(model: nn.Module, saved: Mapping[str, torch.Tensor]) -> int:
+    """Give named parameters/buffers of ``model`` the exact values (and dtypes) of ``saved``
+    where their dtype changed (after an in-place ``model.to(bf16)`` of ``*_full_eval``).
+    Parameter objects are kept (``.data`` is replaced); returns how many were restored."""
+    root, _ = unwrap_model(model)
+    tensors: dict[str, torch.Tensor] = dict(root.named_parameters())
+    tensors.update(dict(root.named_buffers()))
+    n = 0
+    with torch.no_grad():
+        for name, value in saved.items():
+            t = tensors.get(name)
+            if t is not None and t.dtype != value.dtype:
+                t.data = value.to(t.device)
+                n += 1
+    return n
 
 
 def check_policy(

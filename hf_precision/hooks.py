@@ -39,6 +39,7 @@ from .dtypes import dtype_name, is_castable, majority_dtype, quantized_compute_d
 from .errors import PrecisionError
 from .groups import OTHER, ModuleGroups, find_module_groups, unwrap_model
 from .policy import PrecisionPolicy
+from .wrappers import wrapper_compute_dtypes
 
 _ATTR = "_hf_precision_guard"
 #: Modules whose whole forward is one op autocast runs in its own dtype (F.linear, F.conv*).
@@ -439,8 +440,6 @@ def install_guards(
         wanted.add(id(mod))
         handle.added += _install(mod, st)
         bucket.append(st.path)
-
-    from .distributed import wrapper_compute_dtypes
 
     compute = wrapper_compute_dtypes(model)  # empty unless FSDP mixed precision casts params
     recv = receiving_dtypes(root, groups, compute=compute)

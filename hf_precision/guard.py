@@ -1,0 +1,301 @@
+"""``PrecisionGuard``: the one pipeline every front end runs at its events.
+
+At each event (``setup``, ``on_train_begin``, ``after_evaluate``, ...) :meth:`PrecisionGuard.verify`
+walks the same steps, in one direction (docs/architecture.md):
+
+1. **plan** — ``enforce_policy(mode="audit")``: what differs from the policy (nothing is cast);
+2. **wrapper** — if FSDP/FSDP2/DeepSpeed holds the parameters, explain what it does on purpose
+   and raise for the rest (never cast); under DDP only a return to the wrap-time dtypes is cast;
+3. **apply** — ``enforce_policy(mode="fix")`` when the plan is not empty (the one place that
+   casts, :mod:`hf_precision.enforce`);
+4. **guards** — install or update the batch, boundary and leaf hooks;
+5. **report** — the reporter's files / W&B, then, where the front end asks, the ranks compared.
+
+The front ends are adapters that decide *when* (their events) and *who holds the model*
+(the wrapper): :class:`~hf_precision.callback.PrecisionGuardCallback` (``Trainer`` and its TRL
+subclasses), :class:`~hf_precision.accelerate_plugin.PrecisionGuardPlugin` (accelerate loops)
+and :func:`~hf_precision.diffusion.guard_diffusion` (one guard per pipeline component).
+
+>>> from hf_precision import PrecisionPolicy
+>>> from hf_precision.tiny import tiny_llava
+>>> import torch
+>>> model = tiny_llava()
+>>> _ = model.model.vision_tower.to(torch.float16)
+>>> guard = PrecisionGuard(model, PrecisionPolicy.from_preset("bf16-true"))
+>>> len(guard.verify("setup").changes) > 0, len(guard.verify("check").changes)
+(True, 0)
+>>> guard.events
+[('setup', 41), ('check', 0)]
+>>> guard.teardown()
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from .distributed import check_model_ranks, check_wrapped, explain_wrapped
+from .dtypes import dtype_name
+from .enforce import EnforceReport, enforce_policy, restore_values
+from .errors import PrecisionError, PrecisionWarning
+from .groups import ModuleGroups, find_module_groups, unwrap_model
+from .hooks import GuardHandle, claim_model, install_guards, release_model, remove_guards
+from .policy import PrecisionPolicy
+from .wrappers import settle_shards
+
+logger = logging.getLogger("hf_precision")
+
+#: Wrappers that own the parameters: the guard verifies and explains, never casts.
+HOLDING_WRAPPERS = ("FSDP", "FSDP2", "DeepSpeed")
+_MAX_LISTED = 8
+
+
+class PrecisionGuard:
+    """One model under one policy.
+
+    Args:
+        model: the model (a wrapper around it is fine: PEFT, DDP, ``torch.compile``).
+        policy: the :class:`PrecisionPolicy` to enforce.
+        name: the front end, for messages (``"PrecisionGuardCallback"``).
+        call: the user's own call, repeated in errors (``"PrecisionGuardCallback('bf16')"``).
+        owner: who claims the model (two front ends with different policies on one model
+            raise); defaults to the guard.
+        groups: the model's groups, when the front end found them already.
+        reporter: a :class:`~hf_precision.reporting.PrecisionReporter`, or ``None``.
+        deepspeed_dtype: the dtype a DeepSpeed config holds the model in, when one is used.
+        claim: mark the model as held by ``owner`` (a second live guard with another policy
+            raises); off for one-shot front ends that run no later events.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        policy: PrecisionPolicy,
+        *,
+        name: str = "PrecisionGuard",
+        call: str | None = None,
+        owner: object = None,
+        groups: ModuleGroups | None = None,
+        reporter: Any = None,
+        deepspeed_dtype: torch.dtype | None = None,
+        claim: bool = True,
+    ) -> None:
+        self.model = model
+        self.root, _ = unwrap_model(model)
+        self.policy = policy
+        self.name = name
+        self.call = call or f"{name}({policy.name!r})"
+        self.owner = self if owner is None else owner
+        self.groups = groups if groups is not None else find_module_groups(self.root)
+        self.reporter = reporter
+        self.deepspeed_dtype = deepspeed_dtype
+        self.handle: GuardHandle | None = None
+        self.last_report: EnforceReport | None = None
+        self.events: list[tuple[str, int]] = []  # (event, violations found)
+        #: parameters and their dtypes after the last verify (a cheap drift check compares them)
+        self.params: tuple[torch.Tensor, ...] = ()
+        self.dtypes: tuple[torch.dtype, ...] = ()
+        #: parameter dtypes when DDP wrapped the model (drift may only go back to them)
+        self.wrap_dtypes: dict[int, torch.dtype] = {}
+        self._said: set[str] = set()
+        self._wrapper_casts: set[str] = set()
+        self._stash: dict[str, torch.Tensor] = {}
+        if claim:
+            claim_model(self.root, self.owner, policy, self.call)
+
+    # ------------------------------------------------------------------ the pipeline
+    def verify(
+        self,
+        event: str,
+        *,
+        model: nn.Module | None = None,
+        wrapper: str | None = None,
+        optimizer: Any = None,
+        step: int = 0,
+        check_ranks: bool = False,
+        log_clean: bool = True,
+    ) -> EnforceReport:
+        """Plan, explain a wrapper, apply, guard, report (see the module docstring).
+
+        ``model`` is the object the front end holds now (a wrapper made after setup);
+        ``wrapper`` who holds its parameters (``None``, ``"DDP"``, ``"FSDP"``, ``"FSDP2"``,
+        ``"DeepSpeed"``). ``log_clean=False`` reports only events that found something.
+        """
+        if model is not None:
+            self.model = model
+        model, policy, where = self.model, self.policy, f"{self.name}.{event}"
+        first = not self.events
+        if wrapper == "FSDP2":
+            settle_shards(model)  # FSDP2 keeps the root unsharded after forward
+        audit = enforce_policy(model, policy, groups=self.groups, mode="audit")
+        report, found = audit, len(audit.changes)
+        if wrapper in HOLDING_WRAPPERS:
+            report, found = self._explain(model, wrapper, audit, where)
+        elif audit.changes and policy.mode != "audit":
+            if wrapper == "DDP":
+                self._check_ddp_restore(audit, where)
+            report = enforce_policy(
+                model,
+                policy,
+                groups=self.groups,
+                mode=policy.mode,
+                optimizer=optimizer,
+                allow_wrapped=wrapper is not None,
+            )
+        self._say(where, audit, report, found, first=first, held=wrapper in HOLDING_WRAPPERS)
+        self.last_report = report
+        self.handle = install_guards(model, policy, report, groups=self.groups)
+        self.params = tuple(model.parameters())
+        self.dtypes = tuple(p.dtype for p in self.params)
+        self.events.append((event, found))
+        if self.reporter is not None and (log_clean or found):
+            noted = found or report.wrapper_casts
+            self.reporter.log_event(
+                event,
+                model,
+                step=step,
+                policy=policy,
+                groups=self.groups,
+                report=report if noted else None,
+            )
+        if check_ranks:  # a collective: every rank reaches the same events
+            check_model_ranks(model, self.groups, policy=policy, where=where)
+        return report
+
+    def drifted(self) -> bool:
+        """Whether any parameter changed dtype since the last verify (one read per tensor)."""
+        return tuple(p.dtype for p in self.params) != self.dtypes
+
+    def mark_wrapped(self, model: nn.Module) -> None:
+        """Remember the dtypes a DDP wrapper built its gradient buckets for."""
+        self.model = model
+        self.wrap_dtypes = {id(p): p.dtype for p in model.parameters()}
+
+    # ------------------------------------------------------------------ steps
+    def _explain(
+        self, model: nn.Module, wrapper: str, audit: EnforceReport, where: str
+    ) -> tuple[EnforceReport, int]:
+        policy = self.policy
+        check = check_wrapped(
+            model, policy, self.groups, wrapper=wrapper, deepspeed_dtype=self.deepspeed_dtype
+        )
+        for why, n in check.expected.items():
+            logger.info("hf-precision %s: %d parameter(s) %s (expected)", where, n, why)
+        for note in check.notes[:_MAX_LISTED]:
+            self._warn_once(f"{where}: {note}")
+        if check and policy.mode == "audit":
+            warnings.warn(str(check.error(where, policy)), PrecisionWarning, stacklevel=3)
+        kept = explain_wrapped(
+            model, policy, self.groups, audit, where=where, wrapper=wrapper, check=check
+        )
+        casts = {c.name for c in kept.wrapper_casts}
+        if casts and casts != self._wrapper_casts:  # once, not at every evaluation
+            warnings.warn(kept.wrapper_note or "", PrecisionWarning, stacklevel=3)
+        self._wrapper_casts = casts
+        return kept, len(check.violations)
+
+    def _check_ddp_restore(self, audit: EnforceReport, where: str) -> None:
+        """DDP built its gradient buckets for the dtypes at wrapping time (or, when the guard
+        did not see the wrapping, at its last verify): only going back to those is safe."""
+        ref = self.wrap_dtypes or {id(p): d for p, d in zip(self.params, self.dtypes)}
+        named = dict(self.root.named_parameters())
+        bad = [
+            c
+            for c in audit.changes
+            if c.kind == "param"
+            and c.name in named
+            and dtype_name(ref.get(id(named[c.name]), named[c.name].dtype)) != c.after
+        ]
+        if bad:
+            raise PrecisionError(
+                f"{where}: {len(bad)} parameter(s) would change dtype under DDP, whose gradient "
+                "buckets were built for the dtypes at wrapping time:\n  "
+                + "\n  ".join(c.describe() for c in bad[:_MAX_LISTED])
+                + f"\nFix: let {self.name} cast before the model is wrapped (keep it in the "
+                "callbacks / call guard.prepare before accelerator.prepare), or load the model "
+                "in the policy's dtypes."
+            )
+
+    def _say(
+        self,
+        where: str,
+        audit: EnforceReport,
+        report: EnforceReport,
+        found: int,
+        *,
+        first: bool,
+        held: bool,
+    ) -> None:
+        policy = self.policy
+        if first and report.applied and report.changes:
+            logger.warning(
+                "hf-precision: cast %d tensor(s) in %s to %s (details in the precision report)",
+                len(report.changes),
+                ", ".join(sorted({c.group for c in report.changes})),
+                policy.describe(),
+            )
+        elif found:  # later events: the model drifted from the policy
+            verb = "repaired" if policy.mode == "fix" and not held else "found"
+            example = f", e.g. {audit.changes[0].describe()}" if audit.changes else ""
+            warnings.warn(
+                f"{where}: dtype drift {verb}: {found} tensor(s) did not match "
+                f"{policy.describe()}{example}",
+                PrecisionWarning,
+                stacklevel=4,
+            )
+        if not report.applied:  # enforce_policy said the warnings of what it applied
+            for w in report.warnings:
+                self._warn_once(w)
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            warnings.warn(message, PrecisionWarning, stacklevel=4)
+
+    # ------------------------------------------------------------------ full-precision eval
+    def stash(self, eval_dtype: torch.dtype | None, limit_bytes: int) -> None:
+        """Keep CPU copies of what an in-place ``model.to(eval_dtype)`` would round (trainable
+        weights, fp32 buffers kept by the policy), to give their exact values back after."""
+        if eval_dtype is None:
+            return
+        policy = self.policy
+        keep: dict[str, torch.Tensor] = {}
+        total = 0
+        for name, p in self.root.named_parameters():
+            if p.requires_grad and p.dtype != eval_dtype and p.is_floating_point():
+                keep[name] = p
+                total += p.numel() * p.element_size()
+        for name, b in self.root.named_buffers():
+            fp32 = b.is_floating_point() and b.dtype == torch.float32
+            if fp32 and policy.keep_fp32_reason(name, is_buffer=True) is not None:
+                keep[name] = b
+        if total > limit_bytes:
+            warnings.warn(
+                f"{dtype_name(eval_dtype)}_full_eval will round {total / 2**30:.1f} GiB of "
+                f"trainable weights in place and the guard keeps no copy above "
+                f"{limit_bytes / 2**30:.0f} GiB. Fix: drop *_full_eval, or train LoRA.",
+                PrecisionWarning,
+                stacklevel=3,
+            )
+            return
+        self._stash = {k: v.detach().to("cpu", copy=True) for k, v in keep.items()}
+
+    def restore(self) -> int:
+        """Give stashed tensors their exact values back where their dtype changed."""
+        return restore_values(self.root, self._stash) if self._stash else 0
+
+    # ------------------------------------------------------------------ teardown
+    def teardown(self) -> None:
+        """Take the guards off and release the model."""
+        remove_guards(self.model)
+        release_model(self.root, self.owner)
+
+    def __repr__(self) -> str:
+        return f"PrecisionGuard({self.policy.describe()}, rule={self.groups.rule!r})"
+
+
+__all__ = ["HOLDING_WRAPPERS", "PrecisionGuard"]

@@ -1,0 +1,129 @@
+"""Who holds the parameters: wrapper detection and the facts the guard reads from wrappers.
+
+One place answers "is this tensor a shard" (:func:`is_sharded`: FSDP2's DTensor) and "does a
+wrapper own this model" (:func:`detect_wrapper`); :mod:`hf_precision.enforce`,
+:mod:`hf_precision.dtype_map`, :mod:`hf_precision.hooks` and the front ends ask here. Nothing here
+imports torch.distributed or a wrapper library: classes are recognised by name and attribute.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+WRAPPERS = ("FSDP2", "FSDP", "DeepSpeed", "DDP")
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """A DTensor (FSDP2 shards parameters as DTensors), directly or as ``.data``."""
+    return type(t).__name__ == "DTensor" or type(getattr(t, "data", None)).__name__ == "DTensor"
+
+
+def is_fsdp2_module(m: nn.Module) -> bool:
+    """A module ``fully_shard`` (FSDP2) turned into an FSDP module."""
+    return callable(getattr(type(m), "_get_fsdp_state", None)) and hasattr(m, "reshard")
+
+
+def wrapper_of(model: nn.Module) -> str | None:
+    """Who holds ``model``'s parameters right now (one of :data:`WRAPPERS`), or ``None``."""
+    if type(model).__name__ == "DeepSpeedEngine":
+        return "DeepSpeed"
+    ddp = type(model).__name__ in ("DistributedDataParallel", "DataParallel")
+    inner = getattr(model, "module", model) if ddp else model
+    for m in inner.modules():
+        if is_fsdp2_module(m):
+            return "FSDP2"
+        if type(m).__name__ == "FullyShardedDataParallel":
+            return "FSDP"
+    for p in inner.parameters():
+        if is_sharded(p):
+            return "FSDP2"
+        if getattr(p, "_is_flat_param", False):
+            return "FSDP"
+        if hasattr(p, "ds_id"):  # DeepSpeed ZeRO-3 partitions parameters in place
+            return "DeepSpeed"
+    return "DDP" if ddp else None
+
+
+def planned_wrapper(accelerator: Any = None, args: Any = None) -> str | None:
+    """The wrapper ``accelerator.prepare`` (or ``Trainer``) will put around the model."""
+    if accelerator is not None:
+        kind = str(getattr(getattr(accelerator, "distributed_type", None), "value", "") or "")
+        if kind == "DEEPSPEED":
+            return "DeepSpeed"
+        if kind == "FSDP":
+            return "FSDP2" if getattr(accelerator, "is_fsdp2", False) else "FSDP"
+        if kind.startswith("MULTI_") and int(getattr(accelerator, "num_processes", 1)) > 1:
+            return "DDP"
+    if args is not None:
+        if getattr(args, "deepspeed", None):
+            return "DeepSpeed"
+        if getattr(args, "fsdp", None):
+            cfg = getattr(args, "fsdp_config", None) or {}
+            return "FSDP2" if str(cfg.get("version", cfg.get("fsdp_version", 1))) == "2" else "FSDP"
+        if int(getattr(args, "world_size", 1) or 1) > 1:
+            return "DDP"
+    return None
+
+
+def detect_wrapper(
+    model: nn.Module | None = None, *, accelerator: Any = None, args: Any = None
+) -> str | None:
+    """``"FSDP2"``, ``"FSDP"``, ``"DeepSpeed"``, ``"DDP"`` or ``None``: the model's wrapper if it
+    has one, else the one the accelerator / ``TrainingArguments`` will add.
+
+    >>> from hf_precision.tiny import tiny_llava
+    >>> detect_wrapper(tiny_llava()) is None
+    True
+    """
+    found = wrapper_of(model) if model is not None else None
+    return found or planned_wrapper(accelerator, args)
+
+
+def settle_shards(model: nn.Module) -> int:
+    """Re-register FSDP2's sharded parameters where a forward left unsharded ones (the root
+    unit keeps them after forward), so dtypes read the stored weights; local, no collective.
+    Returns how many FSDP2 modules were resharded."""
+    n = 0
+    for m in model.modules():
+        if is_fsdp2_module(m) and not all(
+            getattr(g, "is_sharded", True) for g in fsdp_param_groups(m)
+        ):
+            m.reshard()  # type: ignore[operator]
+            n += 1
+    return n
+
+
+def fsdp_param_groups(m: nn.Module) -> list[Any]:
+    """The parameter groups of an FSDP2 module's state (one or several, by torch version)."""
+    state = m._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # older torch: one group per state
+        one = getattr(state, "_fsdp_param_group", None)
+        groups = [one] if one is not None else []
+    return list(groups)
+
+
+def wrapper_compute_dtypes(model: nn.Module) -> dict[int, torch.dtype]:
+    """``id(parameter) -> dtype`` FSDP computes it in, for parameters whose FSDP mixed precision
+    casts them (FSDP2 ``MixedPrecisionPolicy.param_dtype``, FSDP1 ``MixedPrecision.param_dtype``).
+    Empty for models no FSDP wraps, so it is cheap to call."""
+    out: dict[int, torch.dtype] = {}
+    for m in model.modules():  # pre-order: inner FSDP1 units override outer ones
+        if is_fsdp2_module(m):
+            for group in fsdp_param_groups(m):
+                # as FSDPParam.init_dtype_attrs decides it, which runs only at the first forward
+                want = getattr(getattr(group, "mp_policy", None), "param_dtype", None)
+                for fp in getattr(group, "fsdp_params", ()):
+                    p = fp.sharded_param
+                    out[id(p)] = want if want is not None and p.is_floating_point() else p.dtype
+        elif type(m).__name__ == "FullyShardedDataParallel":
+            mp = getattr(m, "mixed_precision", None)
+            dtype = getattr(mp, "param_dtype", None)
+            if dtype is not None:
+                for p in m.parameters():
+                    if p.is_floating_point():
+                        out[id(p)] = dtype
+    return out
