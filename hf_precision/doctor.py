@@ -19,7 +19,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .cli import build_model, fail, load_config, model_classes, resolve_source, set_trainable
+from .checkpoint import (
+    build_model,
+    fail,
+    load_config,
+    model_classes,
+    resolve_source,
+    set_trainable,
+)
 
 
 def _doctor_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -26,8 +26,10 @@ from torch import nn
 
 from .dtypes import (
     dtype_name,
+    is_castable,
     is_quantized,
     logical_numel,
+    majority_dtype,
     quantized_format,
     storage_bytes,
     zero3_dtype,
@@ -276,6 +278,51 @@ class DtypeMap:
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), **kwargs)
+
+
+# ---------------------------------------------------------------------------- receiving
+def receiving(
+    mod: nn.Module, compute: Mapping[int, torch.dtype] | None = None
+) -> tuple[torch.dtype | None, torch.device | None]:
+    """The dtype a module's inputs must have (the majority dtype of its frozen floating
+    weights, of all of them when none is frozen; FSDP's compute dtype where ``compute`` says
+    so) and the device most of its weights are on (``None`` on meta)."""
+    frozen: list[tuple[torch.dtype, int]] = []
+    every: list[tuple[torch.dtype, int]] = []
+    devices: dict[torch.device, int] = {}
+    for p in mod.parameters():
+        if not is_castable(p):
+            continue
+        # FSDP computes in its MixedPrecisionPolicy.param_dtype, not the storage dtype
+        dt = compute.get(id(p), p.dtype) if compute else p.dtype
+        every.append((dt, p.numel()))
+        if not p.requires_grad:
+            frozen.append((dt, p.numel()))
+        devices[p.device] = devices.get(p.device, 0) + p.numel()
+    dtype = majority_dtype(frozen) or majority_dtype(every)
+    device = max(devices, key=lambda d: devices[d]) if devices else None
+    if device is not None and device.type == "meta":
+        device = None
+    return dtype, device
+
+
+def receiving_dtypes(
+    model: nn.Module,
+    groups: ModuleGroups | None = None,
+    *,
+    compute: Mapping[int, torch.dtype] | None = None,
+) -> dict[str, torch.dtype]:
+    """Per group, the dtype its entry receives (majority of its frozen weights)."""
+    root, _ = unwrap_model(model)
+    groups = groups or find_module_groups(root)
+    out = {}
+    for group in groups.names:
+        for mod in groups.modules(group):
+            dtype, _ = receiving(mod, compute)
+            if dtype is not None:
+                out[group] = dtype
+                break
+    return out
 
 
 def _add(d: dict[str, int], key: str, n: int) -> None:

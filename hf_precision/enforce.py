@@ -37,12 +37,12 @@ from .dtypes import (
 )
 from .errors import PrecisionError, PrecisionWarning
 from .groups import (
-    OTHER,
     ModuleGroups,
     find_module_groups,
     hidden_module,
     owning_wrapper,
     unwrap_model,
+    walk_modules,
 )
 from .policy import PrecisionPolicy
 from .wrappers import is_sharded
@@ -148,24 +148,6 @@ def model_device(root: nn.Module, groups: ModuleGroups) -> torch.device | None:
     return max(counts, key=lambda d: counts[d]) if counts else None
 
 
-def _walk(root: nn.Module, groups: ModuleGroups) -> Iterator[tuple[str, str, nn.Module]]:
-    """(path, group, module) in pre-order, the group derived from the parent in O(1)."""
-    group_at: dict[str, str] = {}
-    lookup = groups._lookup
-    for path, mod in root.named_modules():
-        parent = path.rsplit(".", 1)[0] if "." in path else ""
-        group = lookup.get(path) or (group_at.get(parent, OTHER) if path else lookup.get("", OTHER))
-        group_at[path] = group
-        yield path, group, mod
-    # Modules held outside the module tree (OmniLMM's tune_clip=False keeps its vision tower in a
-    # list, so model.to() never reaches it) are walked too: that is the seed's device bug.
-    for group, hidden_path in groups.hidden.items():
-        hidden = hidden_module(root, hidden_path)
-        if hidden is not None:
-            for sub, mod in hidden.named_modules(prefix=hidden_path):
-                yield sub, group, mod
-
-
 def _cast_optimizer_state(
     optimizer: Any, p: torch.Tensor, dtype: torch.dtype, device: torch.device
 ) -> None:
@@ -269,7 +251,7 @@ def enforce_policy(
     aliases: dict[int, list[tuple[str, str]]] = {}
     todo: list[tuple[nn.Module, str, torch.Tensor, Change, torch.dtype, torch.device]] = []
     meta: list[str] = []
-    for path, group, mod in _walk(root, groups):
+    for path, group, mod in walk_modules(root, groups):
         for pname, p in mod._parameters.items():
             if p is None:
                 continue

@@ -598,6 +598,26 @@ def find_module_groups(model: nn.Module, *, strict: bool = False) -> ModuleGroup
     return ModuleGroups(root, paths, params, "fallback(" + ", ".join(how) + ")", mt, prefix)
 
 
+def walk_modules(root: nn.Module, groups: ModuleGroups) -> Iterator[tuple[str, str, nn.Module]]:
+    """``(path, group, module)`` of every module of ``root`` in pre-order, the group derived
+    from the parent in O(1); modules held outside the module tree come last, under their group.
+    The walk :func:`~hf_precision.enforce_policy` and the leaf guards share."""
+    group_at: dict[str, str] = {}
+    lookup = groups._lookup
+    for path, mod in root.named_modules():
+        parent = path.rsplit(".", 1)[0] if "." in path else ""
+        group = lookup.get(path) or (group_at.get(parent, OTHER) if path else lookup.get("", OTHER))
+        group_at[path] = group
+        yield path, group, mod
+    # Modules held outside the module tree (OmniLMM's tune_clip=False keeps its vision tower in a
+    # list, so model.to() never reaches it) are walked too: that is the seed's device bug.
+    for group, hidden_path in groups.hidden.items():
+        hidden = hidden_module(root, hidden_path)
+        if hidden is not None:
+            for sub, mod in hidden.named_modules(prefix=hidden_path):
+                yield sub, group, mod
+
+
 def _warn_hidden(root: nn.Module, found: ModuleGroups) -> None:
     where = ", ".join(
         f"{g}={p!r} (held in a {found.held.get(g, 'attribute')})" for g, p in found.hidden.items()
@@ -612,7 +632,3 @@ def _warn_hidden(root: nn.Module, found: ModuleGroups) -> None:
         PrecisionWarning,
         stacklevel=3,
     )
-
-
-# The built-in rules live beside the registry they fill (imported last: they use it).
-from . import group_rules as _group_rules  # noqa: E402, F401

@@ -35,9 +35,10 @@ import torch
 from torch import nn
 
 from .batch import cast_batch, cast_tensor, key_dtypes_for
-from .dtypes import dtype_name, is_castable, majority_dtype, quantized_compute_dtype
+from .dtype_map import receiving, receiving_dtypes
+from .dtypes import dtype_name, is_castable, quantized_compute_dtype
 from .errors import PrecisionError
-from .groups import OTHER, ModuleGroups, find_module_groups, unwrap_model
+from .groups import OTHER, ModuleGroups, find_module_groups, unwrap_model, walk_modules
 from .policy import PrecisionPolicy
 from .wrappers import wrapper_compute_dtypes
 
@@ -288,47 +289,6 @@ def _own_weight(mod: nn.Module) -> tuple[torch.dtype, torch.Tensor | None] | Non
     return (castable.dtype, castable) if castable is not None else None
 
 
-def _receiving(
-    mod: nn.Module, compute: Mapping[int, torch.dtype] | None = None
-) -> tuple[torch.dtype | None, torch.device | None]:
-    frozen: list[tuple[torch.dtype, int]] = []
-    every: list[tuple[torch.dtype, int]] = []
-    devices: dict[torch.device, int] = {}
-    for p in mod.parameters():
-        if not is_castable(p):
-            continue
-        # FSDP computes in its MixedPrecisionPolicy.param_dtype, not the storage dtype
-        dt = compute.get(id(p), p.dtype) if compute else p.dtype
-        every.append((dt, p.numel()))
-        if not p.requires_grad:
-            frozen.append((dt, p.numel()))
-        devices[p.device] = devices.get(p.device, 0) + p.numel()
-    dtype = majority_dtype(frozen) or majority_dtype(every)
-    device = max(devices, key=lambda d: devices[d]) if devices else None
-    if device is not None and device.type == "meta":
-        device = None
-    return dtype, device
-
-
-def receiving_dtypes(
-    model: nn.Module,
-    groups: ModuleGroups | None = None,
-    *,
-    compute: Mapping[int, torch.dtype] | None = None,
-) -> dict[str, torch.dtype]:
-    """Per group, the dtype its entry receives (majority of its frozen weights)."""
-    root, _ = unwrap_model(model)
-    groups = groups or find_module_groups(root)
-    out = {}
-    for group in groups.names:
-        for mod in groups.modules(group):
-            dtype, _ = _receiving(mod, compute)
-            if dtype is not None:
-                out[group] = dtype
-                break
-    return out
-
-
 def _group_roots(root: nn.Module, groups: ModuleGroups) -> list[tuple[str, nn.Module]]:
     """(path, module) of every group root, those held outside the module tree included."""
     from .groups import hidden_module
@@ -443,7 +403,7 @@ def install_guards(
 
     compute = wrapper_compute_dtypes(model)  # empty unless FSDP mixed precision casts params
     recv = receiving_dtypes(root, groups, compute=compute)
-    _, root_device = _receiving(root, compute)
+    _, root_device = receiving(root, compute)
     if policy.cast_batch:
         put(
             root,
@@ -462,7 +422,7 @@ def install_guards(
     if policy.boundary_guards:
         for path, mod in _group_roots(root, groups):
             if mod is not root:  # the root's own inputs are the batch guard's
-                dtype, device = _receiving(mod, compute)
+                dtype, device = receiving(mod, compute)
                 if dtype is not None:
                     put(
                         mod,
@@ -485,9 +445,7 @@ def install_guards(
         else:
             leaf_groups = ()
     if leaf_groups:
-        from .enforce import _walk
-
-        for path, group, mod in _walk(root, groups):
+        for path, group, mod in walk_modules(root, groups):
             if group not in leaf_groups or id(mod) in wanted or isinstance(mod, _SKIP_LEAVES):
                 continue
             own = _own_weight(mod)

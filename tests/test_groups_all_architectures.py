@@ -19,7 +19,7 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as MAPPING,
 )
 
-from hf_precision.cli import CONFIG_REPAIRS, fill_subconfigs
+from hf_precision.checkpoint import CONFIG_REPAIRS, fill_subconfigs
 from hf_precision.groups import OTHER, ModuleGroups, find_module_groups, group_rules
 
 pytestmark = pytest.mark.xdist_group("all_architectures")  # one worker builds them once
