@@ -54,7 +54,6 @@ from .errors import PrecisionError, PrecisionWarning
 from .groups import unwrap_model
 from .guard import PrecisionGuard
 from .policy import PrecisionPolicy, policy_call, resolve_policy, with_overrides
-from .wrappers import wrapper_of
 
 logger = logging.getLogger("hf_precision")
 
@@ -299,7 +298,7 @@ class PrecisionGuardPlugin:
         g.policy, g.reporter, g.deepspeed_dtype = policy, self._reporter, self.deepspeed_dtype
         report = g.verify(
             event,
-            wrapper=wrapper_of(g.model),
+            wrapper="auto",
             optimizer=self._optimizers[0] if self._optimizers else None,
             step=self.steps,
             check_ranks=check_ranks and self.check_ranks,

@@ -34,7 +34,6 @@ from .groups import ModuleGroups, unwrap_model
 from .guard import PrecisionGuard
 from .hooks import GuardHandle
 from .policy import PrecisionPolicy, policy_call, resolve_policy, with_overrides
-from .wrappers import detect_wrapper
 
 logger = logging.getLogger("hf_precision")
 
@@ -228,7 +227,8 @@ class PrecisionGuardCallback(TrainerCallback):
         guard.verify(
             event,
             model=model,
-            wrapper=None if event == "on_init_end" else detect_wrapper(model, args=args),
+            wrapper=None if event == "on_init_end" else "auto",
+            args=args,
             optimizer=kwargs.get("optimizer"),
             step=int(getattr(state, "global_step", 0) or 0),
             check_ranks=check_ranks,  # collective: every rank reaches these events

@@ -17,7 +17,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ from .dtypes import (
 )
 from .groups import (
     OTHER,
+    ModelView,
     ModuleGroups,
     clean_name,
     find_module_groups,
@@ -282,15 +283,18 @@ class DtypeMap:
 
 # ---------------------------------------------------------------------------- receiving
 def receiving(
-    mod: nn.Module, compute: Mapping[int, torch.dtype] | None = None
+    mod: nn.Module,
+    compute: Mapping[int, torch.dtype] | None = None,
+    params: Iterable[torch.Tensor] | None = None,
 ) -> tuple[torch.dtype | None, torch.device | None]:
     """The dtype a module's inputs must have (the majority dtype of its frozen floating
     weights, of all of them when none is frozen; FSDP's compute dtype where ``compute`` says
-    so) and the device most of its weights are on (``None`` on meta)."""
+    so) and the device most of its weights are on (``None`` on meta). ``params``: the module's
+    parameters when the caller has them."""
     frozen: list[tuple[torch.dtype, int]] = []
     every: list[tuple[torch.dtype, int]] = []
     devices: dict[torch.device, int] = {}
-    for p in mod.parameters():
+    for p in params if params is not None else mod.parameters():
         if not is_castable(p):
             continue
         # FSDP computes in its MixedPrecisionPolicy.param_dtype, not the storage dtype
@@ -330,12 +334,17 @@ def _add(d: dict[str, int], key: str, n: int) -> None:
 
 
 def dtype_map(
-    model: nn.Module, groups: ModuleGroups | None = None, *, policy: Any = None
+    model: nn.Module,
+    groups: ModuleGroups | None = None,
+    *,
+    policy: Any = None,
+    view: ModelView | None = None,
 ) -> DtypeMap:
     """Snapshot the dtypes/devices of every module that owns parameters or buffers.
 
     ``groups`` defaults to :func:`find_module_groups`; with a ``policy`` the records say why a
-    module was kept in fp32.
+    module was kept in fp32; ``view`` is this event's walk of the model, when the caller has
+    one (:class:`~hf_precision.groups.ModelView`).
     """
     # Every container built here is kept (records, per-dtype counts): cyclic-GC passes during
     # the walk would only rescan them, a cost that grows faster than the model (measured on
@@ -343,27 +352,18 @@ def dtype_map(
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _dtype_map(model, groups, policy)
+        return _dtype_map(model, groups, policy, view)
     finally:
         if enabled:
             gc.enable()
 
 
-def _dtype_map(model: nn.Module, groups: ModuleGroups | None, policy: Any) -> DtypeMap:
-    root, _ = unwrap_model(model)
-    if groups is None:
-        groups = find_module_groups(root)
-    model_keep = tuple(getattr(root, "_keep_in_fp32_modules", None) or ())
-    records: dict[str, ModuleRecord] = {}
-    summaries: dict[str, GroupSummary] = {}
-    seen: dict[int, str] = {}
+def _stack_walk(root: nn.Module, groups: ModuleGroups) -> Iterator[tuple[str, nn.Module, str]]:
+    """``(path, module, group)`` in ``named_modules(remove_duplicate=False)`` order, walked with
+    an explicit stack (the recursive generator costs a frame per nesting level for every module
+    it yields). Group modules held outside the module tree (a list-held tower) come last, under
+    their own group: ``model.named_modules()`` never reaches them."""
     lookup = groups._lookup
-    dt_info: dict[torch.dtype, tuple[str, int, bool]] = {}  # dtype -> (name, itemsize, quantized)
-    dev_names: dict[torch.device, str] = {}
-    # named_modules(remove_duplicate=False) order, walked with an explicit stack: the recursive
-    # generator costs a frame per nesting level for every module it yields.
-    # Group modules held outside the module tree (a list-held tower) are walked last, under
-    # their own group: model.named_modules() never reaches them.
     stack: list[tuple[str, nn.Module, str]] = [
         (path, mod, group)
         for group, path in reversed(groups.hidden.items())
@@ -384,6 +384,31 @@ def _dtype_map(model: nn.Module, groups: ModuleGroups | None, policy: Any) -> Dt
                     if child is not None
                 ]
             )
+        yield raw, mod, group
+
+
+def _dtype_map(
+    model: nn.Module, groups: ModuleGroups | None, policy: Any, view: ModelView | None = None
+) -> DtypeMap:
+    root, _ = unwrap_model(model)
+    if view is not None and view.root is root:
+        groups = view.groups
+    elif groups is None:
+        groups = find_module_groups(root)
+    model_keep = tuple(getattr(root, "_keep_in_fp32_modules", None) or ())
+    records: dict[str, ModuleRecord] = {}
+    summaries: dict[str, GroupSummary] = {}
+    seen: dict[int, str] = {}
+    lookup = groups._lookup
+    dt_info: dict[torch.dtype, tuple[str, int, bool]] = {}  # dtype -> (name, itemsize, quantized)
+    dev_names: dict[torch.device, str] = {}
+    walk = (
+        ((path, mod, group) for path, group, mod in view.modules)
+        if view is not None and view.root is root
+        else _stack_walk(root, groups)
+    )
+    for raw, mod, group in walk:
+        path = clean_name(raw) if "_orig_mod" in raw or "wrapped_module" in raw else raw
         mparams, mbufs = mod._parameters, mod._buffers
         if not mparams and not mbufs:
             continue

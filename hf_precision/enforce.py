@@ -37,6 +37,7 @@ from .dtypes import (
 )
 from .errors import PrecisionError, PrecisionWarning
 from .groups import (
+    ModelView,
     ModuleGroups,
     find_module_groups,
     hidden_module,
@@ -218,6 +219,7 @@ def enforce_policy(
     optimizer: Any = None,
     mode: str | None = None,
     allow_wrapped: bool = False,
+    view: ModelView | None = None,
 ) -> EnforceReport:
     """Bring ``model`` to ``policy`` in place and return what changed.
 
@@ -225,15 +227,20 @@ def enforce_policy(
     change; ``"fix"`` casts; ``"raise"`` raises :class:`PrecisionError` listing the violations.
     Pass the ``optimizer`` when it already holds state, so its moment tensors follow. A model
     that DDP/FSDP/DeepSpeed already wraps is not cast (a :class:`PrecisionError` says what to
-    do) unless ``allow_wrapped`` (the accelerate plugin's drift repair under DDP).
+    do) unless ``allow_wrapped`` (the accelerate plugin's drift repair under DDP). ``view`` is
+    this event's walk of the model (:class:`~hf_precision.groups.ModelView`), when the caller
+    has one.
     """
     root, _ = unwrap_model(model)
     policy = PrecisionPolicy.resolve(policy, root)
     mode = policy.mode if mode is None else mode
     if mode not in ("audit", "fix", "raise"):
         raise PrecisionError(f"enforce_policy(mode={mode!r}): allowed modes audit, fix, raise.")
-    if groups is None:
+    if view is not None and view.root is root:
+        groups = view.groups
+    elif groups is None:
         groups = find_module_groups(root)
+    walk = view.modules if view is not None and view.root is root else walk_modules(root, groups)
     model_keep = tuple(getattr(root, "_keep_in_fp32_modules", None) or ())
     device_mapped = bool(getattr(root, "hf_device_map", None))
     device = model_device(root, groups) if policy.move_devices and not device_mapped else None
@@ -251,7 +258,7 @@ def enforce_policy(
     aliases: dict[int, list[tuple[str, str]]] = {}
     todo: list[tuple[nn.Module, str, torch.Tensor, Change, torch.dtype, torch.device]] = []
     meta: list[str] = []
-    for path, group, mod in walk_modules(root, groups):
+    for path, group, mod in walk:
         for pname, p in mod._parameters.items():
             if p is None:
                 continue

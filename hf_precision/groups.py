@@ -618,6 +618,41 @@ def walk_modules(root: nn.Module, groups: ModuleGroups) -> Iterator[tuple[str, s
                 yield sub, group, mod
 
 
+@dataclass
+class ModelView:
+    """One walk of a model for one event: every module with its path and group (modules held
+    outside the module tree included, last). The plan (:func:`~hf_precision.enforce_policy`),
+    the guards (:func:`~hf_precision.install_guards`) and the engine read this list instead of
+    walking the model again.
+
+    >>> from hf_precision.tiny import tiny_llava
+    >>> view = ModelView.of(tiny_llava())
+    >>> view.modules[1][:2], len(view.parameters()) == len(list(view.root.parameters()))
+    (('model', 'other'), True)
+    """
+
+    root: nn.Module
+    groups: ModuleGroups
+    modules: list[tuple[str, str, nn.Module]]
+
+    @classmethod
+    def of(cls, model: nn.Module, groups: ModuleGroups | None = None) -> ModelView:
+        root, _ = unwrap_model(model)
+        groups = groups if groups is not None else find_module_groups(root)
+        return cls(root, groups, list(walk_modules(root, groups)))
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Every parameter once, in walk order (``root.parameters()`` plus hidden modules')."""
+        seen: set[int] = set()
+        out = []
+        for _, _, mod in self.modules:
+            for p in mod._parameters.values():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+
 def _warn_hidden(root: nn.Module, found: ModuleGroups) -> None:
     where = ", ".join(
         f"{g}={p!r} (held in a {found.held.get(g, 'attribute')})" for g, p in found.hidden.items()

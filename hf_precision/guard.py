@@ -42,10 +42,10 @@ from .distributed import check_model_ranks, check_wrapped, explain_wrapped
 from .dtypes import dtype_name
 from .enforce import EnforceReport, enforce_policy, restore_values
 from .errors import PrecisionError, PrecisionWarning
-from .groups import ModuleGroups, find_module_groups, unwrap_model
+from .groups import ModelView, ModuleGroups, find_module_groups, unwrap_model
 from .hooks import GuardHandle, claim_model, install_guards, release_model, remove_guards
 from .policy import PrecisionPolicy
-from .wrappers import settle_shards
+from .wrappers import detect_wrapper, settle_shards
 
 logger = logging.getLogger("hf_precision")
 
@@ -114,6 +114,7 @@ class PrecisionGuard:
         *,
         model: nn.Module | None = None,
         wrapper: str | None = None,
+        args: Any = None,
         optimizer: Any = None,
         step: int = 0,
         check_ranks: bool = False,
@@ -123,15 +124,21 @@ class PrecisionGuard:
 
         ``model`` is the object the front end holds now (a wrapper made after setup);
         ``wrapper`` who holds its parameters (``None``, ``"DDP"``, ``"FSDP"``, ``"FSDP2"``,
-        ``"DeepSpeed"``). ``log_clean=False`` reports only events that found something.
+        ``"DeepSpeed"``), or ``"auto"``: detected from the model (and the wrapper ``args``, a
+        ``TrainingArguments``, says it will add). ``log_clean=False`` reports only events that
+        found something.
         """
         if model is not None:
             self.model = model
         model, policy, where = self.model, self.policy, f"{self.name}.{event}"
         first = not self.events
+        view = ModelView.of(model, self.groups)  # the one walk of the model for this event
+        if wrapper == "auto":
+            inner = [m for _, _, m in view.modules] if model is view.root else None
+            wrapper = detect_wrapper(model, args=args, modules=inner)
         if wrapper == "FSDP2":
-            settle_shards(model)  # FSDP2 keeps the root unsharded after forward
-        audit = enforce_policy(model, policy, groups=self.groups, mode="audit")
+            settle_shards(model)  # FSDP2 keeps the root unsharded after forward: read shards
+        audit = enforce_policy(model, policy, groups=self.groups, mode="audit", view=view)
         report, found = audit, len(audit.changes)
         if wrapper in HOLDING_WRAPPERS:
             report, found = self._explain(model, wrapper, audit, where)
@@ -145,11 +152,12 @@ class PrecisionGuard:
                 mode=policy.mode,
                 optimizer=optimizer,
                 allow_wrapped=wrapper is not None,
+                view=view,
             )
         self._say(where, audit, report, found, first=first, held=wrapper in HOLDING_WRAPPERS)
         self.last_report = report
-        self.handle = install_guards(model, policy, report, groups=self.groups)
-        self.params = tuple(model.parameters())
+        self.handle = install_guards(model, policy, report, groups=self.groups, view=view)
+        self.params = tuple(view.parameters())
         self.dtypes = tuple(p.dtype for p in self.params)
         self.events.append((event, found))
         if self.reporter is not None and (log_clean or found):
@@ -161,6 +169,7 @@ class PrecisionGuard:
                 policy=policy,
                 groups=self.groups,
                 report=report if noted else None,
+                view=view,
             )
         if check_ranks:  # a collective: every rank reaches the same events
             check_model_ranks(model, self.groups, policy=policy, where=where)

@@ -38,7 +38,7 @@ from .batch import cast_batch, cast_tensor, key_dtypes_for
 from .dtype_map import receiving, receiving_dtypes
 from .dtypes import dtype_name, is_castable, quantized_compute_dtype
 from .errors import PrecisionError
-from .groups import OTHER, ModuleGroups, find_module_groups, unwrap_model, walk_modules
+from .groups import OTHER, ModelView, ModuleGroups, find_module_groups, unwrap_model
 from .policy import PrecisionPolicy
 from .wrappers import wrapper_compute_dtypes
 
@@ -382,16 +382,22 @@ def install_guards(
     *,
     groups: ModuleGroups | None = None,
     leaf_groups: tuple[str, ...] | None = None,
+    view: ModelView | None = None,
 ) -> GuardHandle:
     """Install (or update, idempotently) the batch, boundary and leaf guards.
 
     ``report`` (an :class:`~hf_precision.enforce.EnforceReport`) tells which groups mix dtypes;
-    leaf guards go there when ``policy.leaf_guards == "auto"``.
+    leaf guards go there when ``policy.leaf_guards == "auto"``. ``view`` is this event's walk
+    of the model (:class:`~hf_precision.groups.ModelView`), when the caller has one.
     """
     root, _ = unwrap_model(model)
     policy = PrecisionPolicy.resolve(policy, root)
+    if view is not None and view.root is not root:
+        view = None
     if groups is None:
         groups = report.groups if report is not None else find_module_groups(root)
+    if view is None:
+        view = ModelView.of(root, groups)
     move = policy.move_devices and not getattr(root, "hf_device_map", None)
     handle = GuardHandle(root)
     wanted: set[int] = set()
@@ -401,9 +407,12 @@ def install_guards(
         handle.added += _install(mod, st)
         bucket.append(st.path)
 
-    compute = wrapper_compute_dtypes(model)  # empty unless FSDP mixed precision casts params
+    # empty unless FSDP mixed precision casts params (a wrapper around the root: walk it)
+    compute = wrapper_compute_dtypes(
+        model, [m for _, _, m in view.modules] if model is root else None
+    )
     recv = receiving_dtypes(root, groups, compute=compute)
-    _, root_device = receiving(root, compute)
+    _, root_device = receiving(root, compute, view.parameters())
     if policy.cast_batch:
         put(
             root,
@@ -445,13 +454,14 @@ def install_guards(
         else:
             leaf_groups = ()
     if leaf_groups:
-        for path, group, mod in walk_modules(root, groups):
+        for path, group, mod in view.modules:
             if group not in leaf_groups or id(mod) in wanted or isinstance(mod, _SKIP_LEAVES):
                 continue
             own = _own_weight(mod)
             if own is not None:
                 put(mod, _leaf_state("leaf", path, own, policy, compute, move), handle.leaf)
-    for mod in list(_all_modules(root)):  # guards no longer wanted (a group stopped mixing)
+    # guards no longer wanted (a group stopped mixing); hidden modules are in the view
+    for _, _, mod in view.modules:
         if _ATTR in mod.__dict__ and id(mod) not in wanted:
             _uninstall(mod)
     return handle

@@ -308,13 +308,15 @@ class PrecisionReporter:
         policy: Any = None,
         groups: Any = None,
         report: Any = None,
+        view: Any = None,
     ) -> DtypeMap:
         """Snapshot ``model`` and write/log it; returns the :class:`DtypeMap`.
 
         ``report`` is the :class:`~hf_precision.enforce.EnforceReport` of this event when the
-        model did not match the policy (its changes become drift rows).
+        model did not match the policy (its changes become drift rows); ``view`` the event's
+        walk of the model (:class:`~hf_precision.groups.ModelView`), when the caller has one.
         """
-        dmap = dtype_map(model, groups, policy=policy)
+        dmap = dtype_map(model, groups, policy=policy, view=view)
         diff = self.last_map.diff(dmap) if self.last_map is not None else None
         previous, first = self.last_event, self.last_map is None
         self.last_map, self.last_event = dmap, event

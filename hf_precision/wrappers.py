@@ -8,6 +8,7 @@ imports torch.distributed or a wrapper library: classes are recognised by name a
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -26,24 +27,32 @@ def is_fsdp2_module(m: nn.Module) -> bool:
     return callable(getattr(type(m), "_get_fsdp_state", None)) and hasattr(m, "reshard")
 
 
-def wrapper_of(model: nn.Module) -> str | None:
-    """Who holds ``model``'s parameters right now (one of :data:`WRAPPERS`), or ``None``."""
-    if type(model).__name__ == "DeepSpeedEngine":
+def wrapper_of(model: nn.Module, modules: Iterable[nn.Module] | None = None) -> str | None:
+    """Who holds ``model``'s parameters right now (one of :data:`WRAPPERS`), or ``None``.
+    ``modules``: the modules inside the wrappers, when the caller has walked them already."""
+    name = type(model).__name__
+    if name == "DeepSpeedEngine":
         return "DeepSpeed"
-    ddp = type(model).__name__ in ("DistributedDataParallel", "DataParallel")
+    if name == "FullyShardedDataParallel":
+        return "FSDP"
+    ddp = name in ("DistributedDataParallel", "DataParallel")
     inner = getattr(model, "module", model) if ddp else model
-    for m in inner.modules():
+    walked = list(modules) if modules is not None else list(inner.modules())
+    for m in walked:
         if is_fsdp2_module(m):
             return "FSDP2"
         if type(m).__name__ == "FullyShardedDataParallel":
             return "FSDP"
-    for p in inner.parameters():
-        if is_sharded(p):
-            return "FSDP2"
-        if getattr(p, "_is_flat_param", False):
-            return "FSDP"
-        if hasattr(p, "ds_id"):  # DeepSpeed ZeRO-3 partitions parameters in place
-            return "DeepSpeed"
+    for m in walked:
+        for p in m._parameters.values():
+            if p is None:
+                continue
+            if is_sharded(p):
+                return "FSDP2"
+            if getattr(p, "_is_flat_param", False):
+                return "FSDP"
+            if hasattr(p, "ds_id"):  # DeepSpeed ZeRO-3 partitions parameters in place
+                return "DeepSpeed"
     return "DDP" if ddp else None
 
 
@@ -69,7 +78,11 @@ def planned_wrapper(accelerator: Any = None, args: Any = None) -> str | None:
 
 
 def detect_wrapper(
-    model: nn.Module | None = None, *, accelerator: Any = None, args: Any = None
+    model: nn.Module | None = None,
+    *,
+    accelerator: Any = None,
+    args: Any = None,
+    modules: Iterable[nn.Module] | None = None,
 ) -> str | None:
     """``"FSDP2"``, ``"FSDP"``, ``"DeepSpeed"``, ``"DDP"`` or ``None``: the model's wrapper if it
     has one, else the one the accelerator / ``TrainingArguments`` will add.
@@ -78,7 +91,7 @@ def detect_wrapper(
     >>> detect_wrapper(tiny_llava()) is None
     True
     """
-    found = wrapper_of(model) if model is not None else None
+    found = wrapper_of(model, modules) if model is not None else None
     return found or planned_wrapper(accelerator, args)
 
 
@@ -106,12 +119,15 @@ def fsdp_param_groups(m: nn.Module) -> list[Any]:
     return list(groups)
 
 
-def wrapper_compute_dtypes(model: nn.Module) -> dict[int, torch.dtype]:
+def wrapper_compute_dtypes(
+    model: nn.Module, modules: Iterable[nn.Module] | None = None
+) -> dict[int, torch.dtype]:
     """``id(parameter) -> dtype`` FSDP computes it in, for parameters whose FSDP mixed precision
     casts them (FSDP2 ``MixedPrecisionPolicy.param_dtype``, FSDP1 ``MixedPrecision.param_dtype``).
     Empty for models no FSDP wraps, so it is cheap to call."""
     out: dict[int, torch.dtype] = {}
-    for m in model.modules():  # pre-order: inner FSDP1 units override outer ones
+    # pre-order: inner FSDP1 units override outer ones; ``modules``: a walk the caller has
+    for m in modules if modules is not None else model.modules():
         if is_fsdp2_module(m):
             for group in fsdp_param_groups(m):
                 # as FSDPParam.init_dtype_attrs decides it, which runs only at the first forward

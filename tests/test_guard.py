@@ -1,0 +1,107 @@
+"""The engine every front end runs: one walk of the model per event, the pipeline's steps in
+order, adapters holding no logic of their own."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from hf_precision import PrecisionGuardCallback, PrecisionPolicy, PrecisionWarning
+from hf_precision.guard import PrecisionGuard
+from hf_precision.reporting import PrecisionReporter
+from hf_precision.tiny import tiny_batch, tiny_llava
+
+PKG = str(Path(__file__).resolve().parents[1] / "hf_precision")
+
+
+@contextmanager
+def walks_of(model: nn.Module) -> Iterator[list[str]]:
+    """Every ``named_modules()`` pass over ``model`` that hf-precision's code starts
+    (``modules()``, ``parameters()``, ``named_parameters()`` all go through it)."""
+    root = model
+    seen: list[str] = []
+    original = nn.Module.named_modules
+
+    def counting(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self is root:
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code.co_filename.startswith(
+                str(Path(torch.__file__).parent)
+            ):
+                frame = frame.f_back  # torch's own helpers (parameters() -> named_modules())
+            if frame is not None and frame.f_code.co_filename.startswith(PKG):
+                seen.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}")
+        return original(self, *args, **kwargs)
+
+    nn.Module.named_modules = counting  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        nn.Module.named_modules = original  # type: ignore[method-assign]
+
+
+def _split() -> nn.Module:
+    model = tiny_llava(torch.bfloat16)
+    model.model.vision_tower.float()
+    return model
+
+
+@pytest.mark.parametrize("drift", [False, True], ids=["clean", "drift"])
+def test_one_walk_of_the_model_per_event(drift: bool, tmp_path: Path) -> None:
+    model = _split()
+    guard = PrecisionGuard(
+        model, PrecisionPolicy.from_preset("bf16-true"), reporter=PrecisionReporter(tmp_path)
+    )
+    guard.verify("setup")
+    if drift:
+        model.model.multi_modal_projector.float()
+    with walks_of(model) as walks:
+        report = guard.verify("check")  # plan, apply, guards, dtype map and files
+    assert walks == ["groups.py:walk_modules"]  # the event's ModelView, nothing else
+    assert bool(report.changes) == drift
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_a_callback_evaluation_walks_the_model_once(make_trainer: Any) -> None:
+    model = _split()
+    trainer = make_trainer(model, tiny_batch(model), callbacks=[PrecisionGuardCallback()])
+    with walks_of(model) as walks:
+        trainer.evaluate()  # on_evaluate: one event
+    assert walks == ["groups.py:walk_modules"]
+
+
+def test_events_run_the_pipeline_in_order(tmp_path: Path) -> None:
+    model = _split()
+    guard = PrecisionGuard(
+        model, PrecisionPolicy.from_preset("bf16-true"), reporter=PrecisionReporter(tmp_path)
+    )
+    first = guard.verify("setup")
+    assert first.applied and first.changes and guard.handle is not None
+    assert guard.handle.count > 0 and not guard.drifted()
+    model.model.vision_tower.float()  # drift after setup: repaired and said
+    assert guard.drifted()
+    with pytest.warns(PrecisionWarning, match=r"PrecisionGuard\.again: dtype drift repaired"):
+        again = guard.verify("again")
+    assert again.changes and not guard.drifted()
+    assert guard.events == [("setup", len(first.changes)), ("again", len(again.changes))]
+    written = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert written == ["000000-again.json", "000000-setup.json"]
+    guard.teardown()
+    assert guard.handle is not None and all(
+        "_hf_precision_guard" not in m.__dict__ for m in model.modules()
+    )
+
+
+def test_front_ends_hold_no_pipeline_of_their_own() -> None:
+    """The adapters call the engine: none of them plans, casts or installs guards itself."""
+    for name in ("callback.py", "accelerate_plugin.py"):
+        source = (Path(PKG) / name).read_text()
+        for call in ("enforce_policy(", "install_guards(", "check_model_ranks(", ".data ="):
+            assert call not in source, (name, call)
