@@ -88,6 +88,9 @@ def test_compatibility_table_matches_what_runs() -> None:
             assert (ROOT / path).exists(), (library, path)
         if leg4 != "–" and library in ("transformers", "peft"):
             assert f'"{library}=={leg4}"' in makefile, (library, leg4)
+        if library == "transformers":  # the floor users get is the line the 4.x leg runs
+            floor = ".".join(leg4.split(".")[:2])
+            assert f'"transformers>={floor},' in (ROOT / "pyproject.toml").read_text()
         try:
             installed = version(_DISTRIBUTIONS.get(library, library))
         except PackageNotFoundError:
