@@ -52,8 +52,8 @@ from .dtypes import dtype_name
 from .enforce import EnforceReport
 from .errors import PrecisionError, PrecisionWarning
 from .groups import unwrap_model
-from .guard import PrecisionGuard
-from .policy import PrecisionPolicy, policy_call, resolve_policy, with_overrides
+from .guard import GuardFrontEnd, PrecisionGuard
+from .policy import PrecisionPolicy
 
 logger = logging.getLogger("hf_precision")
 
@@ -74,7 +74,7 @@ def policy_from_checkpoint(path: str | os.PathLike[str]) -> PrecisionPolicy:
     return PrecisionPolicy.from_json(file.read_text())
 
 
-class PrecisionGuardPlugin:
+class PrecisionGuardPlugin(GuardFrontEnd):
     """Enforce one precision policy in a plain accelerate loop (and verify it under DDP, FSDP
     and DeepSpeed).
 
@@ -103,17 +103,12 @@ class PrecisionGuardPlugin:
         check_every: int = 1,
         check_ranks: bool = True,
     ) -> None:
-        self._mode, self._leaf_guards = mode, leaf_guards
-        self._call = policy_call("PrecisionGuardPlugin", policy, mode=mode, leaf_guards=leaf_guards)
         if not isinstance(check_every, int) or check_every < 0:
             raise PrecisionError(
                 f"PrecisionGuardPlugin(check_every={check_every!r}): expected "
                 "an int >= 0 (0 turns the optimizer-step check off)."
             )
-        # bad values fail now, not at train time, naming the user's call; nothing the caller
-        # passed in changes (a policy is a value)
-        given = self._with_overrides(resolve_policy(policy, call=self._call))
-        self.policy: PrecisionPolicy | None = None if policy is None else given
+        self._init_policy("PrecisionGuardPlugin", policy, mode=mode, leaf_guards=leaf_guards)
         self.report, self.report_dir = report, report_dir
         self.check_every, self.check_ranks = check_every, check_ranks
         self.steps = 0  # optimizer steps seen
@@ -125,11 +120,6 @@ class PrecisionGuardPlugin:
         self._handles: list[Any] = []
         self._accelerator: Any = None
         self._reporter: Any = None
-
-    def _with_overrides(self, policy: PrecisionPolicy) -> PrecisionPolicy:
-        return with_overrides(
-            policy, call=self._call, mode=self._mode, leaf_guards=self._leaf_guards
-        )
 
     # ------------------------------------------------------------------ accelerate
     def prepare(self, accelerator: Any, *objects: Any, **kwargs: Any) -> Any:

@@ -31,9 +31,9 @@ from .dtypes import dtype_name
 from .enforce import EnforceReport
 from .errors import PrecisionError, PrecisionWarning
 from .groups import ModuleGroups, unwrap_model
-from .guard import PrecisionGuard
+from .guard import GuardFrontEnd, PrecisionGuard
 from .hooks import GuardHandle
-from .policy import PrecisionPolicy, policy_call, resolve_policy, with_overrides
+from .policy import PrecisionPolicy
 
 logger = logging.getLogger("hf_precision")
 
@@ -42,7 +42,7 @@ logger = logging.getLogger("hf_precision")
 STASH_LIMIT_BYTES = 2 * 1024**3
 
 
-class PrecisionGuardCallback(TrainerCallback):
+class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
     """Enforce one precision policy across training, evaluation, prediction and generation.
 
     Args:
@@ -67,16 +67,7 @@ class PrecisionGuardCallback(TrainerCallback):
         report_dir: str | None = None,
         report_to: list[str] | str | None = None,
     ) -> None:
-        self._policy_arg = policy
-        self._mode = mode
-        self._leaf_guards = leaf_guards
-        self._call = policy_call(
-            "PrecisionGuardCallback", policy, mode=mode, leaf_guards=leaf_guards
-        )
-        # bad values fail now, not at train time, naming the user's call; nothing the caller
-        # passed in changes (a policy is a value)
-        given = self._with_overrides(resolve_policy(policy, call=self._call))
-        self.policy: PrecisionPolicy | None = None if policy is None else given
+        self._init_policy("PrecisionGuardCallback", policy, mode=mode, leaf_guards=leaf_guards)
         self.report = report
         self.report_dir = report_dir
         self.report_to = report_to
@@ -105,11 +96,6 @@ class PrecisionGuardCallback(TrainerCallback):
         return self.guard.events if self.guard is not None else []
 
     # ------------------------------------------------------------------ setup
-    def _with_overrides(self, policy: PrecisionPolicy) -> PrecisionPolicy:
-        return with_overrides(
-            policy, call=self._call, mode=self._mode, leaf_guards=self._leaf_guards
-        )
-
     def _setup(self, args: Any, model: nn.Module | None) -> PrecisionGuard | None:
         if model is None:
             return None

@@ -223,16 +223,15 @@ def apply_stored_dtypes(model: Any, stored: dict[str, Any]) -> tuple[int, int]:
 
 
 def set_trainable(model: Any, spec: str) -> None:
+    from .errors import did_you_mean
     from .groups import find_module_groups, group_names
 
     want = [s.strip() for s in spec.split(",") if s.strip()]
     for w in want:
         if w not in (*group_names(), "all", "none", "other"):
-            close = difflib.get_close_matches(w, group_names(), n=1)
             fail(
-                f"--trainable: unknown group {w!r}"
-                f"{f' (did you mean {close[0]!r}?)' if close else ''}; "
-                f"allowed: {', '.join(group_names())}, other, all, none"
+                f"--trainable: unknown group {w!r}.{did_you_mean(w, group_names())} "
+                f"Allowed: {', '.join(group_names())}, other, all, none"
             )
     groups = find_module_groups(model)
     for name, p in model.named_parameters():

@@ -19,20 +19,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import (
-    build_model,
-    fail,
-    load_config,
-    model_classes,
-    resolve_source,
-    set_trainable,
-)
+from . import checkpoint
 
 
 def _doctor_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     from .tiny import REMOTE_LAYOUTS, TINY_CONFIGS, build_tiny, tiny_batch
 
-    kind, where = resolve_source(args.source)
+    kind, where = checkpoint.resolve_source(args.source)
     model: Any
     if kind == "type":
         if where in REMOTE_LAYOUTS:
@@ -42,22 +35,24 @@ def _doctor_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
             model = build_tiny(where)
         except KeyError:
             allowed = sorted(set(TINY_CONFIGS) | set(REMOTE_LAYOUTS))
-            fail(
+            checkpoint.fail(
                 f"doctor: no tiny model for model type {where!r}; allowed: "
                 f"{', '.join(allowed)} (or a local checkpoint folder / config.json)"
             )
     else:
-        config = load_config(kind, where)
+        config = checkpoint.load_config(kind, where)
         if Path(where).is_dir() and any(Path(where).glob("*.safetensors")):
-            model = model_classes(config)[0].from_pretrained(str(where), local_files_only=True)
+            model = checkpoint.model_classes(config)[0].from_pretrained(
+                str(where), local_files_only=True
+            )
         else:
-            n = sum(p.numel() for p in build_model(config, meta=True).parameters())
+            n = sum(p.numel() for p in checkpoint.build_model(config, meta=True).parameters())
             if n > args.max_params:
-                fail(
+                checkpoint.fail(
                     f"doctor: {where} describes {n:,} parameters (> --max-params "
                     f"{args.max_params:,}); use 'hf-precision audit' or a tiny checkpoint"
                 )
-            model = build_model(config, meta=False)
+            model = checkpoint.build_model(config, meta=False)
     try:
         return model, tiny_batch(
             model,
@@ -66,7 +61,7 @@ def _doctor_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
             image_token_id=args.image_token_id,
         )
     except (KeyError, ValueError) as err:
-        fail(
+        checkpoint.fail(
             f"doctor: cannot build a synthetic batch for {type(model).__name__}: {err}. "
             f"{_BATCH_FIX}"
         )
@@ -89,7 +84,7 @@ def _run(diagnose: Any, model: Any, batch: dict[str, Any], **kwargs: Any) -> Any
         if isinstance(err, RuntimeError) and is_mismatch_error(err):
             raise
         shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in batch.items() if hasattr(v, "shape"))
-        fail(
+        checkpoint.fail(
             f"doctor: the synthetic batch ({shapes}) does not fit {type(model).__name__}: "
             f"{type(err).__name__}: {str(err).splitlines()[0][:200]}. {_BATCH_FIX}"
         )
@@ -107,7 +102,7 @@ def doctor(args: argparse.Namespace) -> int:
 
     policy = PrecisionPolicy.from_preset(args.policy)
     model, batch = _doctor_model(args)
-    set_trainable(model, args.trainable)
+    checkpoint.set_trainable(model, args.trainable)
     model.train()
     report = enforce_policy(model, policy, mode="fix")
     steps = {"enforce": f"cast {len(report.changes)} tensor(s) to the policy"}

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterable
 
 import torch
 
-from .errors import PrecisionError
+from .errors import PrecisionError, did_you_mean
 
 #: Canonical names (what ``str(torch.bfloat16)`` says without ``torch.``) and their aliases.
 _ALIASES: dict[str, torch.dtype] = {
@@ -192,8 +191,7 @@ def parse_dtype(value: object, *, call: str) -> torch.dtype:
         key = value.strip().lower().removeprefix("torch.")
         if key in _ALIASES:
             return _ALIASES[key]
-        close = difflib.get_close_matches(key, list(_ALIASES), n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+        hint = did_you_mean(key, _ALIASES)
         raise PrecisionError(
             f"{call}: unknown dtype {value!r}.{hint}\n"
             f"Allowed: {allowed_dtype_names()}.\n"

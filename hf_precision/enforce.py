@@ -18,6 +18,7 @@ CLIPVisionModel(...)
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 from collections.abc import Iterator, Mapping
@@ -35,7 +36,7 @@ from .dtypes import (
     quantized_format,
     zero3_dtype,
 )
-from .errors import PrecisionError, PrecisionWarning
+from .errors import PrecisionError, PrecisionWarning, did_you_mean
 from .groups import (
     ModelView,
     ModuleGroups,
@@ -75,6 +76,18 @@ class Change:
             else ""
         )
         return f"{self.name} [{self.group}]: {self.before} -> {self.after}{dev} ({self.reason})"
+
+
+@dataclass
+class PlannedCast:
+    """One tensor the plan casts or moves: where it lives, the tensor, what and why."""
+
+    module: nn.Module
+    key: str  # the attribute name in ``module._parameters`` / ``module._buffers``
+    tensor: torch.Tensor
+    change: Change
+    dtype: torch.dtype
+    device: torch.device
 
 
 @dataclass
@@ -170,7 +183,6 @@ def _unmatched_patterns(
 ) -> list[str]:
     """One message per ``keep_fp32`` pattern that selects nothing and per ``group_dtypes``
     group the model does not have (a typo such as ``model.vison_tower`` is silent otherwise)."""
-    import difflib
 
     from .policy import PRESET_DEFAULTS
 
@@ -182,8 +194,7 @@ def _unmatched_patterns(
         if f"keep_fp32 {pat!r}" in used or pat in preset.get("keep_fp32", ()):
             continue
         names = names or [n for n, _ in root.named_modules() if n]
-        close = difflib.get_close_matches(pat.removeprefix("re:"), names, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+        hint = did_you_mean(pat.removeprefix("re:"), names)
         out.append(
             f"keep_fp32 pattern {pat!r} selects no parameter or buffer of "
             f"{type(root).__name__}.{hint} Fix: use an exact name, a module path prefix, one "
@@ -256,8 +267,8 @@ def enforce_policy(
         for p in m.parameters()
     }
     aliases: dict[int, list[tuple[str, str]]] = {}
-    todo: list[tuple[nn.Module, str, torch.Tensor, Change, torch.dtype, torch.device]] = []
-    meta: list[str] = []
+    planner = _Planner(report, policy, model_keep, device, mode)
+    todo, meta = planner.todo, planner.meta
     for path, group, mod in walk:
         for pname, p in mod._parameters.items():
             if p is None:
@@ -286,22 +297,7 @@ def enforce_policy(
                         f"{dtype_name(have)} so the tie holds."
                     )
                 continue
-            _plan_one(
-                report,
-                todo,
-                meta,
-                mod,
-                pname,
-                p,
-                full,
-                pgroup,
-                "param",
-                policy,
-                model_keep,
-                device,
-                mode,
-                trainable,
-            )
+            planner.plan(mod, pname, p, full, pgroup, "param", trainable)
         for bname, b in mod._buffers.items():
             if b is None:
                 continue
@@ -313,24 +309,9 @@ def enforce_policy(
                         full, "buffer", group, dt, dt, "device", str(b.device), str(device)
                     )
                     report.changes.append(change)
-                    todo.append((mod, bname, b, change, b.dtype, device))
+                    todo.append(PlannedCast(mod, bname, b, change, b.dtype, device))
                 continue
-            _plan_one(
-                report,
-                todo,
-                meta,
-                mod,
-                bname,
-                b,
-                full,
-                group,
-                "buffer",
-                policy,
-                model_keep,
-                device,
-                mode,
-                False,
-            )
+            planner.plan(mod, bname, b, full, group, "buffer", False)
 
     if report.overflow:
         # A module computes in one dtype: the parameters beside one kept for its range stay in
@@ -338,17 +319,17 @@ def enforce_policy(
         named = dict(root.named_parameters())
         held = {n.rpartition(".")[0]: named[n].dtype for n, _ in report.overflow if n in named}
         for item in list(todo):
-            change, t, dtype = item[3], item[2], item[4]
+            change, t = item.change, item.tensor
             owner = change.name.rpartition(".")[0]
-            if change.kind != "param" or owner not in held or dtype == held[owner]:
+            if change.kind != "param" or owner not in held or item.dtype == held[owner]:
                 continue
             todo.remove(item)
             report.changes.remove(change)
             report.group_dtypes.setdefault(change.group, set()).add(held[owner])
-            if held[owner] != t.dtype or item[5] != t.device:
+            if held[owner] != t.dtype or item.device != t.device:
                 change.after = dtype_name(held[owner])
                 change.reason += f", kept with {owner}'s out-of-range tensor"
-                todo.append((*item[:4], held[owner], item[5]))
+                todo.append(dataclasses.replace(item, dtype=held[owner]))
                 report.changes.append(change)
 
     report.warnings += _unmatched_patterns(root, policy, groups, report)
@@ -389,8 +370,8 @@ def enforce_policy(
         )
     if mode == "fix":
         with torch.no_grad():
-            for mod, key, t, change, dtype, dev in todo:
-                _apply(mod, key, t, change.kind, dtype, dev, optimizer)
+            for c in todo:
+                _apply(c.module, c.key, c.tensor, c.change.kind, c.dtype, c.device, optimizer)
         report.applied = True
     return report
 
@@ -410,78 +391,96 @@ def _amax(t: torch.Tensor) -> float:
     return float(torch.maximum(lo.neg(), hi))
 
 
-def _plan_one(
-    report: EnforceReport,
-    todo: list,
-    meta: list[str],
-    mod: nn.Module,
-    key: str,
-    t: torch.Tensor,
-    full: str,
-    group: str,
-    kind: str,
-    policy: PrecisionPolicy,
-    model_keep: tuple[str, ...],
-    device: torch.device | None,
-    mode: str,
-    trainable: bool,
-) -> None:
-    if not is_castable(t):
-        if t.is_floating_point() or kind == "param":
-            report.skipped.append((full, f"quantized storage ({quantized_format(t, mod)})"))
-            compute = quantized_compute_dtype(t, mod)
-            if compute is not None:  # its layer computes in that dtype: leaf guards go there
-                report.group_dtypes.setdefault(group, set()).add(compute)
-        return
-    target, reason = policy.target_dtype(
-        full,
-        group,
-        trainable=trainable,
-        is_buffer=kind == "buffer",
-        model_patterns=model_keep,
-        current=t.dtype,
-    )
-    if reason.startswith(("keep_fp32", "model._keep", "rotary")):
-        report.kept_fp32.append((full, reason))
-    zero3 = zero3_dtype(t) if kind == "param" else None
-    if zero3 is not None or is_sharded(t):
-        # The wrapper owns these tensors: writing .data would desynchronise them from its
-        # partitions (ZeRO-3's ds_tensor) or shards. Verified elsewhere, never cast.
-        held = zero3 or t.dtype
-        owner = "partitioned by DeepSpeed ZeRO-3" if zero3 is not None else "sharded by FSDP2"
-        report.skipped.append((full, f"{owner} ({dtype_name(held)}); not cast"))
-        if kind == "param":
-            report.group_dtypes.setdefault(group, set()).add(held)
-        return
-    dev = t.device
-    target_dev = dev
-    if device is not None and dev != device:
-        if dev.type == "meta":
-            meta.append(full)
-        else:
-            target_dev = device
-    final = target
-    if target != t.dtype and _range_checked(t.dtype, target, kind) and dev.type != "meta":
-        amax = _amax(t) if t.numel() else 0.0
-        if amax > torch.finfo(target).max:
-            report.overflow.append((full, amax))
-            if mode != "raise":
-                report.warnings.append(
-                    f"{full} [{group}]: max |value| {amax:g} exceeds the {dtype_name(target)} "
-                    f"range (±{torch.finfo(target).max:g}); kept in {dtype_name(t.dtype)} instead "
-                    f"of becoming inf. Fix: keep_fp32=[{full!r}] to say so explicitly, or use "
-                    "bf16, whose range matches fp32."
+@dataclass
+class _Planner:
+    """Decides, tensor by tensor, what the policy wants (:meth:`plan`); collects the casts
+    (``todo``), the tensors left on the meta device and, in the report, the rest."""
+
+    report: EnforceReport
+    policy: PrecisionPolicy
+    model_keep: tuple[str, ...]
+    device: torch.device | None
+    mode: str
+    todo: list[PlannedCast] = field(default_factory=list)
+    meta: list[str] = field(default_factory=list)
+
+    def plan(
+        self,
+        mod: nn.Module,
+        key: str,
+        t: torch.Tensor,
+        full: str,
+        group: str,
+        kind: str,
+        trainable: bool,
+    ) -> None:
+        device = self.device
+        if not is_castable(t):
+            if t.is_floating_point() or kind == "param":
+                self.report.skipped.append(
+                    (full, f"quantized storage ({quantized_format(t, mod)})")
                 )
-            final = t.dtype
-    if kind == "param" and not _SELF_CASTING.search(full):
-        report.group_dtypes.setdefault(group, set()).add(final)
-    if final == t.dtype and target_dev == dev:
-        return
-    change = Change(
-        full, kind, group, dtype_name(t.dtype), dtype_name(final), reason, str(dev), str(target_dev)
-    )
-    report.changes.append(change)
-    todo.append((mod, key, t, change, final, target_dev))
+                compute = quantized_compute_dtype(t, mod)
+                if compute is not None:  # its layer computes in that dtype: leaf guards go there
+                    self.report.group_dtypes.setdefault(group, set()).add(compute)
+            return
+        target, reason = self.policy.target_dtype(
+            full,
+            group,
+            trainable=trainable,
+            is_buffer=kind == "buffer",
+            model_patterns=self.model_keep,
+            current=t.dtype,
+        )
+        if reason.startswith(("keep_fp32", "model._keep", "rotary")):
+            self.report.kept_fp32.append((full, reason))
+        zero3 = zero3_dtype(t) if kind == "param" else None
+        if zero3 is not None or is_sharded(t):
+            # The wrapper owns these tensors: writing .data would desynchronise them from its
+            # partitions (ZeRO-3's ds_tensor) or shards. Verified elsewhere, never cast.
+            held = zero3 or t.dtype
+            owner = "partitioned by DeepSpeed ZeRO-3" if zero3 is not None else "sharded by FSDP2"
+            self.report.skipped.append((full, f"{owner} ({dtype_name(held)}); not cast"))
+            if kind == "param":
+                self.report.group_dtypes.setdefault(group, set()).add(held)
+            return
+        dev = t.device
+        target_dev = dev
+        if device is not None and dev != device:
+            if dev.type == "meta":
+                self.meta.append(full)
+            else:
+                target_dev = device
+        final = target
+        if target != t.dtype and _range_checked(t.dtype, target, kind) and dev.type != "meta":
+            amax = _amax(t) if t.numel() else 0.0
+            if amax > torch.finfo(target).max:
+                self.report.overflow.append((full, amax))
+                if self.mode != "raise":
+                    self.report.warnings.append(
+                        f"{full} [{group}]: max |value| {amax:g} exceeds the "
+                        f"{dtype_name(target)} range (±{torch.finfo(target).max:g}); kept in "
+                        f"{dtype_name(t.dtype)} instead of becoming inf. Fix: "
+                        f"keep_fp32=[{full!r}] to say so explicitly, or use bf16, whose range "
+                        "matches fp32."
+                    )
+                final = t.dtype
+        if kind == "param" and not _SELF_CASTING.search(full):
+            self.report.group_dtypes.setdefault(group, set()).add(final)
+        if final == t.dtype and target_dev == dev:
+            return
+        change = Change(
+            full,
+            kind,
+            group,
+            dtype_name(t.dtype),
+            dtype_name(final),
+            reason,
+            str(dev),
+            str(target_dev),
+        )
+        self.report.changes.append(change)
+        self.todo.append(PlannedCast(mod, key, t, change, final, target_dev))
 
 
 def _apply(

@@ -10,6 +10,9 @@ it without reading a traceback. Warnings use :class:`PrecisionWarning` so they c
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 class PrecisionError(ValueError, RuntimeError):
     """A dtype/device problem the guard cannot or may not fix.
@@ -28,3 +31,14 @@ class PrecisionError(ValueError, RuntimeError):
 
 class PrecisionWarning(UserWarning):
     """Something was fixed or left alone and the user should know about it."""
+
+
+def did_you_mean(value: object, choices: Iterable[str]) -> str:
+    """``" Did you mean 'x'?"`` for the closest of ``choices``, or ``""``: the hint every
+    "unknown ..." message carries.
+
+    >>> did_you_mean("bf61", ["bf16", "fp16"]), did_you_mean("zzz", ["bf16"])
+    (" Did you mean 'bf16'?", '')
+    """
+    close = difflib.get_close_matches(str(value), list(choices), n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""

@@ -44,7 +44,7 @@ from .enforce import EnforceReport, enforce_policy, restore_values
 from .errors import PrecisionError, PrecisionWarning
 from .groups import ModelView, ModuleGroups, find_module_groups, unwrap_model
 from .hooks import GuardHandle, claim_model, install_guards, release_model, remove_guards
-from .policy import PrecisionPolicy
+from .policy import PrecisionPolicy, policy_call, resolve_policy, with_overrides
 from .wrappers import detect_wrapper, settle_shards
 
 logger = logging.getLogger("hf_precision")
@@ -307,4 +307,32 @@ class PrecisionGuard:
         return f"PrecisionGuard({self.policy.describe()}, rule={self.groups.rule!r})"
 
 
-__all__ = ["HOLDING_WRAPPERS", "PrecisionGuard"]
+class GuardFrontEnd:
+    """What the front ends share: the user's policy argument, checked when they are built (a
+    bad preset fails at the call, not at train time), with its ``mode``/``leaf_guards``
+    overrides, and the user's own call for messages. Subclasses run :class:`PrecisionGuard`."""
+
+    policy: PrecisionPolicy | None
+
+    def _init_policy(
+        self,
+        name: str,
+        policy: PrecisionPolicy | str | None,
+        *,
+        mode: str | None,
+        leaf_guards: str | None,
+    ) -> None:
+        self._policy_arg = policy
+        self._mode, self._leaf_guards = mode, leaf_guards
+        self._call = policy_call(name, policy, mode=mode, leaf_guards=leaf_guards)
+        # nothing the caller passed in changes (a policy is a value)
+        given = self._with_overrides(resolve_policy(policy, call=self._call))
+        self.policy = None if policy is None else given
+
+    def _with_overrides(self, policy: PrecisionPolicy) -> PrecisionPolicy:
+        return with_overrides(
+            policy, call=self._call, mode=self._mode, leaf_guards=self._leaf_guards
+        )
+
+
+__all__ = ["HOLDING_WRAPPERS", "GuardFrontEnd", "PrecisionGuard"]

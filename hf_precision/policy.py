@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import json
 import re
 import warnings
@@ -34,7 +33,7 @@ import torch
 from torch import nn
 
 from .dtypes import dtype_name, majority_dtype, parse_dtype
-from .errors import PrecisionError, PrecisionWarning
+from .errors import PrecisionError, PrecisionWarning, did_you_mean
 from .groups import group_names
 
 POLICY_VERSION = 1
@@ -69,7 +68,7 @@ _PRESET_ALIASES = {
 }
 
 #: Buffers that always stay fp32 (rotary frequencies lose positions when rounded).
-DEFAULT_KEEP_FP32_BUFFERS: tuple[str, ...] = ("re:(^|\\.)(original_)?inv_freq$",)
+DEFAULT_KEEP_FP32_BUFFERS: tuple[str, ...] = ("re:(.*\\.)?(original_)?inv_freq",)
 #: Batch keys never cast (targets are compared, not computed with).
 DEFAULT_SKIP_KEYS: tuple[str, ...] = (
     "labels",
@@ -96,8 +95,7 @@ def _parse_mapping(value: Mapping[str, Any] | None, *, call: str) -> dict[str, t
     known = group_names()
     for group, dt in (value or {}).items():
         if group not in known:
-            close = difflib.get_close_matches(group, known, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(group, known)
             raise PrecisionError(
                 f"{call}: unknown group {group!r}.{hint}\nAllowed: {', '.join(known)}.\n"
                 "Fix: use one of these, or hf_precision.groups.register_group(name) first."
@@ -110,8 +108,7 @@ def _choice(value: str, allowed: Iterable[str], *, call: str, what: str) -> str:
     allowed = tuple(allowed)
     if value in allowed:
         return value
-    close = difflib.get_close_matches(str(value), allowed, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
+    hint = did_you_mean(value, allowed)
     raise PrecisionError(
         f"{call}: unknown {what} {value!r}.{hint}\nAllowed: {', '.join(allowed)}.\n"
         f"Fix: pass one of these."
@@ -121,13 +118,20 @@ def _choice(value: str, allowed: Iterable[str], *, call: str, what: str) -> str:
 def match_pattern(pattern: str, name: str) -> bool:
     """Does a keep-fp32 pattern select ``name`` (a parameter, buffer or module path)?
 
-    Precedence is fixed: ``re:<regex>`` is a regex searched in the name; otherwise the pattern
+    Precedence is fixed: ``re:<regex>`` must match the whole name or a whole module path that
+    holds it (``re.fullmatch``, as PEFT matches a ``target_modules`` string: ``re:.*norm``
+    selects ``model.norm.weight`` but not ``layernorm_proj.weight``); otherwise the pattern
     matches the exact name, a module path prefix (``model.vision_tower`` selects everything
     under it), or one whole path component (transformers' ``_keep_in_fp32_modules`` style,
     ``"wo"`` selects ``encoder.block.0.layer.1.DenseReluDense.wo.weight``).
+
+    >>> match_pattern("re:.*norm", "model.norm.weight"), match_pattern("re:norm", "a.norm.weight")
+    (True, False)
     """
     if pattern.startswith("re:"):
-        return re.search(pattern[3:], name) is not None
+        regex = re.compile(pattern[3:])
+        parts = name.split(".")
+        return any(regex.fullmatch(".".join(parts[:i])) for i in range(len(parts), 0, -1))
     if name == pattern or name.startswith(pattern + "."):
         return True
     return ("." + pattern + ".") in ("." + name + ".")
@@ -269,8 +273,7 @@ class PrecisionPolicy:
         """
         key = _PRESET_ALIASES.get(str(name).lower(), str(name).lower())
         if key not in PRESETS:
-            close = difflib.get_close_matches(str(name), list(PRESETS), n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(name, PRESETS)
             listing = "\n".join(f"  {k:<10} {v}" for k, v in PRESET_HELP.items())
             raise PrecisionError(
                 f"PrecisionPolicy.from_preset({name!r}): unknown preset {name!r}.{hint}\n"

@@ -20,7 +20,6 @@ appended to ``precision.log`` (the text table).
 
 from __future__ import annotations
 
-import difflib
 import json
 import logging
 import os
@@ -32,7 +31,7 @@ from typing import Any
 from torch import nn
 
 from .dtype_map import DtypeDiff, DtypeMap, dtype_map
-from .errors import PrecisionError, PrecisionWarning
+from .errors import PrecisionError, PrecisionWarning, did_you_mean
 from .plot import render_table
 
 logger = logging.getLogger("hf_precision")
@@ -106,8 +105,7 @@ def wants_wandb(report_to: list[str] | str | None, *, call: str = "report_to") -
     names = [report_to] if isinstance(report_to, str) else list(report_to)
     for name in names:
         if not isinstance(name, str) or name.lower() not in _KNOWN_REPORT_TO:
-            close = difflib.get_close_matches(str(name).lower(), _KNOWN_REPORT_TO, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(str(name).lower(), _KNOWN_REPORT_TO)
             raise PrecisionError(
                 f"{call}={report_to!r}: unknown integration {name!r}.{hint}\n"
                 f"Allowed: {', '.join(_KNOWN_REPORT_TO)}.\nFix: pass e.g. report_to=['wandb']."

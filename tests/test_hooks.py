@@ -74,7 +74,7 @@ def test_raise_mode_names_module_dtypes_and_fix():
 def test_leaf_guards_in_mixed_group_fix_fp32_norm_leak():
     # class C: an fp32 norm inside a bf16 LM feeds fp32 activations into bf16 linears
     model = tiny_llava()
-    policy = PrecisionPolicy.from_preset("bf16-true", keep_fp32=["re:input_layernorm"])
+    policy = PrecisionPolicy.from_preset("bf16-true", keep_fp32=["re:.*input_layernorm"])
     report = enforce_policy(model, policy)
     assert "language_model" in report.mixed_groups
     handle = install_guards(model, policy, report)

@@ -147,8 +147,12 @@ def test_match_pattern_precedence():
     assert match_pattern("model.vision_tower", "model.vision_tower.encoder.weight")
     assert not match_pattern("model.vision", "model.vision_tower.encoder.weight")
     assert match_pattern("wo", "a.wo.weight")
-    assert match_pattern("re:norm\\.weight$", "x.post_norm.weight")
     assert not match_pattern("norm", "x.post_norm.weight")
+    # re: is a full match of the name or of a module path holding it (PEFT's convention)
+    assert match_pattern("re:.*norm\\.weight", "x.post_norm.weight")
+    assert match_pattern("re:.*post_norm", "x.post_norm.weight")  # the module's tensors
+    assert not match_pattern("re:norm", "layernorm_proj.weight")  # no substring search
+    assert not match_pattern("re:x", "x_proj.weight") and match_pattern("re:x", "x.weight")
 
 
 def test_resolve():
