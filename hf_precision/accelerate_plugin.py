@@ -53,7 +53,7 @@ from .enforce import EnforceReport
 from .errors import PrecisionError, PrecisionWarning
 from .groups import unwrap_model
 from .guard import GuardFrontEnd, PrecisionGuard
-from .policy import PrecisionPolicy
+from .policy import Mode, PrecisionPolicy
 
 logger = logging.getLogger("hf_precision")
 
@@ -96,7 +96,7 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         self,
         policy: PrecisionPolicy | str | None = None,
         *,
-        mode: str | None = None,
+        mode: Mode | None = None,
         leaf_guards: str | None = None,
         report: bool = True,
         report_dir: str | os.PathLike[str] | None = None,

@@ -21,7 +21,7 @@ from torch import nn
 
 from .dtypes import dtype_name, is_castable, narrows_range
 from .errors import PrecisionError, PrecisionWarning
-from .policy import PrecisionPolicy
+from .policy import Mode, PrecisionPolicy
 
 _MASK_HINTS = ("mask", "bias")
 
@@ -45,7 +45,7 @@ def cast_tensor(
     device: torch.device | None = None,
     *,
     key: str = "",
-    mode: str = "fix",
+    mode: Mode = "fix",
     where: str = "batch",
 ) -> torch.Tensor:
     """Cast one floating tensor without creating ``inf``.
@@ -102,7 +102,7 @@ def cast_batch(
     key_dtypes: Mapping[str, torch.dtype] | None = None,
     skip_keys: tuple[str, ...] = (),
     device: torch.device | None = None,
-    mode: str = "fix",
+    mode: Mode = "fix",
     where: str = "batch",
     _key: str = "",
 ) -> Any:

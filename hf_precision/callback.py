@@ -33,7 +33,7 @@ from .errors import PrecisionError, PrecisionWarning
 from .groups import ModuleGroups, unwrap_model
 from .guard import GuardFrontEnd, PrecisionGuard
 from .hooks import GuardHandle
-from .policy import PrecisionPolicy
+from .policy import Mode, PrecisionPolicy
 
 logger = logging.getLogger("hf_precision")
 
@@ -61,7 +61,7 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         self,
         policy: PrecisionPolicy | str | None = None,
         *,
-        mode: str | None = None,
+        mode: Mode | None = None,
         leaf_guards: str | None = None,
         report: bool = True,
         report_dir: str | None = None,

@@ -8,7 +8,7 @@ True
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ CLASS_NAMES: dict[str, str] = {
 _LISTED = 20
 
 
+MismatchKind = Literal["dtype", "device", "dtype+device"]
+
+
 @dataclass
 class Mismatch:
     """One module whose input differed from its weights (repeats are counted, not listed)."""
@@ -44,7 +47,7 @@ class Mismatch:
     producer_module: str | None = None
     producer_group: str | None = None
     producer_dtype: str | None = None
-    kind: str = "dtype"  # "dtype" | "device" | "dtype+device"
+    kind: MismatchKind = "dtype"
     phase: str = "forward"
     autocast: bool = False
     count: int = 1

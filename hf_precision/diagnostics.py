@@ -41,6 +41,7 @@ from .diagnosis import (
     CLASS_NAMES,
     Diagnosis,
     Mismatch,
+    MismatchKind,
     classify,
     expected_text,
     fix_text,
@@ -213,7 +214,9 @@ class _Recorder:
             pdt = dtype_name(pdt_) if pdt_ is not None else None
             pgroup = self.groups.group_of(pmod)
         autocast = any(torch.is_autocast_enabled(d) for d in ("cpu", t.device.type))
-        kind = "dtype+device" if bad_dtype and bad_dev else "dtype" if bad_dtype else "device"
+        kind: MismatchKind = (
+            "dtype+device" if bad_dtype and bad_dev else "dtype" if bad_dtype else "device"
+        )
         self.found[key] = Mismatch(
             module=path,
             module_type=self.types.get(path, "?"),

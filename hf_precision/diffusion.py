@@ -76,6 +76,7 @@ from .policy import (
     DEFAULT_KEY_GROUPS,
     DEFAULT_SKIP_KEYS,
     PRESETS,
+    Mode,
     PrecisionPolicy,
     register_preset,
 )
@@ -385,7 +386,7 @@ def guard_diffusion(
     obj: Any,
     policy: PrecisionPolicy | str | None = None,
     *,
-    mode: str | None = None,
+    mode: Mode | None = None,
     optimizer: Any = None,
     vae_images: torch.Tensor | None = None,
 ) -> DiffusionGuard:

@@ -257,9 +257,6 @@ class WrapperCheck:
         )
 
 
-_KEEP_REASONS = ("keep_fp32", "model._keep", "rotary")
-
-
 def check_wrapped(
     model: nn.Module,
     policy: PrecisionPolicy,
@@ -287,15 +284,16 @@ def check_wrapped(
             continue
         name = clean_name(raw)
         group = groups.group_of(name)
-        target, reason = policy.target_dtype(
+        decision = policy.decide(
             name, group, trainable=p.requires_grad, model_patterns=keep, current=p.dtype
         )
+        target, reason = decision.dtype, decision.reason
         storage = zero3_dtype(p) or p.dtype
         runs = compute.get(id(p), storage)
         ds_cast = (
             wrapper == "DeepSpeed" and storage != target and storage == (deepspeed_dtype or storage)
         )
-        if reason.startswith(_KEEP_REASONS):
+        if decision.keeps_fp32:
             if storage == target == runs:
                 continue
             if ds_cast:

@@ -23,7 +23,7 @@ import re
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -46,8 +46,10 @@ from .groups import (
     unwrap_model,
     walk_modules,
 )
-from .policy import PrecisionPolicy
+from .policy import Mode, PrecisionPolicy
 from .wrappers import is_sharded
+
+TensorKind = Literal["param", "buffer"]
 
 _MAX_LISTED = 12
 #: Adapter weights whose layers cast their own input to the adapter dtype and the result back
@@ -61,7 +63,7 @@ class Change:
     """One tensor the policy wants changed (applied or not, see :attr:`EnforceReport.applied`)."""
 
     name: str
-    kind: str  # "param" | "buffer"
+    kind: TensorKind
     group: str
     before: str
     after: str
@@ -228,7 +230,7 @@ def enforce_policy(
     *,
     groups: ModuleGroups | None = None,
     optimizer: Any = None,
-    mode: str | None = None,
+    mode: Mode | None = None,
     allow_wrapped: bool = False,
     view: ModelView | None = None,
 ) -> EnforceReport:
@@ -376,7 +378,7 @@ def enforce_policy(
     return report
 
 
-def _range_checked(src: torch.dtype, dst: torch.dtype, kind: str) -> bool:
+def _range_checked(src: torch.dtype, dst: torch.dtype, kind: TensorKind) -> bool:
     """Downcasts worth a range check (a read pass over the tensor): every one to a narrower
     exponent range (fp16); to bf16, which keeps fp32's range short of its top 0.4%, only buffers,
     where sentinels such as ``finfo(float32).min`` live (a weight that large overflows anyway)."""
@@ -400,7 +402,7 @@ class _Planner:
     policy: PrecisionPolicy
     model_keep: tuple[str, ...]
     device: torch.device | None
-    mode: str
+    mode: Mode
     todo: list[PlannedCast] = field(default_factory=list)
     meta: list[str] = field(default_factory=list)
 
@@ -411,7 +413,7 @@ class _Planner:
         t: torch.Tensor,
         full: str,
         group: str,
-        kind: str,
+        kind: TensorKind,
         trainable: bool,
     ) -> None:
         device = self.device
@@ -424,7 +426,7 @@ class _Planner:
                 if compute is not None:  # its layer computes in that dtype: leaf guards go there
                     self.report.group_dtypes.setdefault(group, set()).add(compute)
             return
-        target, reason = self.policy.target_dtype(
+        decision = self.policy.decide(
             full,
             group,
             trainable=trainable,
@@ -432,7 +434,8 @@ class _Planner:
             model_patterns=self.model_keep,
             current=t.dtype,
         )
-        if reason.startswith(("keep_fp32", "model._keep", "rotary")):
+        target, reason = decision.dtype, decision.reason
+        if decision.keeps_fp32:
             self.report.kept_fp32.append((full, reason))
         zero3 = zero3_dtype(t) if kind == "param" else None
         if zero3 is not None or is_sharded(t):
@@ -487,7 +490,7 @@ def _apply(
     mod: nn.Module,
     key: str,
     t: torch.Tensor,
-    kind: str,
+    kind: TensorKind,
     dtype: torch.dtype,
     device: torch.device,
     optimizer: Any,

@@ -4,12 +4,14 @@ Module hooks fire on every path — training forward, evaluation, ``generate()``
 images through ``get_image_features`` outside the top-level forward), ``PeftModel.generate`` and
 callbacks calling submodules — which is why the guard uses them rather than wrapping ``forward``.
 
-Three kinds, all removable and idempotent (installing twice adds nothing):
+Four kinds (:data:`GuardKind`), all removable and idempotent (installing twice adds nothing):
 
 * **batch** — on the model itself: batch keys (``pixel_values``, float masks, ``latents`` …)
   follow the policy (labels untouched);
 * **boundary** — on each group's root (vision encoder, resampler, projector, language model,
   LM head): floating inputs follow the group's receiving dtype/device;
+* **entry** — on the first weighted leaf of each group: remote code often calls a submodule of
+  the group directly (``vpm.forward_features(...)``), past the boundary hook;
 * **leaf** — on every module with its own weights inside groups that mix dtypes (or everywhere
   with ``leaf_guards="on"``): inputs follow that module's weight dtype. This covers fp32 norm
   upcasts and tensors built inside ``forward`` (MiniCPM-V's numpy sin-cos table).
@@ -29,7 +31,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -39,8 +41,12 @@ from .dtype_map import receiving, receiving_dtypes
 from .dtypes import dtype_name, is_castable, quantized_compute_dtype
 from .errors import PrecisionError
 from .groups import OTHER, ModelView, ModuleGroups, find_module_groups, unwrap_model
-from .policy import PrecisionPolicy
+from .policy import Mode, PrecisionPolicy
 from .wrappers import wrapper_compute_dtypes
+
+#: Where a guard sits: the model (batch), a group root (boundary), the first weighted leaf of a
+#: group (entry), any weighted leaf of a mixed group (leaf).
+GuardKind = Literal["batch", "boundary", "entry", "leaf"]
 
 _ATTR = "_hf_precision_guard"
 #: Modules whose whole forward is one op autocast runs in its own dtype (F.linear, F.conv*).
@@ -56,11 +62,11 @@ _SKIP_LEAVES: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
 
 @dataclass(slots=True)
 class _GuardState:
-    kind: str  # "batch" | "boundary" | "leaf"
+    kind: GuardKind
     path: str
     dtype: torch.dtype
     device: torch.device | None
-    mode: str
+    mode: Mode
     handle: Any = None
     # batch hooks only
     key_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
@@ -325,7 +331,7 @@ def _ref_param(
 
 
 def _leaf_state(
-    kind: str,
+    kind: GuardKind,
     path: str,
     own: tuple[torch.dtype, torch.Tensor | None],
     policy: PrecisionPolicy,

@@ -27,7 +27,7 @@ import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -37,8 +37,30 @@ from .errors import PrecisionError, PrecisionWarning, did_you_mean
 from .groups import group_names
 
 POLICY_VERSION = 1
-MODES = ("audit", "fix", "raise")
-LEAF_GUARDS = ("auto", "on", "off")
+#: What an event does with drift: report it, fix it, or raise.
+Mode = Literal["audit", "fix", "raise"]
+MODES: tuple[Mode, ...] = get_args(Mode)
+LeafGuards = Literal["auto", "on", "off"]
+LEAF_GUARDS: tuple[LeafGuards, ...] = get_args(LeafGuards)
+#: Which precedence rule decided a tensor's dtype (see :class:`Decision`).
+Rule = Literal["keep_fp32", "keep_trainable_fp32", "trainable", "group_dtypes", "frozen"]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The dtype the policy wants for one tensor, the rule that decided (:data:`Rule`) and the
+    reason in words (the pattern or group that matched), as reports print it."""
+
+    dtype: torch.dtype
+    rule: Rule
+    reason: str
+
+    @property
+    def keeps_fp32(self) -> bool:
+        """A keep-in-fp32 pattern, the model's ``_keep_in_fp32_modules`` or a rotary buffer
+        decided: the tensor must stay float32 whatever the wrapper or the preset."""
+        return self.rule == "keep_fp32"
+
 
 #: preset -> (compute, frozen, trainable)
 PRESETS: dict[str, tuple[torch.dtype, torch.dtype, torch.dtype]] = {
@@ -181,11 +203,11 @@ class PrecisionPolicy:
     honour_model_keep_fp32: bool = field(
         default=True, metadata={"help": "keep model._keep_in_fp32_modules in fp32"}
     )
-    mode: str = field(default="fix", metadata={"help": "audit | fix | raise"})
+    mode: Mode = field(default="fix", metadata={"help": "audit | fix | raise"})
     move_devices: bool = field(
         default=True, metadata={"help": "move groups/inputs to the receiving module's device"}
     )
-    leaf_guards: str = field(
+    leaf_guards: LeafGuards = field(
         default="auto", metadata={"help": "auto (in groups that mix dtypes) | on | off"}
     )
     boundary_guards: bool = field(default=True, metadata={"help": "hooks at group entries"})
@@ -411,6 +433,29 @@ class PrecisionPolicy:
                     return f"model._keep_in_fp32_modules {pat!r}"
         return None
 
+    def decide(
+        self,
+        name: str,
+        group: str,
+        *,
+        trainable: bool,
+        is_buffer: bool = False,
+        model_patterns: Iterable[str] = (),
+        current: torch.dtype | None = None,
+    ) -> Decision:
+        """The dtype the policy wants for one parameter/buffer (now in ``current``) and the
+        rule that decided (the precedence at the top of this module)."""
+        reason = self.keep_fp32_reason(name, is_buffer=is_buffer, model_patterns=model_patterns)
+        if reason is not None:
+            return Decision(torch.float32, "keep_fp32", reason)
+        if trainable and self.keep_trainable_fp32 and current == torch.float32:
+            return Decision(torch.float32, "keep_trainable_fp32", "keep_trainable_fp32")
+        if trainable and self.trainable_dtype is not None:
+            return Decision(self.trainable_dtype, "trainable", "trainable")
+        if group in self.group_dtypes:
+            return Decision(self.group_dtypes[group], "group_dtypes", f"group_dtypes[{group!r}]")
+        return Decision(self.frozen_dtype, "frozen", "frozen")  # type: ignore[arg-type]
+
     def target_dtype(
         self,
         name: str,
@@ -421,18 +466,16 @@ class PrecisionPolicy:
         model_patterns: Iterable[str] = (),
         current: torch.dtype | None = None,
     ) -> tuple[torch.dtype, str]:
-        """The dtype the policy wants for one parameter/buffer (now in ``current``), and the
-        rule that decided."""
-        reason = self.keep_fp32_reason(name, is_buffer=is_buffer, model_patterns=model_patterns)
-        if reason is not None:
-            return torch.float32, reason
-        if trainable and self.keep_trainable_fp32 and current == torch.float32:
-            return torch.float32, "keep_trainable_fp32"
-        if trainable and self.trainable_dtype is not None:
-            return self.trainable_dtype, "trainable"
-        if group in self.group_dtypes:
-            return self.group_dtypes[group], f"group_dtypes[{group!r}]"
-        return self.frozen_dtype, "frozen"  # type: ignore[return-value]
+        """``(dtype, reason)`` of :meth:`decide`."""
+        d = self.decide(
+            name,
+            group,
+            trainable=trainable,
+            is_buffer=is_buffer,
+            model_patterns=model_patterns,
+            current=current,
+        )
+        return d.dtype, d.reason
 
     # ---------------------------------------------------------------- JSON
 

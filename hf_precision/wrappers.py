@@ -9,12 +9,14 @@ imports torch.distributed or a wrapper library: classes are recognised by name a
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
-WRAPPERS = ("FSDP2", "FSDP", "DeepSpeed", "DDP")
+#: Who can hold a model's parameters in place of the model itself.
+Wrapper = Literal["FSDP2", "FSDP", "DeepSpeed", "DDP"]
+WRAPPERS: tuple[Wrapper, ...] = get_args(Wrapper)
 
 
 def is_sharded(t: torch.Tensor) -> bool:
@@ -27,7 +29,7 @@ def is_fsdp2_module(m: nn.Module) -> bool:
     return callable(getattr(type(m), "_get_fsdp_state", None)) and hasattr(m, "reshard")
 
 
-def wrapper_of(model: nn.Module, modules: Iterable[nn.Module] | None = None) -> str | None:
+def wrapper_of(model: nn.Module, modules: Iterable[nn.Module] | None = None) -> Wrapper | None:
     """Who holds ``model``'s parameters right now (one of :data:`WRAPPERS`), or ``None``.
     ``modules``: the modules inside the wrappers, when the caller has walked them already."""
     name = type(model).__name__
@@ -56,7 +58,7 @@ def wrapper_of(model: nn.Module, modules: Iterable[nn.Module] | None = None) -> 
     return "DDP" if ddp else None
 
 
-def planned_wrapper(accelerator: Any = None, args: Any = None) -> str | None:
+def planned_wrapper(accelerator: Any = None, args: Any = None) -> Wrapper | None:
     """The wrapper ``accelerator.prepare`` (or ``Trainer``) will put around the model."""
     if accelerator is not None:
         kind = str(getattr(getattr(accelerator, "distributed_type", None), "value", "") or "")
@@ -83,7 +85,7 @@ def detect_wrapper(
     accelerator: Any = None,
     args: Any = None,
     modules: Iterable[nn.Module] | None = None,
-) -> str | None:
+) -> Wrapper | None:
     """``"FSDP2"``, ``"FSDP"``, ``"DeepSpeed"``, ``"DDP"`` or ``None``: the model's wrapper if it
     has one, else the one the accelerator / ``TrainingArguments`` will add.
 
