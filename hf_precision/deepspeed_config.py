@@ -13,11 +13,7 @@ torch.bfloat16
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,29 +25,25 @@ _SECTIONS = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16",)}
 
 def load_deepspeed_config(config: dict[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
     """A DeepSpeed config as a dict: from a dict, a JSON file, JSON text or base64 JSON (the
-    forms ``TrainingArguments(deepspeed=...)`` accepts)."""
+    forms ``TrainingArguments(deepspeed=...)`` accepts, read by accelerate's
+    ``HfDeepSpeedConfig`` as transformers reads them). A dict is returned as given."""
     if isinstance(config, dict):
         return config
+    from accelerate.utils import HfDeepSpeedConfig
+
     text = os.fspath(config)
-    if os.path.isfile(text):
-        try:
-            return dict(json.loads(Path(text).read_text()))
-        except json.JSONDecodeError as err:
-            raise PrecisionError(
-                f"load_deepspeed_config({text!r}): not valid JSON: {err}. Fix: repair the file."
-            ) from err
     try:
-        return dict(json.loads(text))
-    except json.JSONDecodeError:
-        pass
-    try:
-        return dict(json.loads(base64.urlsafe_b64decode(text).decode()))
-    except (binascii.Error, ValueError, UnicodeDecodeError):
-        pass
-    raise PrecisionError(
-        f"load_deepspeed_config({text!r}): no such file, and not JSON text or base64 JSON.\n"
-        "Fix: pass the path of the DeepSpeed JSON, or the config as a dict."
-    )
+        return dict(HfDeepSpeedConfig(text).config)
+    except ValueError as err:  # json.JSONDecodeError included
+        what = (
+            "not valid JSON"
+            if os.path.isfile(text)
+            else "no such file, and not JSON text or base64 JSON"
+        )
+        raise PrecisionError(
+            f"load_deepspeed_config({text!r}): {what} ({err}).\n"
+            "Fix: pass the path of a valid DeepSpeed JSON, or the config as a dict."
+        ) from err
 
 
 def _enabled(cfg: dict[str, Any], flag: str, source: str) -> tuple[str | None, bool | str | None]:

@@ -76,25 +76,16 @@ DRIFT_COLUMNS = (
     "reason",
     "repaired",
 )
-#: Integrations TrainingArguments.report_to knows; only "wandb" is acted on here.
-_KNOWN_REPORT_TO = (
-    "wandb",
-    "all",
-    "none",
-    "azure_ml",
-    "clearml",
-    "codecarbon",
-    "comet_ml",
-    "dagshub",
-    "dvclive",
-    "flyte",
-    "mlflow",
-    "neptune",
-    "swanlab",
-    "tensorboard",
-    "trackio",
-    "kubeflow",
-)
+
+
+def _known_report_to() -> tuple[str, ...]:
+    """What ``TrainingArguments.report_to`` accepts (transformers' own list); only ``"wandb"``
+    is acted on here."""
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    return ("all", "none", *INTEGRATION_TO_CALLBACK)
+
+
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
 
@@ -104,11 +95,14 @@ def wants_wandb(report_to: list[str] | str | None, *, call: str = "report_to") -
         return False
     names = [report_to] if isinstance(report_to, str) else list(report_to)
     for name in names:
-        if not isinstance(name, str) or name.lower() not in _KNOWN_REPORT_TO:
-            hint = did_you_mean(str(name).lower(), _KNOWN_REPORT_TO)
+        if isinstance(name, str) and name.lower() in ("wandb", "all", "none"):
+            continue  # no need to import transformers' integrations (5 s) for these
+        known = _known_report_to()
+        if not isinstance(name, str) or name.lower() not in known:
+            hint = did_you_mean(str(name).lower(), known)
             raise PrecisionError(
                 f"{call}={report_to!r}: unknown integration {name!r}.{hint}\n"
-                f"Allowed: {', '.join(_KNOWN_REPORT_TO)}.\nFix: pass e.g. report_to=['wandb']."
+                f"Allowed: {', '.join(known)}.\nFix: pass e.g. report_to=['wandb']."
             )
     lowered = [n.lower() for n in names]
     return "none" not in lowered and ("wandb" in lowered or "all" in lowered)
