@@ -495,13 +495,43 @@ class PrecisionPolicy:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PrecisionPolicy:
+        """A policy from :meth:`to_dict`'s output (or a hand-written dict of fields).
+
+        Forward-compatible, as PEFT's configs are: a saved policy (it carries ``"version"``)
+        from a newer hf-precision loads with a :class:`PrecisionWarning` for the fields this
+        version does not know, which are dropped. A hand-written dict (no ``"version"``) with
+        an unknown field is a typo and raises.
+
+        >>> data = PrecisionPolicy.from_preset("bf16").to_dict()
+        >>> data.update(version=2, future_field=1)
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True):
+        ...     warnings.simplefilter("always")
+        ...     PrecisionPolicy.from_dict(data).name
+        'bf16'
+        """
         data = dict(data)
+        saved = "version" in data
         version = data.pop("version", POLICY_VERSION)
-        if version != POLICY_VERSION:
+        if not isinstance(version, int) or version < 1:
             raise PrecisionError(
-                f"PrecisionPolicy.from_dict(version={version!r}): this hf-precision reads policy "
-                f"version {POLICY_VERSION}. Fix: upgrade hf-precision or re-save the policy."
+                f"PrecisionPolicy.from_dict(version={version!r}): policy versions are integers "
+                f">= 1 (this hf-precision writes {POLICY_VERSION}). Fix: re-save the policy with "
+                "PrecisionPolicy.to_json()."
             )
+        unknown = sorted(set(data) - set(_FIELDS))
+        if saved and unknown:
+            newer = (
+                f" (saved as policy version {version}, this hf-precision reads {POLICY_VERSION})"
+            )
+            warnings.warn(
+                f"PrecisionPolicy.from_dict(...): ignoring field(s) {unknown} this hf-precision "
+                f"does not know{newer if version > POLICY_VERSION else ''}. Fix: upgrade "
+                "hf-precision to honour them, or drop them from the saved policy.",
+                PrecisionWarning,
+                stacklevel=2,
+            )
+            data = {k: v for k, v in data.items() if k in _FIELDS}
         _reject_unknown_fields(data, _FIELDS, lambda bad: "PrecisionPolicy.from_dict(...)")
         return cls(**data)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import TrainingArguments
 
-from hf_precision import PrecisionError, PrecisionPolicy
+from hf_precision import PrecisionError, PrecisionPolicy, PrecisionWarning
 from hf_precision.policy import PRESETS, match_pattern
 from hf_precision.tiny import tiny_llava
 
@@ -60,11 +60,20 @@ def test_unknown_group_and_mode_and_field():
         PrecisionPolicy(keep_fp32=["re:(["])
 
 
-def test_from_dict_rejects_other_version():
-    data = PrecisionPolicy.from_preset("bf16").to_dict()
-    data["version"] = 99
-    with pytest.raises(PrecisionError, match="policy version 1"):
-        PrecisionPolicy.from_dict(data)
+def test_from_dict_reads_a_newer_policy_and_drops_what_it_does_not_know():
+    policy = PrecisionPolicy.from_preset("bf16", group_dtypes={"vision_encoder": "fp32"})
+    data = policy.to_dict()
+    data.update(version=99, future_knob=True)
+    with pytest.warns(PrecisionWarning, match=r"ignoring field\(s\) \['future_knob'\].*version 99"):
+        loaded = PrecisionPolicy.from_dict(data)
+    assert loaded == policy
+    # the same fields from this version load silently; a hand-written typo still raises
+    again = policy.to_dict()
+    assert PrecisionPolicy.from_dict(again) == policy
+    with pytest.raises(PrecisionError, match=r"unknown field\(s\) \['frozen_dtyp'\]"):
+        PrecisionPolicy.from_dict({"frozen_dtyp": "bf16"})
+    with pytest.raises(PrecisionError, match="integers >= 1"):
+        PrecisionPolicy.from_dict({**again, "version": "1"})
 
 
 def test_from_training_args(tmp_path):
