@@ -74,8 +74,16 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="run 'hf-precision audit --help' or 'hf-precision doctor --help' for examples",
     )
-    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="{audit,doctor}")
+    sub = p.add_subparsers(
+        dest="command", parser_class=_Parser, metavar="{architectures,audit,doctor}"
+    )
     sub.required = True
+    sub.add_parser(
+        "architectures",
+        help="print the supported-architecture table (Markdown, as in the README)",
+        description="The group rules find_module_groups tries, in order, generated from the "
+        "rule registry (registered rules included).",
+    )
     groups_help = (
         f"comma-separated groups that are trained ({', '.join(group_names())}), 'all' or 'none'"
     )
@@ -311,6 +319,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         if args.command == "audit":
             return _audit(args)
+        if args.command == "architectures":
+            from .groups import architecture_table
+
+            print(architecture_table(), end="")
+            return 0
         from .doctor import doctor
 
         return doctor(args)

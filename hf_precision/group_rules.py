@@ -1,6 +1,6 @@
 """Built-in group rules: transformers 5.23 paths, and remote-code layouts matched by attribute
-names. The table of families is in :mod:`hf_precision.groups`' docstring; register your own with
-:func:`hf_precision.groups.register_group_rule`.
+names. ``hf-precision architectures`` (:func:`hf_precision.groups.architecture_table`) prints
+them as the README's table; register your own with :func:`hf_precision.groups.register_group_rule`.
 
 ``_r`` keeps the table short: each keyword is a group, each space-separated word a candidate path.
 """
@@ -30,6 +30,7 @@ def _r(
     *,
     extra: Mapping[str, str] | None = None,
     params: Mapping[str, str] | None = None,
+    note: str = "",
     **groups: str,
 ) -> GroupRule:
     groups.setdefault("head", "lm_head")
@@ -40,6 +41,7 @@ def _r(
         paths={_KEYS[k]: tuple(v.split()) for k, v in groups.items() if v},
         extra={_KEYS[k]: tuple(v.split()) for k, v in (extra or {}).items()},
         params={_KEYS[k]: tuple(v.split()) for k, v in (params or {}).items()},
+        note=note,
     )
 
 
@@ -277,6 +279,8 @@ for _rule in (
         "minicpmv2_omnilmm",
         "minicpmv minicpmo omnilmm",
         _attrs("vpm", "resampler", "llm"),
+        note="remote code: MiniCPM-V 2.x, MiniCPM-o, OmniLMM-12B, whose vision tower a plain "
+        "list may hold (found all the same, reported as hidden)",
         vision="vpm model.vision_tower",
         resampler="resampler model.resampler",
         lm="llm model",
@@ -288,6 +292,7 @@ for _rule in (
         "internlm_xcomposer",
         "internlmxcomposer2 internlm_xcomposer2",
         _attrs("vit", "vision_proj", "model"),
+        note="remote code: InternLM-XComposer 2/2.5, PLoRA inside the LM",
         vision="vit",
         projector="vision_proj",
         lm="model",
@@ -301,6 +306,7 @@ for _rule in (
         "xtuner_llava",
         "xtuner_llava",
         _attrs("llm", "visual_encoder", "projector"),
+        note="XTuner's LLaVAModel, whose LLM may be a PeftModel",
         vision="visual_encoder",
         projector="projector",
         lm="llm",
@@ -310,6 +316,7 @@ for _rule in (
         "internvl_chat",
         "internvl_chat",
         _attrs("vision_model", "mlp1", "language_model"),
+        note="remote code: InternVL-Chat",
         vision="vision_model",
         projector="mlp1",
         lm="language_model",

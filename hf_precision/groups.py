@@ -8,37 +8,9 @@ name patterns, and says which of them matched in :attr:`ModuleGroups.rule`. Path
 against transformers 5.23 (``tests/test_groups_all_architectures.py`` builds every
 image-text-to-text architecture on the meta device).
 
-====================== =========================================================================
-rule                   model types (transformers 5.23; remote code where noted)
-====================== =========================================================================
-llava                  llava, llava_next, llava_onevision, llava_next_video, vipllava, fast_vlm,
-                       granite4_vision (``model.image_newline`` -> resampler)
-video_llava            video_llava (image + video towers)
-idefics                idefics (v1: LM at ``model``, vision nested in it)
-idefics2               idefics2
-idefics3               idefics3, smolvlm
-granite_docling        granite_docling (connector nested in the vision model)
-vision_tower_projector paligemma, gemma3, shieldgemma2, internvl, aya_vision, mistral3, mllama,
-                       got_ocr2, lfm2_vl, molmo2, aria, deepseek_vl, ovis2, ... (``model.<tower>``
-                       + ``model.<projector>`` + ``model.language_model``/``text_model``)
-qwen2_vl               qwen2_vl, qwen2_5_vl, qwen3_vl(_moe), qwen3_5(_moe), omni thinkers, glm4v
-                       family, exaone4_5, hunyuan_vl, ernie4_5_vl_moe, ... (merger -> resampler,
-                       audio tower -> audio_encoder)
-gemma3n                gemma3n, gemma4 (``embed_vision`` -> projector, audio tower + embedder)
-blip_2                 blip-2, instructblip, instructblipvideo (``query_tokens`` -> resampler)
-kosmos2                kosmos-2, kosmos-2.5 (``latent_query`` -> resampler)
-fuyu                   fuyu
-minicpmv               minicpmv4_6, minicpmv4_7, minicpm_ocr (``vit_merger`` stays in the tower)
-top_level              llama4, nemotron_h_omni (groups at the top, lm_head inside the LM)
-one layout each        gemma4_unified, muse (muse_glimmer/spark), janus, deepseek_vl_hybrid,
-                       chameleon, emu3, blip, git, pi0, encoder_decoder (pix2struct,
-                       vision-encoder-decoder), pp_formulanet, t5gemma2, diffusion_gemma, udop
-minicpmv2_omnilmm      remote MiniCPM-V 2.x / MiniCPM-o (``vpm``/``resampler``/``llm``, ``apm``),
-                       OmniLMM-12B (``model.vision_tower``/``model.resampler`` in ``model``)
-internlm_xcomposer     remote InternLM-XComposer2/2.5 (``vit``, ``vision_proj``, ``model``,
-                       ``output``; ``plora_*_GN`` -> vision_encoder)
-internvl_chat          remote InternVL-Chat (``vision_model``/``mlp1``/``language_model``)
-====================== =========================================================================
+The supported-architecture table (rules, model types, the paths of each group) is generated
+from this registry by :func:`architecture_table`; the README's copy is checked against it, and
+``hf-precision architectures`` prints it.
 
 >>> from hf_precision import find_module_groups
 >>> from hf_precision.tiny import tiny_llava
@@ -53,7 +25,7 @@ import inspect
 import re
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +100,8 @@ class GroupRule:
     required: tuple[str, ...] = ("language_model",)
     match: Callable[[nn.Module], bool] | None = None
     extra: PathMap = field(default_factory=dict)
+    #: What the rule covers beyond ``model_types``, in words (remote-code families).
+    note: str = ""
 
     def __post_init__(self) -> None:
         call = f"GroupRule(name={self.name!r})"
@@ -184,6 +158,40 @@ def unregister_group_rule(name: str) -> None:
 
 def group_rules() -> tuple[GroupRule, ...]:
     return tuple(_RULES)
+
+
+def architecture_table(rules: Iterable[GroupRule] | None = None) -> str:
+    """The supported-architecture table (Markdown), generated from the rule registry: one row
+    per rule (model-layout rules only; diffusion rules have their own groups), the model types
+    it matches and, per group, its candidate paths (the first that exists wins), ``+`` modules
+    it adds when present, and direct parameters.
+
+    >>> row = architecture_table([group_rules()[0]]).splitlines()[2].split(" | ")
+    >>> row[0], row[2]
+    ('| llava', '`model.vision_tower`')
+    """
+    columns = _GROUP_NAMES[:6]  # vision, resampler, projector, audio, language model, head
+    head = ["rule", "model types", *columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for rule in rules if rules is not None else _RULES:
+        if not set(rule.paths) | set(rule.extra) | set(rule.params) <= set(columns):
+            continue
+        types = "; ".join(x for x in (", ".join(rule.model_types), rule.note) if x)
+        cells = [_cell(rule, g) for g in columns]
+        lines.append("| " + " | ".join([rule.name, types, *cells]) + " |")
+    lines.append(
+        '| *fallback* | any other model (says what matched) | `get_encoder(modality="image")` '
+        'or a tower name | a name pattern | a name pattern | `get_encoder(modality="audio")` '
+        "or a tower name | `get_decoder()` or a name | `get_output_embeddings()` or a name |"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _cell(rule: GroupRule, group: str) -> str:
+    parts = [" / ".join(f"`{p}`" if p else "the model" for p in rule.paths.get(group, ()))]
+    parts += [f"+ `{p}`" for p in rule.extra.get(group, ())]
+    parts += [f"`{p}` (param)" for p in rule.params.get(group, ())]
+    return ", ".join(p for p in parts if p) or "—"
 
 
 # --------------------------------------------------------------------------------------------

@@ -99,7 +99,7 @@ def test_help_has_examples(command: str, capsys: pytest.CaptureFixture[str]) -> 
         (["audit", "./missing/config.json"], "no such file or folder"),
         (["doctor", "nosuchmodel"], "allowed: "),
         (["doctor", "llava", "--mode", "strict"], "choose from 'raise', 'fix'"),
-        (["lint", "llava"], "choose from 'audit', 'doctor'"),
+        (["lint", "llava"], "choose from 'architectures', 'audit', 'doctor'"),
     ],
 )
 def test_bad_arguments_give_one_line(

@@ -98,3 +98,21 @@ def test_compatibility_table_matches_what_runs() -> None:
         want = leg4 if tf4 else leg5
         if want != "–":
             assert installed.startswith(want), (library, installed, want)
+
+
+def test_readme_architecture_table_is_generated_from_the_rules(capsys):
+    from hf_precision.cli import main
+    from hf_precision.groups import architecture_table, group_rules
+
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- architectures:[^\n]*-->\n(.*?)<!-- /architectures -->", text, re.S)
+    assert block is not None, "README lost its generated architecture table markers"
+    assert block.group(1) == architecture_table(), (
+        "README's architecture table is stale: regenerate it with `hf-precision architectures`"
+    )
+    # every model-layout rule has its row, and the CLI prints the same table
+    for rule in group_rules():
+        if not rule.name.startswith("diffusion_"):
+            assert f"| {rule.name} | " in block.group(1)
+    assert main(["architectures"]) == 0
+    assert capsys.readouterr().out == architecture_table()
