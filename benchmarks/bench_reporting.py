@@ -79,14 +79,14 @@ def event_figures(model: Any, reps: int, out_dir: Path) -> list[Figure]:
     def cached() -> None:
         reporter.log_event("on_evaluate", model, step=1, policy=policy, groups=groups)
 
-    from hf_precision.plot import plot_group_bytes, render_table
+    from hf_precision.plot import plot_group_bytes
 
     dmap = dtype_map(model, groups, policy=policy)
     rows, folded = module_table_rows(dmap)
     parts = {
         "dtype_map_s": _time(lambda: dtype_map(model, groups, policy=policy), reps)[0],
         "table_rows_s": _time(lambda: module_table_rows(dmap), reps)[0],
-        "text_table_s": _time(lambda: render_table(dmap), reps)[0],
+        "text_table_s": _time(lambda: dmap.table(use_rich=None), reps)[0],
         "picture_s": _time(lambda: plot_group_bytes(dmap), reps)[0],
     }
     fresh_cpu, fresh_wall = _time(fresh, reps)

@@ -21,7 +21,7 @@ from . import diffusion as _diffusion  # noqa: F401
 
 # isort: on
 from .batch import PrecisionCollator, cast_batch
-from .dtype_map import DtypeMap, dtype_map
+from .dtype_maps import DtypeMap, dtype_map
 from .enforce import EnforceReport, check_policy, enforce_policy
 from .errors import PrecisionError, PrecisionWarning
 from .groups import (

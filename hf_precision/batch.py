@@ -202,7 +202,7 @@ class PrecisionCollator:
         self.policy = PrecisionPolicy.resolve(policy, model)
         group_dtypes = None
         if model is not None:
-            from .dtype_map import receiving_dtypes
+            from .dtype_maps import receiving_dtypes
 
             group_dtypes = receiving_dtypes(model)
         self.key_dtypes = key_dtypes_for(self.policy, group_dtypes)

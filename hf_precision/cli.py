@@ -166,36 +166,30 @@ def _parser() -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------------------- output
 def _print_table(title: str, columns: list[str], rows: list[list[str]], plain: bool) -> None:
-    if not plain:
-        try:
-            from rich.console import Console
-            from rich.table import Table
-        except ImportError:
-            plain = True
-        else:
-            table = Table(title=title, title_justify="left")
-            for i, c in enumerate(columns):
-                table.add_column(c, justify="left" if i < 2 else "right")
-            for r in rows:
-                table.add_row(*r)
-            Console(width=max(100, min(160, 20 * len(columns)))).print(table)
-            return
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
-    print(title)
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
-    print("  ".join("-" * w for w in widths))
-    for r in rows:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+    from .tables import render_table
+
+    width = max(100, min(160, 20 * len(columns)))
+    right = range(2, len(columns))
+    print(
+        render_table(
+            columns,
+            rows,
+            title=title,
+            right=right,
+            use_rich=None if not plain else False,
+            width=width,
+        )
+    )
 
 
 def _audit(args: argparse.Namespace) -> int:
     import torch
 
-    from .dtype_map import dtype_map
+    from .dtype_maps import dtype_map
     from .dtypes import dtype_name, parse_dtype
     from .enforce import check_policy
-    from .plot import fmt_bytes
     from .policy import PrecisionPolicy
+    from .tables import fmt_bytes
 
     policy = PrecisionPolicy.from_preset(args.policy)
     kind, where = resolve_source(args.source)

@@ -37,7 +37,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .diagnosis import (
+from .dtypes import dtype_name, is_castable
+from .errors import PrecisionError
+from .findings import (
     CLASS_NAMES,
     Diagnosis,
     Mismatch,
@@ -47,8 +49,6 @@ from .diagnosis import (
     fix_text,
     module_weights,
 )
-from .dtypes import dtype_name, is_castable
-from .errors import PrecisionError
 from .groups import ModuleGroups, find_module_groups, unwrap_model
 from .policy import PrecisionPolicy
 

@@ -34,7 +34,7 @@ from .deepspeed_config import (
     deepspeed_config_of,
     load_deepspeed_config,
 )
-from .dtype_map import DtypeMap, dtype_map
+from .dtype_maps import DtypeMap, dtype_map
 from .dtypes import dtype_name, is_castable, zero3_dtype
 from .enforce import Change, EnforceReport
 from .errors import PrecisionError

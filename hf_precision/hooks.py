@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .batch import cast_batch, cast_tensor, key_dtypes_for
-from .dtype_map import receiving, receiving_dtypes
+from .dtype_maps import receiving, receiving_dtypes
 from .dtypes import dtype_name, is_castable, quantized_compute_dtype
 from .errors import PrecisionError
 from .groups import OTHER, ModelView, ModuleGroups, find_module_groups, unwrap_model

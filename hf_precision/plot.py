@@ -1,5 +1,5 @@
-"""The dtype map drawn: a picture (bytes per dtype, stacked, one bar per group) and a text
-table (``rich`` when installed, plain otherwise).
+"""The dtype map drawn: a picture (bytes per dtype, stacked, one bar per group). Text tables
+are :mod:`hf_precision.tables`' (:meth:`hf_precision.DtypeMap.table`).
 
 matplotlib is imported lazily and drawn on an Agg canvas owned by the figure (no ``pyplot``, no
 global backend switch), so it works in notebooks, on headless servers and inside ``Trainer``.
@@ -19,7 +19,7 @@ import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .dtype_map import DtypeMap
+    from .dtype_maps import DtypeMap
 
 #: Width and height of the picture in pixels (8 x 4.5 inches at 100 dpi).
 PICTURE_SIZE: tuple[int, int] = (800, 450)
@@ -104,51 +104,3 @@ def png_size(png: bytes) -> tuple[int, int]:
     if png[:8] != b"\x89PNG\r\n\x1a\n" or png[12:16] != b"IHDR":
         raise ValueError("not a PNG file")
     return int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
-
-
-def fmt_bytes(n: int) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
-    for size, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
-
-
-def render_table(
-    dmap: DtypeMap, *, title: str = "", use_rich: bool | None = None, width: int = 110
-) -> str:
-    """The per-group table as text: drawn with ``rich`` when it is installed, plain otherwise."""
-    if use_rich is None or use_rich:
-        try:
-            from rich.console import Console
-            from rich.table import Table
-        except ImportError:
-            if use_rich:
-                raise
-        else:
-            table = Table(title=title or None, title_justify="left")
-            for col, just in (
-                ("group", "left"),
-                ("dtypes (params)", "left"),
-                ("devices", "left"),
-                ("params", "right"),
-                ("bytes", "right"),
-                ("trainable", "right"),
-            ):
-                table.add_column(col, justify=just)  # type: ignore[arg-type]
-            for g in dmap.groups.values():
-                dts = ", ".join(f"{d}:{n:,}" for d, n in sorted(g.numel.items())) or "-"
-                table.add_row(
-                    g.group,
-                    dts,
-                    "/".join(g.devices) or "-",
-                    f"{sum(g.numel.values()):,}",
-                    fmt_bytes(sum(g.bytes.values())),
-                    f"{g.trainable:,}",
-                )
-            console = Console(file=io.StringIO(), width=width, color_system=None)
-            console.print(table)
-            text = console.file.getvalue()  # type: ignore[attr-defined]
-            return "\n".join(line.rstrip() for line in text.rstrip().splitlines())
-    head = f"{title}\n" if title else ""
-    return head + dmap.table()

@@ -30,9 +30,8 @@ from typing import Any
 
 from torch import nn
 
-from .dtype_map import DtypeDiff, DtypeMap, dtype_map
+from .dtype_maps import DtypeDiff, DtypeMap, dtype_map
 from .errors import PrecisionError, PrecisionWarning, did_you_mean
-from .plot import render_table
 
 logger = logging.getLogger("hf_precision")
 
@@ -334,7 +333,7 @@ class PrecisionReporter:
                     f"could not write the dtype map of {event} under "
                     f"{self.report_dir} ({type(err).__name__}: {err})",
                 )
-        text = render_table(dmap, title=f"hf-precision {event} (step {step})")
+        text = dmap.table(title=f"hf-precision {event} (step {step})", use_rich=None)
         if drift:
             text += (
                 f"\ndrift ({len(drift)} row(s)): "

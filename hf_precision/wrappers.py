@@ -2,7 +2,7 @@
 
 One place answers "is this tensor a shard" (:func:`is_sharded`: FSDP2's DTensor) and "does a
 wrapper own this model" (:func:`detect_wrapper`); :mod:`hf_precision.enforce`,
-:mod:`hf_precision.dtype_map`, :mod:`hf_precision.hooks` and the front ends ask here. Nothing here
+:mod:`hf_precision.dtype_maps`, :mod:`hf_precision.hooks` and the front ends ask here. Nothing here
 imports torch.distributed or a wrapper library: classes are recognised by name and attribute.
 """
 

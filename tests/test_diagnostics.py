@@ -158,7 +158,7 @@ def test_hidden_mismatches_under_autocast_are_listed() -> None:
     model.model.language_model.to(torch.bfloat16).requires_grad_(False)
     diag = diagnose(model, tiny_batch(model), policy="bf16", autocast="bf16", generate=True)
     assert diag.ok and diag.passes == {"forward": "ok", "backward": "ok", "generate": "ok"}
-    hidden = diag.hidden
+    hidden = diag.silent
     assert hidden and any(m.autocast for m in hidden)
     head = [m for m in hidden if m.module == "lm_head" and m.phase == "forward"]
     assert len(head) == 1 and head[0].autocast
@@ -200,7 +200,7 @@ def test_exported_lazily() -> None:
         diagnose(tiny_llava(), {}, autocast="bf61")
 
 
-@pytest.mark.parametrize("name", ["diagnostics", "diagnosis"])
+@pytest.mark.parametrize("name", ["diagnostics", "findings"])
 def test_module_doctests(name: str) -> None:
     import doctest
     import importlib

@@ -34,3 +34,25 @@ def test_public_names():
         "PrecisionError",
     ):
         assert getattr(hf_precision, name) is not None
+
+
+def test_no_public_name_is_shadowed_by_a_module():
+    """``hf_precision.dtype_map`` stays the function after every submodule is imported (a module
+    of the same name would replace it as an attribute of the package)."""
+    import importlib
+    import pkgutil
+    import types
+
+    import hf_precision
+
+    names = set()
+    for info in pkgutil.walk_packages(hf_precision.__path__, "hf_precision."):
+        importlib.import_module(info.name)
+        names.add(info.name.split(".")[1])
+    # `import hf_precision.x as m` would give the function, not the module
+    assert not names & set(hf_precision.__all__)
+    shadowed = [
+        n for n in hf_precision.__all__ if isinstance(getattr(hf_precision, n), types.ModuleType)
+    ]
+    assert not shadowed
+    assert callable(hf_precision.dtype_map) and callable(hf_precision.diagnose)

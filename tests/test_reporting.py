@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_precision import PrecisionError, PrecisionWarning, dtype_map
-from hf_precision.plot import PICTURE_SIZE, png_size, render_table
+from hf_precision.plot import PICTURE_SIZE, png_size
 from hf_precision.reporting import PrecisionReporter, module_table_rows, wants_wandb
 from hf_precision.tiny import tiny_batch, tiny_llava
 
@@ -119,8 +119,25 @@ def test_plain_table_when_rich_is_missing(monkeypatch: pytest.MonkeyPatch) -> No
     dmap = dtype_map(tiny_llava())
     for name in ("rich", "rich.console", "rich.table"):  # simulates rich not installed
         monkeypatch.setitem(sys.modules, name, None)
-    text = render_table(dmap, title="t")
+    text = dmap.table(title="t", use_rich=None)
     assert text.startswith("t\ngroup") and "language_model" in text
+    with pytest.raises(ImportError):
+        dmap.table(use_rich=True)
+    # the plain table: one aligned row per group, the numbers right-aligned under their heads
+    lines = text.splitlines()
+    assert lines[1].split() == [
+        "group",
+        "dtypes",
+        "(params)",
+        "devices",
+        "params",
+        "bytes",
+        "trainable",
+    ]
+    vision = next(line for line in lines if line.startswith("vision_encoder"))
+    total = sum(dmap.groups["vision_encoder"].numel.values())
+    assert vision.rstrip().endswith(f"{dmap.groups['vision_encoder'].trainable:,}")
+    assert f"{total:,}" in vision
 
 
 def test_other_ranks_write_nothing(tmp_path: Path) -> None:

@@ -270,7 +270,7 @@ def fsdp1(out: Path) -> dict[str, Any]:
 
     from hf_precision import PrecisionGuardPlugin
     from hf_precision.distributed import detect_wrapper, rank_digest
-    from hf_precision.dtype_map import dtype_map
+    from hf_precision.dtype_maps import dtype_map
     from hf_precision.tiny import tiny_batch
 
     model = split_llava()

@@ -3,7 +3,7 @@ import json
 import torch
 
 from hf_precision import PrecisionPolicy, dtype_map
-from hf_precision.dtype_map import DtypeMap
+from hf_precision.dtype_maps import DtypeMap
 from hf_precision.tiny import tiny_llava, tiny_paligemma
 
 

@@ -1,6 +1,6 @@
 """Result types of :func:`hf_precision.diagnose`: readable as text (``str``) and as a dict.
 
->>> from hf_precision.diagnosis import Diagnosis
+>>> from hf_precision.findings import Diagnosis
 >>> Diagnosis(model="M", policy="bf16").ok
 True
 """
@@ -98,7 +98,7 @@ class Diagnosis:
         return self.error is None
 
     @property
-    def hidden(self) -> list[Mismatch]:
+    def silent(self) -> list[Mismatch]:
         """Mismatches that did not fail (autocast, the op's own upcast, or a guard hid them)."""
         stack = set(self.failing_stack)
         return [
@@ -160,16 +160,16 @@ class Diagnosis:
                 lines.append(f"root cause: {self.root_cause} ({CLASS_NAMES[self.root_cause]})")
             if self.fix:
                 lines.append(f"fix: {self.fix}")
-        hidden = self.hidden
-        if hidden:
-            n_ac = sum(1 for m in hidden if m.autocast)
+        silent = self.silent
+        if silent:
+            n_ac = sum(1 for m in silent if m.autocast)
             lines.append(
-                f"{len(hidden)} other input/weight mismatch(es) did not fail "
+                f"{len(silent)} other input/weight mismatch(es) did not fail "
                 f"({n_ac} under autocast):"
             )
-            lines += ["  " + m.describe() for m in hidden[:_LISTED]]
-            if len(hidden) > _LISTED:
-                lines.append(f"  ... and {len(hidden) - _LISTED} more (see .to_dict())")
+            lines += ["  " + m.describe() for m in silent[:_LISTED]]
+            if len(silent) > _LISTED:
+                lines.append(f"  ... and {len(silent) - _LISTED} more (see .to_dict())")
         elif self.ok:
             lines.append("no module received inputs in another dtype/device than its weights")
         return "\n".join(lines)

@@ -43,6 +43,7 @@ from .groups import (
     hidden_module,
     unwrap_model,
 )
+from .tables import fmt_bytes, render_table
 from .wrappers import is_sharded
 
 #: Tensor types that are never DTensors nor packed quantized storage.
@@ -241,21 +242,31 @@ class DtypeMap:
             for g in self.groups.values()
         ]
 
-    def table(self) -> str:
-        """A plain-text per-group table."""
-        cells = {
-            g.group: ", ".join(f"{d}:{n}" for d, n in sorted(g.numel.items())) or "-"
+    def table_rows(self) -> list[list[str]]:
+        """One row per group: dtypes (params), devices, params, bytes, trainable."""
+        return [
+            [
+                g.group,
+                ", ".join(f"{d}:{n:,}" for d, n in sorted(g.numel.items())) or "-",
+                "/".join(g.devices) or "-",
+                f"{sum(g.numel.values()):,}",
+                fmt_bytes(sum(g.bytes.values())),
+                f"{g.trainable:,}",
+            ]
             for g in self.groups.values()
-        }
-        w = max([26, *map(len, cells.values())])
-        head = f"{'group':<15} {'dtypes':<{w}} {'devices':<12} {'params':>12} {'trainable':>10}"
-        lines = [head, "-" * len(head)]
-        for g in self.groups.values():
-            lines.append(
-                f"{g.group:<15} {cells[g.group]:<{w}} {'/'.join(g.devices) or '-':<12} "
-                f"{sum(g.numel.values()):>12,} {g.trainable:>10,}"
-            )
-        return "\n".join(lines)
+        ]
+
+    def table(self, *, title: str = "", use_rich: bool | None = False, width: int = 110) -> str:
+        """The per-group table as text (plain by default; ``use_rich=None``: rich when
+        installed), drawn by :func:`hf_precision.tables.render_table`."""
+        return render_table(
+            ["group", "dtypes (params)", "devices", "params", "bytes", "trainable"],
+            self.table_rows(),
+            title=title,
+            right=(3, 4, 5),
+            use_rich=use_rich,
+            width=width,
+        )
 
     def __str__(self) -> str:
         return self.table()
