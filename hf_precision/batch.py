@@ -12,6 +12,7 @@ policy; integer/bool tensors and labels are left alone.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -114,21 +115,23 @@ def cast_batch(
     if isinstance(batch, torch.Tensor):
         target = (key_dtypes or {}).get(_key, dtype)
         return cast_tensor(batch, target, device, key=_key, mode=mode, where=where)
+    if not isinstance(batch, (Mapping, list, tuple)):
+        return batch
+    again = functools.partial(
+        cast_batch,
+        dtype=dtype,
+        key_dtypes=key_dtypes,
+        skip_keys=skip_keys,
+        device=device,
+        mode=mode,
+        where=where,
+    )
     if isinstance(batch, Mapping):
         changed = {}
         for k, v in batch.items():
             if k in skip_keys:
                 continue
-            new = cast_batch(
-                v,
-                dtype,
-                key_dtypes=key_dtypes,
-                skip_keys=skip_keys,
-                device=device,
-                mode=mode,
-                where=where,
-                _key=str(k),
-            )
+            new = again(v, _key=str(k))
             if new is not v:
                 changed[k] = new
         if not changed:
@@ -144,26 +147,12 @@ def cast_batch(
         out.data = dict(batch.data)  # type: ignore[attr-defined]
         out.data.update(changed)  # type: ignore[attr-defined]
         return out
-    if isinstance(batch, (list, tuple)):
-        items = [
-            cast_batch(
-                v,
-                dtype,
-                key_dtypes=key_dtypes,
-                skip_keys=skip_keys,
-                device=device,
-                mode=mode,
-                where=where,
-                _key=_key,
-            )
-            for v in batch
-        ]
-        if all(a is b for a, b in zip(items, batch, strict=True)):
-            return batch
-        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-            return type(batch)(*items)
-        return type(batch)(items)
-    return batch
+    items = [again(v, _key=_key) for v in batch]
+    if all(a is b for a, b in zip(items, batch, strict=True)):
+        return batch
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*items)
+    return type(batch)(items)
 
 
 def key_dtypes_for(

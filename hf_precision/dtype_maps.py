@@ -457,28 +457,26 @@ def _dtype_map(
             dev = dev_names.get(device)
             if dev is None:
                 dev = dev_names[device] = str(device)
-            trainable = p.requires_grad
-            rec.params[dt] = rec.params.get(dt, 0) + n
-            rec.bytes[dt] = rec.bytes.get(dt, 0) + nbytes
-            if dev not in rec.devices:
-                rec.devices.append(dev)
-            if trainable:
-                rec.trainable += n
-            if quant:
-                rec.quantized += n
-            if zero3 or (not plain and is_sharded(p)):
-                rec.sharded += n
             summary = summaries.get(pgroup)
             if summary is None:
                 summary = summaries[pgroup] = GroupSummary(pgroup)
-            summary.numel[dt] = summary.numel.get(dt, 0) + n
-            summary.bytes[dt] = summary.bytes.get(dt, 0) + nbytes
-            if dev not in summary.devices:
-                summary.devices.append(dev)
-            if trainable:
+            # the module's record and its group's summary count the same facts
+            for counts, sizes, devices in (
+                (rec.params, rec.bytes, rec.devices),
+                (summary.numel, summary.bytes, summary.devices),
+            ):
+                counts[dt] = counts.get(dt, 0) + n
+                sizes[dt] = sizes.get(dt, 0) + nbytes
+                if dev not in devices:
+                    devices.append(dev)
+            if p.requires_grad:
+                rec.trainable += n
                 summary.trainable += n
             if quant:
+                rec.quantized += n
                 summary.quantized += n
+            if zero3 or (not plain and is_sharded(p)):
+                rec.sharded += n
             if policy is not None and rec.kept_fp32 is None:
                 rec.kept_fp32 = policy.keep_fp32_reason(
                     full, is_buffer=False, model_patterns=model_keep

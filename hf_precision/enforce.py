@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -224,6 +224,35 @@ def _refuse_wrapped(model: nn.Module, wrapper: str, report: EnforceReport) -> Pr
     )
 
 
+def _meta_message(groups: ModuleGroups, meta: list[str], device: torch.device) -> str:
+    unreached = [
+        f"{p} (held in a {groups.held.get(g, 'attribute')}, outside the module "
+        "tree, so model.to() and from_pretrained never reach it)"
+        for g, p in groups.hidden.items()
+        if any(m.startswith(p + ".") for m in meta)
+    ]
+    where = f" The module {'; '.join(unreached)} was never materialised." if unreached else ""
+    return (
+        f"enforce_policy: {len(meta)} tensor(s) are on the meta device while the model "
+        f"is on {device} (weights never loaded), e.g. {', '.join(meta[:3])}.{where}\n"
+        "Fix: load the weights (from_pretrained / load_state_dict(assign=True)) before "
+        "training; the guard cannot move tensors that hold no data."
+    )
+
+
+def _violations(report: EnforceReport) -> PrecisionError:
+    lines = [c.describe() for c in report.changes[:_MAX_LISTED]]
+    more = len(report.changes) - _MAX_LISTED
+    lines += [f"... and {more} more"] if more > 0 else []
+    lines += [f"{n}: max |value| {v:g} exceeds fp16 range" for n, v in report.overflow]
+    return PrecisionError(
+        f"enforce_policy(mode='raise'): the model violates policy {report.policy.describe()}:\n  "
+        + "\n  ".join(lines)
+        + "\nFix: use mode='fix' to let the guard cast them, or load the model in the "
+        "policy's dtypes (from_pretrained(..., dtype=...))."
+    )
+
+
 def enforce_policy(
     model: nn.Module,
     policy: PrecisionPolicy | str | None = None,
@@ -259,120 +288,27 @@ def enforce_policy(
     device = model_device(root, groups) if policy.move_devices and not device_mapped else None
     report = EnforceReport(policy, groups, applied=False, device=device)
 
-    # name -> every alias of a tied parameter, to keep the tie and warn on conflicting targets
-    # Parameters of modules held outside the module tree are frozen by construction: the
-    # optimizer (built from model.parameters()) never sees them, whatever requires_grad says.
-    unseen = {
-        id(p)
-        for hp in groups.hidden.values()
-        if (m := hidden_module(root, hp)) is not None
-        for p in m.parameters()
-    }
-    aliases: dict[int, list[tuple[str, str]]] = {}
     planner = _Planner(report, policy, model_keep, device, mode)
-    todo, meta = planner.todo, planner.meta
-    for path, group, mod in walk:
-        for pname, p in mod._parameters.items():
-            if p is None:
-                continue
-            full = f"{path}.{pname}" if path else pname
-            pgroup = groups._lookup.get(full, group)
-            trainable = p.requires_grad and id(p) not in unseen
-            seen = aliases.setdefault(id(p), [])
-            seen.append((full, pgroup))
-            if len(seen) > 1:
-                first_name, first_group = seen[0]
-                want, _ = policy.target_dtype(
-                    full, pgroup, trainable=trainable, model_patterns=model_keep, current=p.dtype
-                )
-                have, _ = policy.target_dtype(
-                    first_name,
-                    first_group,
-                    trainable=trainable,
-                    model_patterns=model_keep,
-                    current=p.dtype,
-                )
-                if want != have:
-                    report.warnings.append(
-                        f"{full} is tied to {first_name}: policy wants {dtype_name(want)} for "
-                        f"the first and {dtype_name(have)} for the second; both keep "
-                        f"{dtype_name(have)} so the tie holds."
-                    )
-                continue
-            planner.plan(mod, pname, p, full, pgroup, "param", trainable)
-        for bname, b in mod._buffers.items():
-            if b is None:
-                continue
-            full = f"{path}.{bname}" if path else bname
-            if not is_castable(b):  # integer buffers (CLIP's position_ids) follow the device only
-                if device is not None and b.device != device and b.device.type != "meta":
-                    dt = dtype_name(b.dtype)
-                    change = Change(
-                        full, "buffer", group, dt, dt, "device", str(b.device), str(device)
-                    )
-                    report.changes.append(change)
-                    todo.append(PlannedCast(mod, bname, b, change, b.dtype, device))
-                continue
-            planner.plan(mod, bname, b, full, group, "buffer", False)
-
+    planner.walk(root, groups, walk)
     if report.overflow:
-        # A module computes in one dtype: the parameters beside one kept for its range stay in
-        # its dtype too (an fp32 weight next to an fp16 bias fails inside F.linear).
-        named = dict(root.named_parameters())
-        held = {n.rpartition(".")[0]: named[n].dtype for n, _ in report.overflow if n in named}
-        for item in list(todo):
-            change, t = item.change, item.tensor
-            owner = change.name.rpartition(".")[0]
-            if change.kind != "param" or owner not in held or item.dtype == held[owner]:
-                continue
-            todo.remove(item)
-            report.changes.remove(change)
-            report.group_dtypes.setdefault(change.group, set()).add(held[owner])
-            if held[owner] != t.dtype or item.device != t.device:
-                change.after = dtype_name(held[owner])
-                change.reason += f", kept with {owner}'s out-of-range tensor"
-                todo.append(dataclasses.replace(item, dtype=held[owner]))
-                report.changes.append(change)
-
+        planner.keep_with_overflowed(root)
     report.warnings += _unmatched_patterns(root, policy, groups, report)
     wrapper = owning_wrapper(model)
     if mode == "fix" and report.changes and wrapper is not None and not allow_wrapped:
         raise _refuse_wrapped(model, wrapper, report)
-    if meta and device is not None:
-        unreached = [
-            f"{p} (held in a {groups.held.get(g, 'attribute')}, outside the module "
-            "tree, so model.to() and from_pretrained never reach it)"
-            for g, p in groups.hidden.items()
-            if any(m.startswith(p + ".") for m in meta)
-        ]
-        where = f" The module {'; '.join(unreached)} was never materialised." if unreached else ""
-        msg = (
-            f"enforce_policy: {len(meta)} tensor(s) are on the meta device while the model "
-            f"is on {device} (weights never loaded), e.g. {', '.join(meta[:3])}.{where}\n"
-            "Fix: load the weights (from_pretrained / load_state_dict(assign=True)) before "
-            "training; the guard cannot move tensors that hold no data."
-        )
-        if mode == "audit":
-            report.warnings.append(msg)
-        else:
+    if planner.meta and device is not None:
+        msg = _meta_message(groups, planner.meta, device)
+        if mode != "audit":
             raise PrecisionError(msg)
+        report.warnings.append(msg)
     if mode == "fix":  # audits repeat every step: they report, they do not warn
         for w in report.warnings:
             warnings.warn(w, PrecisionWarning, stacklevel=2)
     if mode == "raise" and (report.changes or report.overflow):
-        lines = [c.describe() for c in report.changes[:_MAX_LISTED]]
-        more = len(report.changes) - _MAX_LISTED
-        lines += [f"... and {more} more"] if more > 0 else []
-        lines += [f"{n}: max |value| {v:g} exceeds fp16 range" for n, v in report.overflow]
-        raise PrecisionError(
-            f"enforce_policy(mode='raise'): the model violates policy {policy.describe()}:\n  "
-            + "\n  ".join(lines)
-            + "\nFix: use mode='fix' to let the guard cast them, or load the model in the "
-            "policy's dtypes (from_pretrained(..., dtype=...))."
-        )
+        raise _violations(report)
     if mode == "fix":
         with torch.no_grad():
-            for c in todo:
+            for c in planner.todo:
                 _apply(c.module, c.key, c.tensor, c.change.kind, c.dtype, c.device, optimizer)
         report.applied = True
     return report
@@ -406,6 +342,86 @@ class _Planner:
     todo: list[PlannedCast] = field(default_factory=list)
     meta: list[str] = field(default_factory=list)
 
+    def walk(
+        self, root: nn.Module, groups: ModuleGroups, walk: Iterable[tuple[str, str, nn.Module]]
+    ) -> None:
+        """Plan every parameter and buffer of the walk, once per tensor (tied weights: the
+        first name decides, the tie holds)."""
+        # Parameters of modules held outside the module tree are frozen by construction: the
+        # optimizer (built from model.parameters()) never sees them, whatever requires_grad says.
+        unseen = {
+            id(p)
+            for hp in groups.hidden.values()
+            if (m := hidden_module(root, hp)) is not None
+            for p in m.parameters()
+        }
+        first: dict[int, tuple[str, str]] = {}  # id(parameter) -> its first (name, group)
+        for path, group, mod in walk:
+            for pname, p in mod._parameters.items():
+                if p is None:
+                    continue
+                full = f"{path}.{pname}" if path else pname
+                pgroup = groups._lookup.get(full, group)
+                trainable = p.requires_grad and id(p) not in unseen
+                if id(p) in first:
+                    self._check_tie(full, pgroup, first[id(p)], p, trainable)
+                    continue
+                first[id(p)] = (full, pgroup)
+                self.plan(mod, pname, p, full, pgroup, "param", trainable)
+            for bname, b in mod._buffers.items():
+                if b is None:
+                    continue
+                full = f"{path}.{bname}" if path else bname
+                if is_castable(b):
+                    self.plan(mod, bname, b, full, group, "buffer", False)
+                else:  # integer buffers (CLIP's position_ids) follow the device only
+                    self._plan_move(mod, bname, b, full, group)
+
+    def _check_tie(
+        self, full: str, group: str, first: tuple[str, str], p: torch.Tensor, trainable: bool
+    ) -> None:
+        def want(name: str, group: str) -> torch.dtype:
+            return self.policy.decide(
+                name, group, trainable=trainable, model_patterns=self.model_keep, current=p.dtype
+            ).dtype
+
+        mine, theirs = want(full, group), want(*first)
+        if mine != theirs:
+            self.report.warnings.append(
+                f"{full} is tied to {first[0]}: policy wants {dtype_name(mine)} for "
+                f"the first and {dtype_name(theirs)} for the second; both keep "
+                f"{dtype_name(theirs)} so the tie holds."
+            )
+
+    def _plan_move(self, mod: nn.Module, key: str, b: torch.Tensor, full: str, group: str) -> None:
+        device = self.device
+        if device is None or b.device == device or b.device.type == "meta":
+            return
+        dt = dtype_name(b.dtype)
+        change = Change(full, "buffer", group, dt, dt, "device", str(b.device), str(device))
+        self.report.changes.append(change)
+        self.todo.append(PlannedCast(mod, key, b, change, b.dtype, device))
+
+    def keep_with_overflowed(self, root: nn.Module) -> None:
+        """A module computes in one dtype: the parameters beside one kept for its range stay
+        in its dtype too (an fp32 weight next to an fp16 bias fails inside F.linear)."""
+        report = self.report
+        named = dict(root.named_parameters())
+        held = {n.rpartition(".")[0]: named[n].dtype for n, _ in report.overflow if n in named}
+        for item in list(self.todo):
+            change, t = item.change, item.tensor
+            owner = change.name.rpartition(".")[0]
+            if change.kind != "param" or owner not in held or item.dtype == held[owner]:
+                continue
+            self.todo.remove(item)
+            report.changes.remove(change)
+            report.group_dtypes.setdefault(change.group, set()).add(held[owner])
+            if held[owner] != t.dtype or item.device != t.device:
+                change.after = dtype_name(held[owner])
+                change.reason += f", kept with {owner}'s out-of-range tensor"
+                self.todo.append(dataclasses.replace(item, dtype=held[owner]))
+                report.changes.append(change)
+
     def plan(
         self,
         mod: nn.Module,
@@ -416,15 +432,11 @@ class _Planner:
         kind: TensorKind,
         trainable: bool,
     ) -> None:
-        device = self.device
+        """One tensor: what the policy wants (:meth:`PrecisionPolicy.decide`), unless it is
+        quantized or a wrapper's, in range, on the model's device; a :class:`PlannedCast` when
+        that differs from what it is."""
         if not is_castable(t):
-            if t.is_floating_point() or kind == "param":
-                self.report.skipped.append(
-                    (full, f"quantized storage ({quantized_format(t, mod)})")
-                )
-                compute = quantized_compute_dtype(t, mod)
-                if compute is not None:  # its layer computes in that dtype: leaf guards go there
-                    self.report.group_dtypes.setdefault(group, set()).add(compute)
+            self._skip_quantized(mod, t, full, group, kind)
             return
         decision = self.policy.decide(
             full,
@@ -437,37 +449,16 @@ class _Planner:
         target, reason = decision.dtype, decision.reason
         if decision.keeps_fp32:
             self.report.kept_fp32.append((full, reason))
-        zero3 = zero3_dtype(t) if kind == "param" else None
-        if zero3 is not None or is_sharded(t):
-            # The wrapper owns these tensors: writing .data would desynchronise them from its
-            # partitions (ZeRO-3's ds_tensor) or shards. Verified elsewhere, never cast.
-            held = zero3 or t.dtype
-            owner = "partitioned by DeepSpeed ZeRO-3" if zero3 is not None else "sharded by FSDP2"
-            self.report.skipped.append((full, f"{owner} ({dtype_name(held)}); not cast"))
-            if kind == "param":
-                self.report.group_dtypes.setdefault(group, set()).add(held)
+        if self._skip_wrapper_owned(t, full, group, kind):
             return
         dev = t.device
         target_dev = dev
-        if device is not None and dev != device:
+        if self.device is not None and dev != self.device:
             if dev.type == "meta":
                 self.meta.append(full)
             else:
-                target_dev = device
-        final = target
-        if target != t.dtype and _range_checked(t.dtype, target, kind) and dev.type != "meta":
-            amax = _amax(t) if t.numel() else 0.0
-            if amax > torch.finfo(target).max:
-                self.report.overflow.append((full, amax))
-                if self.mode != "raise":
-                    self.report.warnings.append(
-                        f"{full} [{group}]: max |value| {amax:g} exceeds the "
-                        f"{dtype_name(target)} range (±{torch.finfo(target).max:g}); kept in "
-                        f"{dtype_name(t.dtype)} instead of becoming inf. Fix: "
-                        f"keep_fp32=[{full!r}] to say so explicitly, or use bf16, whose range "
-                        "matches fp32."
-                    )
-                final = t.dtype
+                target_dev = self.device
+        final = self._in_range(t, target, full, group, kind)
         if kind == "param" and not _SELF_CASTING.search(full):
             self.report.group_dtypes.setdefault(group, set()).add(final)
         if final == t.dtype and target_dev == dev:
@@ -484,6 +475,55 @@ class _Planner:
         )
         self.report.changes.append(change)
         self.todo.append(PlannedCast(mod, key, t, change, final, target_dev))
+
+    def _skip_quantized(
+        self, mod: nn.Module, t: torch.Tensor, full: str, group: str, kind: TensorKind
+    ) -> None:
+        """Quantized storage is never cast; its layer computes in its compute dtype, which is
+        where the leaf guards send inputs."""
+        if t.is_floating_point() or kind == "param":
+            self.report.skipped.append((full, f"quantized storage ({quantized_format(t, mod)})"))
+            compute = quantized_compute_dtype(t, mod)
+            if compute is not None:
+                self.report.group_dtypes.setdefault(group, set()).add(compute)
+
+    def _skip_wrapper_owned(self, t: torch.Tensor, full: str, group: str, kind: TensorKind) -> bool:
+        """The wrapper owns these tensors: writing .data would desynchronise them from its
+        partitions (ZeRO-3's ds_tensor) or shards. Verified elsewhere, never cast."""
+        zero3 = zero3_dtype(t) if kind == "param" else None
+        if zero3 is None and not is_sharded(t):
+            return False
+        held = zero3 or t.dtype
+        owner = "partitioned by DeepSpeed ZeRO-3" if zero3 is not None else "sharded by FSDP2"
+        self.report.skipped.append((full, f"{owner} ({dtype_name(held)}); not cast"))
+        if kind == "param":
+            self.report.group_dtypes.setdefault(group, set()).add(held)
+        return True
+
+    def _in_range(
+        self, t: torch.Tensor, target: torch.dtype, full: str, group: str, kind: TensorKind
+    ) -> torch.dtype:
+        """``target``, or ``t``'s own dtype when its values would overflow ``target`` (never
+        turned into inf; reported, and a warning says how to make it explicit)."""
+        if (
+            target == t.dtype
+            or t.device.type == "meta"
+            or not _range_checked(t.dtype, target, kind)
+        ):
+            return target
+        amax = _amax(t) if t.numel() else 0.0
+        if amax <= torch.finfo(target).max:
+            return target
+        self.report.overflow.append((full, amax))
+        if self.mode != "raise":
+            self.report.warnings.append(
+                f"{full} [{group}]: max |value| {amax:g} exceeds the "
+                f"{dtype_name(target)} range (±{torch.finfo(target).max:g}); kept in "
+                f"{dtype_name(t.dtype)} instead of becoming inf. Fix: "
+                f"keep_fp32=[{full!r}] to say so explicitly, or use bf16, whose range "
+                "matches fp32."
+            )
+        return t.dtype
 
 
 def _apply(

@@ -456,25 +456,9 @@ class PrecisionPolicy:
             return Decision(self.group_dtypes[group], "group_dtypes", f"group_dtypes[{group!r}]")
         return Decision(self.frozen_dtype, "frozen", "frozen")  # type: ignore[arg-type]
 
-    def target_dtype(
-        self,
-        name: str,
-        group: str,
-        *,
-        trainable: bool,
-        is_buffer: bool = False,
-        model_patterns: Iterable[str] = (),
-        current: torch.dtype | None = None,
-    ) -> tuple[torch.dtype, str]:
-        """``(dtype, reason)`` of :meth:`decide`."""
-        d = self.decide(
-            name,
-            group,
-            trainable=trainable,
-            is_buffer=is_buffer,
-            model_patterns=model_patterns,
-            current=current,
-        )
+    def target_dtype(self, name: str, group: str, **kwargs: Any) -> tuple[torch.dtype, str]:
+        """``(dtype, reason)``: :meth:`decide` (same arguments) as a pair."""
+        d = self.decide(name, group, **kwargs)
         return d.dtype, d.reason
 
     # ---------------------------------------------------------------- JSON

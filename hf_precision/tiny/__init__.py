@@ -101,43 +101,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     ),
 }
 _EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
-__all__ = [
-    "CONV_DTYPE_ERROR",
-    "MATMUL_DTYPE_ERROR",
-    "REMOTE_LAYOUTS",
-    "TINY_CONFIGS",
-    "InternVLTiny",
-    "MiniCPMV2Tiny",
-    "OmniLMMTiny",
-    "OneTrainerTiny",
-    "RemoteVLM",
-    "Resampler",
-    "XComposerTiny",
-    "XTunerLLaVATiny",
-    "build_tiny",
-    "collate_onetrainer",
-    "get_2d_sincos_pos_embed",
-    "get_timestep_embedding",
-    "num_image_tokens",
-    "onetrainer_batch",
-    "onetrainer_examples",
-    "remote_batch",
-    "tiny_available",
-    "tiny_batch",
-    "tiny_blip2",
-    "tiny_config",
-    "tiny_idefics2",
-    "tiny_idefics3",
-    "tiny_kosmos2",
-    "tiny_llava",
-    "tiny_llava_next",
-    "tiny_llava_processor",
-    "tiny_minicpmv4_6",
-    "tiny_paligemma",
-    "tiny_qwen2_vl",
-    "tiny_text_llama",
-    "tower_body",
-]
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
