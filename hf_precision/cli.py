@@ -15,7 +15,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from .checkpoint import (
     apply_stored_dtypes,
@@ -61,6 +61,50 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _audit_options(s: argparse.ArgumentParser) -> None:
+    s.add_argument(
+        "--dtype",
+        default="auto",
+        choices=_DTYPES,
+        help="dtype the model is loaded in (default: auto = config dtype)",
+    )
+    s.add_argument(
+        "--weights",
+        action="store_true",
+        help="load the real weights (local checkpoint folders only)",
+    )
+
+
+def _doctor_options(s: argparse.ArgumentParser) -> None:
+    s.add_argument(
+        "--batch",
+        default="fixed",
+        choices=("fixed", "raw"),
+        help="fixed: synthetic batch cast per policy (as PrecisionCollator); "
+        "raw: fp32 as collators build it",
+    )
+    s.add_argument(
+        "--mode",
+        default="raise",
+        choices=("raise", "fix"),
+        help="guard mode outside autocast (default raise: every input the "
+        "guard would have to cast is an error)",
+    )
+    s.add_argument("--no-generate", action="store_true", help="skip generate()")
+    for flag, what in (
+        ("--image-size", "image side in pixels for the synthetic batch (default: the config's)"),
+        ("--text-len", "text tokens per row of the synthetic batch (default: 6)"),
+        ("--image-token-id", "image placeholder id (default: the config's image_token_id)"),
+    ):
+        s.add_argument(flag, type=int, default=None, help=what)
+    s.add_argument(
+        "--max-params",
+        type=int,
+        default=50_000_000,
+        help="refuse to build larger models from a config (default 50M)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -109,58 +153,7 @@ def _parser() -> argparse.ArgumentParser:
             default="none" if name == "audit" else "all",
             help=f"{groups_help} (default: {'none' if name == 'audit' else 'all'})",
         )
-        if name == "audit":
-            s.add_argument(
-                "--dtype",
-                default="auto",
-                choices=_DTYPES,
-                help="dtype the model is loaded in (default: auto = config dtype)",
-            )
-            s.add_argument(
-                "--weights",
-                action="store_true",
-                help="load the real weights (local checkpoint folders only)",
-            )
-        else:
-            s.add_argument(
-                "--batch",
-                default="fixed",
-                choices=("fixed", "raw"),
-                help="fixed: synthetic batch cast per policy (as PrecisionCollator); "
-                "raw: fp32 as collators build it",
-            )
-            s.add_argument(
-                "--mode",
-                default="raise",
-                choices=("raise", "fix"),
-                help="guard mode outside autocast (default raise: every input the "
-                "guard would have to cast is an error)",
-            )
-            s.add_argument("--no-generate", action="store_true", help="skip generate()")
-            s.add_argument(
-                "--image-size",
-                type=int,
-                default=None,
-                help="image side in pixels for the synthetic batch (default: the config's)",
-            )
-            s.add_argument(
-                "--text-len",
-                type=int,
-                default=None,
-                help="text tokens per row of the synthetic batch (default: 6)",
-            )
-            s.add_argument(
-                "--image-token-id",
-                type=int,
-                default=None,
-                help="image placeholder id (default: the config's image_token_id)",
-            )
-            s.add_argument(
-                "--max-params",
-                type=int,
-                default=50_000_000,
-                help="refuse to build larger models from a config (default 50M)",
-            )
+        (_audit_options if name == "audit" else _doctor_options)(s)
     return p
 
 
@@ -182,16 +175,11 @@ def _print_table(title: str, columns: list[str], rows: list[list[str]], plain: b
     )
 
 
-def _audit(args: argparse.Namespace) -> int:
-    import torch
+def _audit_model(args: argparse.Namespace, policy: Any) -> tuple[Any, Any, Any, str, str | None]:
+    """The model ``hf-precision audit`` checks: ``(model, config, load dtype, where the dtypes
+    come from, a note)``; built on the meta device unless ``--weights``."""
+    from .dtypes import parse_dtype
 
-    from .dtype_maps import dtype_map
-    from .dtypes import dtype_name, parse_dtype
-    from .enforce import check_policy
-    from .policy import PrecisionPolicy
-    from .tables import fmt_bytes
-
-    policy = PrecisionPolicy.from_preset(args.policy)
     kind, where = resolve_source(args.source)
     config = load_config(kind, where)
     dtype = None if args.dtype == "auto" else parse_dtype(args.dtype, call="--dtype")
@@ -227,36 +215,14 @@ def _audit(args: argparse.Namespace) -> int:
             matched, total = apply_stored_dtypes(model, stored)
             dtype_from = f"as stored in the safetensors files ({matched} of {total} tensors"
             dtype_from += ")" if matched == total else "; the rest in the config's dtype)"
-    set_trainable(model, args.trainable)
-    report = check_policy(model, policy)
-    dmap = dtype_map(model, report.groups, policy=policy)
-    by_group: dict[str, dict[str, int]] = {}
-    for c in report.changes:
-        key = f"{c.before}->{c.after}"
-        by_group.setdefault(c.group, {})[key] = by_group.setdefault(c.group, {}).get(key, 0) + 1
-    ok = not report.changes and not report.overflow
-    info = {
-        "source": str(args.source),
-        "model_class": type(model).__name__,
-        "model_type": getattr(config, "model_type", None),
-        "rule": report.groups.rule,
-        "built": "weights" if args.weights else "meta",
-        "dtype": dtype_name(dtype) if dtype is not None else "auto",
-        "dtype_from": dtype_from,
-        "note": note,
-        "policy": policy.to_dict(),
-        "ok": ok,
-        "violations": len(report.changes),
-        "changes_by_group": by_group,
-        "groups": dmap.group_rows(),
-        "changes": [c.__dict__ for c in report.changes],
-        "kept_fp32": report.kept_fp32,
-        "skipped": report.skipped,
-        "overflow": report.overflow,
-    }
-    if args.json:
-        print(json.dumps(info, indent=1, default=str))
-        return 0 if ok else 1
+    return model, config, dtype, dtype_from, note
+
+
+def _audit_rows(dmap: Any, policy: Any, by_group: dict[str, dict[str, int]]) -> list[list[str]]:
+    """One row per group: what it holds, what the policy wants, the verdict."""
+    from .dtypes import dtype_name
+    from .tables import fmt_bytes
+
     tied_in: dict[str, str] = {}  # group -> "name -> owner" of a weight tied elsewhere
     for rec in dmap:
         for t in rec.tied:
@@ -281,16 +247,59 @@ def _audit(args: argparse.Namespace) -> int:
                 "ok" if not bad else f"{bad} to cast",
             ]
         )
+    return rows
+
+
+def _audit(args: argparse.Namespace) -> int:
+    import torch
+
+    from .dtype_maps import dtype_map
+    from .dtypes import dtype_name
+    from .enforce import check_policy
+    from .policy import PrecisionPolicy
+
+    policy = PrecisionPolicy.from_preset(args.policy)
+    model, config, dtype, dtype_from, note = _audit_model(args, policy)
+    set_trainable(model, args.trainable)
+    report = check_policy(model, policy)
+    dmap = dtype_map(model, report.groups, policy=policy)
+    by_group: dict[str, dict[str, int]] = {}
+    for c in report.changes:
+        key = f"{c.before}->{c.after}"
+        by_group.setdefault(c.group, {})[key] = by_group.setdefault(c.group, {}).get(key, 0) + 1
+    ok = not report.changes and not report.overflow
+    if args.json:
+        info = {
+            "source": str(args.source),
+            "model_class": type(model).__name__,
+            "model_type": getattr(config, "model_type", None),
+            "rule": report.groups.rule,
+            "built": "weights" if args.weights else "meta",
+            "dtype": dtype_name(dtype) if dtype is not None else "auto",
+            "dtype_from": dtype_from,
+            "note": note,
+            "policy": policy.to_dict(),
+            "ok": ok,
+            "violations": len(report.changes),
+            "changes_by_group": by_group,
+            "groups": dmap.group_rows(),
+            "changes": [c.__dict__ for c in report.changes],
+            "kept_fp32": report.kept_fp32,
+            "skipped": report.skipped,
+            "overflow": report.overflow,
+        }
+        print(json.dumps(info, indent=1, default=str))
+        return 0 if ok else 1
     built = "weights loaded" if args.weights else "built on the meta device"
     if dtype_from:
         built += f", dtypes: {dtype_from}"
     if note:
         built += f"; {note}"
     _print_table(
-        f"{type(model).__name__} ({info['model_type']}, groups by rule "
+        f"{type(model).__name__} ({getattr(config, 'model_type', None)}, groups by rule "
         f"{report.groups.rule!r}, {built})",
         ["group", "dtypes (params)", "params", "bytes", "trainable", "policy", "verdict"],
-        rows,
+        _audit_rows(dmap, policy, by_group),
         args.plain,
     )
     if ok:
