@@ -92,12 +92,9 @@ def _run(diagnose: Any, model: Any, batch: dict[str, Any], **kwargs: Any) -> Any
 
 def doctor(args: argparse.Namespace) -> int:
     """``hf-precision doctor``: enforce, guard, one training step and ``generate()``."""
-    import torch
-
     from .batch import cast_batch, key_dtypes_for
-    from .diagnostics import diagnose
     from .enforce import enforce_policy
-    from .hooks import install_guards, receiving_dtypes
+    from .hooks import receiving_dtypes
     from .policy import PrecisionPolicy
 
     policy = PrecisionPolicy.from_preset(args.policy)
@@ -111,11 +108,58 @@ def doctor(args: argparse.Namespace) -> int:
         batch = cast_batch(
             batch, policy.compute_dtype, key_dtypes=keyed, skip_keys=policy.batch_skip_keys
         )
+    results = _diagnose_steps(args, model, batch, policy, report, steps)
+    ok = all(d.ok for d in results.values())
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "source": args.source,
+                    "model_class": type(model).__name__,
+                    "policy": policy.to_dict(),
+                    "ok": ok,
+                    "steps": steps,
+                    "batch": args.batch,
+                    "trainable": args.trainable,
+                    "diagnosis": {k: d.to_dict() for k, d in results.items()},
+                },
+                indent=1,
+                default=str,
+            )
+        )
+        return 0 if ok else 1
+    print(
+        f"hf-precision doctor: {type(model).__name__} from {args.source}, policy "
+        f"{policy.describe()}, trainable {args.trainable}, batch {args.batch}"
+    )
+    for k, v in steps.items():
+        print(f"  {k}: {v}")
+    for k, d in results.items():
+        print(f"\n[{k}] " + str(d))
+    print(
+        f"\n{'OK' if ok else 'FAILED'}: "
+        + ", ".join(f"{k} {'ok' if d.ok else 'failed'}" for k, d in results.items())
+    )
+    return 0 if ok else 1
+
+
+def _diagnose_steps(
+    args: argparse.Namespace,
+    model: Any,
+    batch: dict[str, Any],
+    policy: Any,
+    report: Any,
+    steps: dict[str, str],
+) -> dict[str, Any]:
+    """One guarded training step (``"train"``) and a ``generate()`` (``"generate"``), each
+    recorded by :func:`hf_precision.diagnose`; ``steps`` gets a line per step."""
+    import torch
+
+    from .diagnostics import diagnose
+    from .hooks import install_guards
 
     def guard(mode: str) -> Any:
-        pol = PrecisionPolicy.from_dict(
-            {**policy.to_dict(), "mode": mode, "cast_batch": args.batch == "raw"}
-        )
+        pol = policy.replace(mode=mode, cast_batch=args.batch == "raw")
         return install_guards(model, pol, report, groups=report.groups)
 
     # Trainer runs mixed presets under autocast, which resolves dtype differences itself: there
@@ -152,35 +196,4 @@ def doctor(args: argparse.Namespace) -> int:
             )
     finally:
         handle.remove()
-    ok = all(d.ok for d in results.values())
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "source": args.source,
-                    "model_class": type(model).__name__,
-                    "policy": policy.to_dict(),
-                    "ok": ok,
-                    "steps": steps,
-                    "batch": args.batch,
-                    "trainable": args.trainable,
-                    "diagnosis": {k: d.to_dict() for k, d in results.items()},
-                },
-                indent=1,
-                default=str,
-            )
-        )
-        return 0 if ok else 1
-    print(
-        f"hf-precision doctor: {type(model).__name__} from {args.source}, policy "
-        f"{policy.describe()}, trainable {args.trainable}, batch {args.batch}"
-    )
-    for k, v in steps.items():
-        print(f"  {k}: {v}")
-    for k, d in results.items():
-        print(f"\n[{k}] " + str(d))
-    print(
-        f"\n{'OK' if ok else 'FAILED'}: "
-        + ", ".join(f"{k} {'ok' if d.ok else 'failed'}" for k, d in results.items())
-    )
-    return 0 if ok else 1
+    return results

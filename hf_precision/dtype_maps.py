@@ -398,6 +398,64 @@ def _stack_walk(root: nn.Module, groups: ModuleGroups) -> Iterator[tuple[str, nn
         yield raw, mod, group
 
 
+class _Tally:
+    """Adds tensors to a module's record and its group's summary. Hot path (a 70B model has
+    thousands of tensors): per-dtype facts and device names are computed once, plain
+    Parameters skip the subclass checks."""
+
+    def __init__(self) -> None:
+        self.summaries: dict[str, GroupSummary] = {}
+        self._dtypes: dict[torch.dtype, tuple[str, int, bool]] = {}  # name, itemsize, quantized
+        self._devices: dict[torch.device, str] = {}
+
+    def summary(self, group: str) -> GroupSummary:
+        found = self.summaries.get(group)
+        if found is None:
+            found = self.summaries[group] = GroupSummary(group)
+        return found
+
+    def param(self, rec: ModuleRecord, group: str, p: torch.Tensor, mod: nn.Module) -> None:
+        n, dtype, plain = p.numel(), p.dtype, type(p) in _PLAIN
+        zero3 = plain and hasattr(p, "ds_id")  # partitioned by DeepSpeed ZeRO-3
+        if zero3:  # the whole parameter, in its partition's dtype (no gather)
+            n, dtype = int(getattr(p, "ds_numel", n)), zero3_dtype(p) or dtype
+        info = self._dtypes.get(dtype) if plain else None
+        if info is None:
+            info = (dtype_name(dtype), p.element_size(), is_quantized(p))
+            if plain:
+                self._dtypes[dtype] = info
+        dt, nbytes, quant = info[0], n * info[1], info[2]
+        if quant and not plain:  # a library's tensor: by format, its weights, real bytes
+            dt, n, nbytes = quantized_format(p, mod), logical_numel(p), storage_bytes(p)
+        dev = self._devices.get(p.device)
+        if dev is None:
+            dev = self._devices[p.device] = str(p.device)
+        summary = self.summary(group)
+        # the module's record and its group's summary count the same facts
+        for counts, sizes, devices in (
+            (rec.params, rec.bytes, rec.devices),
+            (summary.numel, summary.bytes, summary.devices),
+        ):
+            counts[dt] = counts.get(dt, 0) + n
+            sizes[dt] = sizes.get(dt, 0) + nbytes
+            if dev not in devices:
+                devices.append(dev)
+        if p.requires_grad:
+            rec.trainable += n
+            summary.trainable += n
+        if quant:
+            rec.quantized += n
+            summary.quantized += n
+        if zero3 or (not plain and is_sharded(p)):
+            rec.sharded += n
+
+    def buffer(self, rec: ModuleRecord, group: str, b: torch.Tensor) -> None:
+        dt, nbytes = dtype_name(b.dtype), b.numel() * b.element_size()
+        _add(rec.buffers, dt, b.numel())
+        _add(rec.bytes, dt, nbytes)
+        _add(self.summary(group).bytes, dt, nbytes)
+
+
 def _dtype_map(
     model: nn.Module, groups: ModuleGroups | None, policy: Any, view: ModelView | None = None
 ) -> DtypeMap:
@@ -408,11 +466,9 @@ def _dtype_map(
         groups = find_module_groups(root)
     model_keep = tuple(getattr(root, "_keep_in_fp32_modules", None) or ())
     records: dict[str, ModuleRecord] = {}
-    summaries: dict[str, GroupSummary] = {}
+    tally = _Tally()
     seen: dict[int, str] = {}
     lookup = groups._lookup
-    dt_info: dict[torch.dtype, tuple[str, int, bool]] = {}  # dtype -> (name, itemsize, quantized)
-    dev_names: dict[torch.device, str] = {}
     walk = (
         ((path, mod, group) for path, group, mod in view.modules)
         if view is not None and view.root is root
@@ -430,53 +486,13 @@ def _dtype_map(
             full = f"{path}.{pname}" if path else pname
             # only direct parameters (image_newline, query_tokens) have entries of their own
             pgroup = lookup.get(full, group) if groups.params else group
-            pid = id(p)
-            if pid in seen:
-                if rec is None:
-                    rec = ModuleRecord(path, pgroup, type(mod).__name__)
-                rec.tied.append(f"{pname} -> {seen[pid]}")
-                continue
-            seen[pid] = full
             if rec is None:
                 rec = ModuleRecord(path, pgroup, type(mod).__name__)
-            # Hot loop (a 70B model has thousands of tensors): per-dtype facts and device names
-            # are computed once; plain Parameters skip the subclass checks.
-            n, dtype, plain = p.numel(), p.dtype, type(p) in _PLAIN
-            zero3 = plain and hasattr(p, "ds_id")  # partitioned by DeepSpeed ZeRO-3
-            if zero3:  # the whole parameter, in its partition's dtype (no gather)
-                n, dtype = int(getattr(p, "ds_numel", n)), zero3_dtype(p) or dtype
-            info = dt_info.get(dtype) if plain else None
-            if info is None:
-                info = (dtype_name(dtype), p.element_size(), is_quantized(p))
-                if plain:
-                    dt_info[dtype] = info
-            dt, nbytes, quant = info[0], n * info[1], info[2]
-            if quant and not plain:  # a library's tensor: by format, its weights, real bytes
-                dt, n, nbytes = quantized_format(p, mod), logical_numel(p), storage_bytes(p)
-            device = p.device
-            dev = dev_names.get(device)
-            if dev is None:
-                dev = dev_names[device] = str(device)
-            summary = summaries.get(pgroup)
-            if summary is None:
-                summary = summaries[pgroup] = GroupSummary(pgroup)
-            # the module's record and its group's summary count the same facts
-            for counts, sizes, devices in (
-                (rec.params, rec.bytes, rec.devices),
-                (summary.numel, summary.bytes, summary.devices),
-            ):
-                counts[dt] = counts.get(dt, 0) + n
-                sizes[dt] = sizes.get(dt, 0) + nbytes
-                if dev not in devices:
-                    devices.append(dev)
-            if p.requires_grad:
-                rec.trainable += n
-                summary.trainable += n
-            if quant:
-                rec.quantized += n
-                summary.quantized += n
-            if zero3 or (not plain and is_sharded(p)):
-                rec.sharded += n
+            if id(p) in seen:
+                rec.tied.append(f"{pname} -> {seen[id(p)]}")
+                continue
+            seen[id(p)] = full
+            tally.param(rec, pgroup, p, mod)
             if policy is not None and rec.kept_fp32 is None:
                 rec.kept_fp32 = policy.keep_fp32_reason(
                     full, is_buffer=False, model_patterns=model_keep
@@ -486,26 +502,15 @@ def _dtype_map(
                 continue
             if rec is None:
                 rec = ModuleRecord(path, group, type(mod).__name__)
-            dt = dtype_name(b.dtype)
-            _add(rec.buffers, dt, b.numel())
-            _add(rec.bytes, dt, b.numel() * b.element_size())
-            summary = summaries.get(group)
-            if summary is None:
-                summary = summaries[group] = GroupSummary(group)
-            _add(summary.bytes, dt, b.numel() * b.element_size())
+            tally.buffer(rec, group, b)
             if policy is not None and rec.kept_fp32 is None and b.is_floating_point():
                 full = f"{path}.{bname}" if path else bname
                 rec.kept_fp32 = policy.keep_fp32_reason(
                     full, is_buffer=True, model_patterns=model_keep
                 )
-        if rec is not None:
-            if path in records:  # a module registered under two names: keep the first
-                continue
+        if rec is not None and path not in records:  # registered twice: the first name counts
             records[path] = rec
-            summary = summaries.get(rec.group)
-            if summary is None:
-                summary = summaries[rec.group] = GroupSummary(rec.group)
-            summary.modules += 1
+            tally.summary(rec.group).modules += 1
     order = {g: i for i, g in enumerate((*groups.names, OTHER))}
-    summaries = dict(sorted(summaries.items(), key=lambda kv: order.get(kv[0], len(order))))
+    summaries = dict(sorted(tally.summaries.items(), key=lambda kv: order.get(kv[0], len(order))))
     return DtypeMap(records, summaries, groups.rule, groups.model_type)

@@ -381,6 +381,34 @@ def _put_entry(
         return
 
 
+def _batch_state(
+    root: nn.Module,
+    policy: PrecisionPolicy,
+    key_dtypes: dict[str, torch.dtype],
+    device: torch.device | None,
+) -> _GuardState:
+    return _GuardState(
+        "batch",
+        "",
+        policy.compute_dtype,
+        device,
+        policy.mode,
+        key_dtypes=key_dtypes,
+        skip_keys=policy.batch_skip_keys,
+        arg_names=_arg_names(root),
+    )
+
+
+def _leaf_groups(policy: PrecisionPolicy, groups: ModuleGroups, report: Any) -> tuple[str, ...]:
+    """Where leaf guards go: every group (``"on"``), the groups that mix dtypes and those that
+    make tensors in forward (``"auto"``, given the plan's report), or none."""
+    if policy.leaf_guards == "on":
+        return (*groups.names, OTHER)
+    if policy.leaf_guards == "auto" and report is not None:
+        return (*report.mixed_groups, *sorted(LEAF_GUARDED_GROUPS))
+    return ()
+
+
 def install_guards(
     model: nn.Module,
     policy: PrecisionPolicy | str | None = None,
@@ -420,20 +448,8 @@ def install_guards(
     recv = receiving_dtypes(root, groups, compute=compute)
     _, root_device = receiving(root, compute, view.parameters())
     if policy.cast_batch:
-        put(
-            root,
-            _GuardState(
-                "batch",
-                "",
-                policy.compute_dtype,
-                root_device if move else None,
-                policy.mode,
-                key_dtypes=key_dtypes_for(policy, recv),
-                skip_keys=policy.batch_skip_keys,
-                arg_names=_arg_names(root),
-            ),
-            handle.batch,
-        )
+        device = root_device if move else None
+        put(root, _batch_state(root, policy, key_dtypes_for(policy, recv), device), handle.batch)
     if policy.boundary_guards:
         for path, mod in _group_roots(root, groups):
             if mod is not root:  # the root's own inputs are the batch guard's
@@ -453,12 +469,7 @@ def install_guards(
                     )
             _put_entry(mod, path, policy, compute, move, put, handle)
     if leaf_groups is None:
-        if policy.leaf_guards == "on":
-            leaf_groups = (*groups.names, OTHER)
-        elif policy.leaf_guards == "auto" and report is not None:
-            leaf_groups = (*report.mixed_groups, *sorted(LEAF_GUARDED_GROUPS))
-        else:
-            leaf_groups = ()
+        leaf_groups = _leaf_groups(policy, groups, report)
     if leaf_groups:
         for path, group, mod in view.modules:
             if group not in leaf_groups or id(mod) in wanted or isinstance(mod, _SKIP_LEAVES):

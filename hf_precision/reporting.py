@@ -204,6 +204,25 @@ def drift_rows(
 
 
 # ---------------------------------------------------------------------------- reporter
+def _log_text(
+    dmap: DtypeMap, event: str, step: int, stem: str, drift: list[dict[str, Any]], aggregated: int
+) -> str:
+    """What one event writes to the log: the group table, the drift, where the rest is."""
+    text = dmap.table(title=f"hf-precision {event} (step {step})", use_rich=None)
+    if drift:
+        text += (
+            f"\ndrift ({len(drift)} row(s)): "
+            + "; ".join(f"{r['name']} {r['before']}->{r['after']}" for r in drift[:5])
+            + (f"; ... {len(drift) - 5} more in {stem}.json" if len(drift) > 5 else "")
+        )
+    if aggregated:
+        text += (
+            f"\n(module table: {aggregated} of {len(dmap)} module rows aggregated into "
+            f"repeated-layer rows; {stem}.json has every module)"
+        )
+    return text
+
+
 class PrecisionReporter:
     """Writes the dtype map of each event to files and, when asked, to W&B.
 
@@ -333,18 +352,7 @@ class PrecisionReporter:
                     f"could not write the dtype map of {event} under "
                     f"{self.report_dir} ({type(err).__name__}: {err})",
                 )
-        text = dmap.table(title=f"hf-precision {event} (step {step})", use_rich=None)
-        if drift:
-            text += (
-                f"\ndrift ({len(drift)} row(s)): "
-                + "; ".join(f"{r['name']} {r['before']}->{r['after']}" for r in drift[:5])
-                + (f"; ... {len(drift) - 5} more in {stem}.json" if len(drift) > 5 else "")
-            )
-        if aggregated:
-            text += (
-                f"\n(module table: {aggregated} of {len(dmap)} module rows aggregated into "
-                f"repeated-layer rows; {stem}.json has every module)"
-            )
+        text = _log_text(dmap, event, step, stem, drift, aggregated)
         if self.console:
             logger.info("%s", text)
         if self.report_dir is not None:
