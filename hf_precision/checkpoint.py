@@ -8,12 +8,13 @@ Shared by the CLI's ``audit`` (:mod:`hf_precision.cli`) and ``doctor``
 from __future__ import annotations
 
 import contextlib
-import difflib
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
+
+from .errors import did_you_mean
 
 
 def fail(message: str) -> NoReturn:
@@ -51,11 +52,10 @@ def load_config(kind: str, where: Any) -> Any:
         except (OSError, ValueError, KeyError) as err:
             fail(f"{where}: cannot read the config ({str(err).splitlines()[0]})")
     if where not in CONFIG_MAPPING_NAMES:
-        close = difflib.get_close_matches(where, list(CONFIG_MAPPING_NAMES), n=3)
+        hint = did_you_mean(where, CONFIG_MAPPING_NAMES, n=3)
         fail(
-            f"unknown model type {where!r}; did you mean {', '.join(close) or '-'}? (allowed: "
-            "a checkpoint folder, a config.json, or a transformers model type such as llava, "
-            "idefics2, qwen2_vl, paligemma)"
+            f"unknown model type {where!r}.{hint} Allowed: a checkpoint folder, a config.json, "
+            "or a transformers model type such as llava, idefics2, qwen2_vl, paligemma."
         )
     return AutoConfig.for_model(where)
 
@@ -223,7 +223,6 @@ def apply_stored_dtypes(model: Any, stored: dict[str, Any]) -> tuple[int, int]:
 
 
 def set_trainable(model: Any, spec: str) -> None:
-    from .errors import did_you_mean
     from .groups import find_module_groups, group_names
 
     want = [s.strip() for s in spec.split(",") if s.strip()]

@@ -430,16 +430,17 @@ class _Tally:
         dev = self._devices.get(p.device)
         if dev is None:
             dev = self._devices[p.device] = str(p.device)
-        summary = self.summary(group)
-        # the module's record and its group's summary count the same facts
-        for counts, sizes, devices in (
-            (rec.params, rec.bytes, rec.devices),
-            (summary.numel, summary.bytes, summary.devices),
-        ):
-            counts[dt] = counts.get(dt, 0) + n
-            sizes[dt] = sizes.get(dt, 0) + nbytes
-            if dev not in devices:
-                devices.append(dev)
+        summary = self.summaries.get(group) or self.summary(group)
+        # the module's record and its group's summary count the same facts, side by side
+        rp, rb, sp, sb = rec.params, rec.bytes, summary.numel, summary.bytes
+        rp[dt] = rp.get(dt, 0) + n
+        sp[dt] = sp.get(dt, 0) + n
+        rb[dt] = rb.get(dt, 0) + nbytes
+        sb[dt] = sb.get(dt, 0) + nbytes
+        if dev not in rec.devices:
+            rec.devices.append(dev)
+        if dev not in summary.devices:
+            summary.devices.append(dev)
         if p.requires_grad:
             rec.trainable += n
             summary.trainable += n

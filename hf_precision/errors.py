@@ -33,12 +33,17 @@ class PrecisionWarning(UserWarning):
     """Something was fixed or left alone and the user should know about it."""
 
 
-def did_you_mean(value: object, choices: Iterable[str]) -> str:
-    """``" Did you mean 'x'?"`` for the closest of ``choices``, or ``""``: the hint every
-    "unknown ..." message carries.
+def did_you_mean(value: object, choices: Iterable[str], n: int = 1) -> str:
+    """``" Did you mean 'x'?"`` for the closest of ``choices`` (up to ``n`` of them), or
+    ``""``: the hint every "unknown ..." message carries.
 
     >>> did_you_mean("bf61", ["bf16", "fp16"]), did_you_mean("zzz", ["bf16"])
     (" Did you mean 'bf16'?", '')
+    >>> did_you_mean("lava", ["llava", "llava_next", "java"], n=2)
+    " Did you mean 'llava' or 'java'?"
     """
-    close = difflib.get_close_matches(str(value), list(choices), n=1)
-    return f" Did you mean {close[0]!r}?" if close else ""
+    close = [repr(c) for c in difflib.get_close_matches(str(value), list(choices), n=n)]
+    if not close:
+        return ""
+    listed = f"{', '.join(close[:-1])} or {close[-1]}" if len(close) > 1 else close[0]
+    return f" Did you mean {listed}?"

@@ -188,10 +188,12 @@ def architecture_table(rules: Iterable[GroupRule] | None = None) -> str:
 
 
 def _cell(rule: GroupRule, group: str) -> str:
-    parts = [" / ".join(f"`{p}`" if p else "the model" for p in rule.paths.get(group, ()))]
-    parts += [f"+ `{p}`" for p in rule.extra.get(group, ())]
-    parts += [f"`{p}` (param)" for p in rule.params.get(group, ())]
-    return ", ".join(p for p in parts if p) or "—"
+    cell = " / ".join(f"`{p}`" if p else "the model" for p in rule.paths.get(group, ()))
+    for p in rule.extra.get(group, ()):
+        cell += f" + `{p}`" if cell else f"+ `{p}`"
+    for p in rule.params.get(group, ()):
+        cell += f", `{p}` (param)" if cell else f"`{p}` (param)"
+    return cell or "—"
 
 
 # --------------------------------------------------------------------------------------------

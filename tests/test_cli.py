@@ -94,7 +94,7 @@ def test_help_has_examples(command: str, capsys: pytest.CaptureFixture[str]) -> 
     [
         (["audit", "llava", "--policy", "bf61"], "choose from 'bf16', 'bf16-true'"),
         (["audit", "llava", "--dtype", "bf61"], "choose from 'auto'"),
-        (["audit", "lava"], "did you mean llava"),
+        (["audit", "lava"], "Did you mean 'llava'"),
         (["audit", "llava", "--trainable", "projecter"], "Did you mean 'projector'"),
         (["audit", "./missing/config.json"], "no such file or folder"),
         (["doctor", "nosuchmodel"], "allowed: "),

@@ -431,6 +431,8 @@ def tiny_batch(
     ``image_token_id`` override them). Floating tensors are fp32 on purpose: that is what
     collators and processors produce (root-cause class A).
     """
+    # Longer than most functions here: one branch per tiny architecture's batch layout, kept
+    # together so a reader compares them side by side.
     cfg = getattr(model, "config", model)
     mt = cfg.model_type
     g = torch.Generator().manual_seed(seed)
