@@ -53,7 +53,7 @@ from .enforce import EnforceReport
 from .errors import PrecisionError, PrecisionWarning
 from .groups import unwrap_model
 from .guard import GuardFrontEnd, PrecisionGuard
-from .policy import Mode, PrecisionPolicy
+from .policy import LeafGuards, Mode, PrecisionPolicy
 
 logger = logging.getLogger("hf_precision")
 
@@ -97,7 +97,7 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         policy: PrecisionPolicy | str | None = None,
         *,
         mode: Mode | None = None,
-        leaf_guards: str | None = None,
+        leaf_guards: LeafGuards | None = None,
         report: bool = True,
         report_dir: str | os.PathLike[str] | None = None,
         check_every: int = 1,

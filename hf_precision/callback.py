@@ -19,6 +19,7 @@ Lifecycle (docs/architecture.md):
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import Any
 
@@ -33,7 +34,7 @@ from .errors import PrecisionError, PrecisionWarning
 from .groups import ModuleGroups, unwrap_model
 from .guard import GuardFrontEnd, PrecisionGuard
 from .hooks import GuardHandle
-from .policy import Mode, PrecisionPolicy
+from .policy import LeafGuards, Mode, PrecisionPolicy
 
 logger = logging.getLogger("hf_precision")
 
@@ -62,9 +63,9 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         policy: PrecisionPolicy | str | None = None,
         *,
         mode: Mode | None = None,
-        leaf_guards: str | None = None,
+        leaf_guards: LeafGuards | None = None,
         report: bool = True,
-        report_dir: str | None = None,
+        report_dir: str | os.PathLike[str] | None = None,
         report_to: list[str] | str | None = None,
     ) -> None:
         self._init_policy("PrecisionGuardCallback", policy, mode=mode, leaf_guards=leaf_guards)

@@ -44,7 +44,7 @@ from .enforce import EnforceReport, enforce_policy, restore_values
 from .errors import PrecisionError, PrecisionWarning
 from .groups import ModelView, ModuleGroups, find_module_groups, unwrap_model
 from .hooks import GuardHandle, claim_model, install_guards, release_model, remove_guards
-from .policy import Mode, PrecisionPolicy, policy_call, resolve_policy, with_overrides
+from .policy import LeafGuards, Mode, PrecisionPolicy, policy_call, resolve_policy, with_overrides
 from .wrappers import detect_wrapper, settle_shards
 
 logger = logging.getLogger("hf_precision")
@@ -320,7 +320,7 @@ class GuardFrontEnd:
         policy: PrecisionPolicy | str | None,
         *,
         mode: Mode | None,
-        leaf_guards: str | None,
+        leaf_guards: LeafGuards | None,
     ) -> None:
         self._policy_arg = policy
         self._mode, self._leaf_guards = mode, leaf_guards

@@ -265,7 +265,11 @@ class PrecisionReporter:
 
     @classmethod
     def from_training_args(
-        cls, args: Any, *, report_dir: str | None = None, report_to: list[str] | str | None = None
+        cls,
+        args: Any,
+        *,
+        report_dir: str | os.PathLike[str] | None = None,
+        report_to: list[str] | str | None = None,
     ) -> PrecisionReporter:
         """Files in ``report_dir`` (default ``<output_dir>/precision``); W&B when ``report_to``
         (default ``args.report_to``) names ``"wandb"``; main process = ``process_index == 0``."""

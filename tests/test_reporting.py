@@ -355,7 +355,7 @@ def _train_with_report_dir(make_trainer: Any, report_dir: Path) -> tuple[Any, li
 
     model = tiny_llava()
     model.model.vision_tower.to(torch.float16)  # something to cast and report
-    cb = PrecisionGuardCallback("bf16", report_dir=str(report_dir))
+    cb = PrecisionGuardCallback("bf16", report_dir=report_dir)  # a Path, as users pass it
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always", PrecisionWarning)
         trainer = make_trainer(
