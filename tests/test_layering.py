@@ -4,6 +4,7 @@ nothing of the layers above them, and every module imports alone in a fresh inte
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,42 +68,48 @@ def test_no_import_cycles() -> None:
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles.values())
 
 
-#: Lower layers (what a model and a policy are) never import the layers that use them.
-LOWER = [
-    "hf_precision.errors",
-    "hf_precision.dtypes",
-    "hf_precision.policy",
-    "hf_precision.groups",
-    "hf_precision.group_rules",
-    "hf_precision.wrappers",
-    "hf_precision.dtype_maps",
-    "hf_precision.enforce",
-    "hf_precision.batch",
-    "hf_precision.hooks",
-    "hf_precision.tables",
-]
-UPPER = {
-    "hf_precision.guard",
-    "hf_precision.callback",
-    "hf_precision.accelerate_plugin",
-    "hf_precision.diffusion",
-    "hf_precision.distributed",
-    "hf_precision.deepspeed_config",
-    "hf_precision.reporting",
-    "hf_precision.report_wandb",
-    "hf_precision.plot",
-    "hf_precision.diagnostics",
-    "hf_precision.findings",
-    "hf_precision.doctor",
-    "hf_precision.cli",
-    "hf_precision.checkpoint",
+#: The layers of docs/architecture.md ("Layout"), top first: a module imports only modules of
+#: its own layer or of the layers above it.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "base": ("errors", "tables", "wrappers"),
+    "values": ("dtypes", "groups", "group_rules", "policy"),
+    "model": ("dtype_maps",),
+    "core": ("enforce", "batch", "hooks", "deepspeed_config", "distributed"),
+    "engine": ("guard",),
+    "integrations": (
+        "callback",
+        "accelerate_plugin",
+        "diffusion",
+        "reporting",
+        "report_wandb",
+        "plot",
+    ),
+    "tools": ("findings", "diagnostics", "checkpoint", "doctor", "cli"),
 }
+RANK = {f"hf_precision.{m}": i for i, mods in enumerate(LAYERS.values()) for m in mods}
+INTEGRATIONS = {m for m, r in RANK.items() if r >= list(LAYERS).index("engine")}
+
+
+def _ours(m: str) -> bool:
+    return m != "hf_precision" and not m.startswith("hf_precision.tiny")
+
+
+def test_the_documented_layout_is_the_checked_one() -> None:
+    text = (PKG.parent / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| (\w+) \| (`[^|]*`) \|", text.split("## Layout", 1)[1], flags=re.M)
+    documented = {layer: tuple(re.findall(r"`(\w+)`", mods)) for layer, mods in rows}
+    assert documented == LAYERS
 
 
 def test_every_module_has_a_layer() -> None:
-    placed = {*LOWER, *UPPER, "hf_precision"}
-    unplaced = sorted(m for m in GRAPH if m not in placed and not m.startswith("hf_precision.tiny"))
-    assert not unplaced, f"add these to LOWER or UPPER (and docs/architecture.md): {unplaced}"
+    unplaced = sorted(m for m in GRAPH if _ours(m) and m not in RANK)
+    assert not unplaced, f"add these to LAYERS (and docs/architecture.md's Layout): {unplaced}"
+
+
+@pytest.mark.parametrize("module", sorted(RANK))
+def test_imports_point_up(module: str) -> None:
+    below = sorted(d for d in CODE.get(module, ()) if _ours(d) and RANK[d] > RANK[module])
+    assert not below, f"{module} ({list(LAYERS)[RANK[module]]}) imports a lower layer: {below}"
 
 
 def _reach(module: str) -> set[str]:
@@ -115,9 +122,9 @@ def _reach(module: str) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("module", LOWER)
+@pytest.mark.parametrize("module", sorted(m for m in RANK if m not in INTEGRATIONS))
 def test_lower_layers_know_nothing_of_the_integrations(module: str) -> None:
-    assert not (_reach(module) & UPPER), sorted(_reach(module) & UPPER)
+    assert not (_reach(module) & INTEGRATIONS), sorted(_reach(module) & INTEGRATIONS)
 
 
 def test_every_module_imports_alone_in_a_fresh_interpreter() -> None:
