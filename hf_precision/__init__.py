@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 # The built-in group rules fill the registry of hf_precision.groups (importing any submodule runs
-# this first); then diffusion registers its groups (text_encoder, unet, transformer, vae), their
-# rules and the fp16-vae32 / bf16-vae32 presets, so policies naming them load anywhere (no
-# diffusers import).
+# this first); then diffusion_rules registers the diffusion groups (text_encoder, unet,
+# transformer, vae), their rules and the fp16-vae32 / bf16-vae32 presets, so policies naming them
+# load anywhere (no diffusers import).
 # isort: off
 from . import group_rules as _group_rules  # noqa: F401
-from . import diffusion as _diffusion  # noqa: F401
+from . import diffusion_rules as _diffusion_rules  # noqa: F401
 
 # isort: on
 from .batch import PrecisionCollator, cast_batch

@@ -43,6 +43,11 @@ VLM_GROUPS: tuple[str, ...] = (
 )
 #: Parameters outside every group.
 OTHER = "other"
+#: Groups that build tensors inside forward, so their leaves are guarded under
+#: ``leaf_guards="auto"`` even when their weights agree: resamplers (MiniCPM-V 2.x's numpy sin-cos
+#: table is fp32 whatever the weights are) and, registered by :mod:`hf_precision.diffusion_rules`,
+#: denoisers (the sinusoidal timestep embedding is made in fp32).
+LEAF_GUARDED_GROUPS: set[str] = {"resampler"}
 _GROUP_NAMES: list[str] = [*VLM_GROUPS[:3], "audio_encoder", *VLM_GROUPS[3:]]
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 

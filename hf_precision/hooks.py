@@ -40,7 +40,14 @@ from .batch import cast_batch, cast_tensor, key_dtypes_for
 from .dtype_maps import receiving, receiving_dtypes
 from .dtypes import dtype_name, is_castable, quantized_compute_dtype
 from .errors import PrecisionError
-from .groups import OTHER, ModelView, ModuleGroups, find_module_groups, unwrap_model
+from .groups import (
+    LEAF_GUARDED_GROUPS,
+    OTHER,
+    ModelView,
+    ModuleGroups,
+    find_module_groups,
+    unwrap_model,
+)
 from .policy import Mode, PrecisionPolicy
 from .wrappers import wrapper_compute_dtypes
 
@@ -51,11 +58,6 @@ GuardKind = Literal["batch", "boundary", "entry", "leaf"]
 _ATTR = "_hf_precision_guard"
 #: Modules whose whole forward is one op autocast runs in its own dtype (F.linear, F.conv*).
 _AUTOCAST_OPS: frozenset[type[nn.Module]] = frozenset((nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
-#: Groups that build tensors inside forward, so their leaves are guarded under
-#: ``leaf_guards="auto"`` even when their weights agree: resamplers (MiniCPM-V 2.x's numpy sin-cos
-#: table is fp32 whatever the weights are) and, registered by :mod:`hf_precision.diffusion`,
-#: denoisers (the sinusoidal timestep embedding is made in fp32).
-LEAF_GUARDED_GROUPS: set[str] = {"resampler"}
 #: Leaves whose inputs are integer ids: a hook there would only cost time.
 _SKIP_LEAVES: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
 

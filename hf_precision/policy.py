@@ -626,7 +626,7 @@ def register_preset(
     batch rules). Keyword overrides given to ``from_preset`` still win over them.
 
     >>> from hf_precision.policy import PRESETS
-    >>> import hf_precision.diffusion  # registers fp16-vae32 and bf16-vae32 this way
+    >>> import hf_precision.diffusion_rules  # registers fp16-vae32 and bf16-vae32 this way
     >>> PRESETS["fp16-vae32"]
     (torch.float16, torch.float16, torch.float32)
     """

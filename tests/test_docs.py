@@ -25,6 +25,7 @@ MODULES = [
     "diagnostics",
     "findings",
     "diffusion",
+    "diffusion_rules",
     "accelerate_plugin",
     "distributed",
     "deepspeed_config",

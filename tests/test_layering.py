@@ -72,7 +72,7 @@ def test_no_import_cycles() -> None:
 #: its own layer or of the layers above it.
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("errors", "tables", "wrappers"),
-    "values": ("dtypes", "groups", "group_rules", "policy"),
+    "values": ("dtypes", "groups", "group_rules", "diffusion_rules", "policy"),
     "model": ("dtype_maps",),
     "core": ("enforce", "batch", "hooks", "deepspeed_config", "distributed"),
     "engine": ("guard",),
