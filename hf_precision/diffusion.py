@@ -54,22 +54,13 @@ from typing import Any
 
 import torch
 
+from . import diffusion_rules
+from .diffusion_rules import *  # noqa: F403  (the public names of this module live there)
 from .diffusion_rules import (
-    DENOISER_GROUPS,
-    DIFFUSION_BATCH_RULES,
-    DIFFUSION_GROUPS,
-    DIFFUSION_KEY_GROUPS,
-    TEXT_ENCODER_GROUPS,
-    TIMESTEP_KEYS,
-    VAE_ENTRY_POINTS,
-    DiffusionModules,
     _components,
     component_groups,
-    denoiser_kind,
     diffusion_batch_rules,
     diffusion_modules,
-    find_diffusion_groups,
-    is_vae,
     vae_overflow,
 )
 from .dtypes import dtype_name, narrows_range
@@ -177,22 +168,4 @@ def guard_diffusion(
     return out
 
 
-__all__ = [
-    "DENOISER_GROUPS",
-    "DIFFUSION_BATCH_RULES",
-    "DIFFUSION_GROUPS",
-    "DIFFUSION_KEY_GROUPS",
-    "TEXT_ENCODER_GROUPS",
-    "TIMESTEP_KEYS",
-    "VAE_ENTRY_POINTS",
-    "DiffusionGuard",
-    "DiffusionModules",
-    "component_groups",
-    "denoiser_kind",
-    "diffusion_batch_rules",
-    "diffusion_modules",
-    "find_diffusion_groups",
-    "guard_diffusion",
-    "is_vae",
-    "vae_overflow",
-]
+__all__ = [*diffusion_rules.__all__, "DiffusionGuard", "guard_diffusion"]
