@@ -388,9 +388,10 @@ class _Planner:
         mine, theirs = want(full, group), want(*first)
         if mine != theirs:
             self.report.warnings.append(
-                f"{full} is tied to {first[0]}: policy wants {dtype_name(mine)} for "
-                f"the first and {dtype_name(theirs)} for the second; both keep "
-                f"{dtype_name(theirs)} so the tie holds."
+                f"{full} [{group}] is tied to {first[0]} [{first[1]}]: the policy wants "
+                f"{dtype_name(mine)} for {full} and {dtype_name(theirs)} for {first[0]}; both "
+                f"keep {dtype_name(theirs)} so the tie holds. Fix: give both the same dtype "
+                f"(keep_fp32=[{first[0]!r}] keeps the pair in float32)."
             )
 
     def _plan_move(self, mod: nn.Module, key: str, b: torch.Tensor, full: str, group: str) -> None:

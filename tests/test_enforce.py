@@ -144,3 +144,28 @@ def test_report_summary_and_dict():
     assert "cast" in text and "model.vision_tower" in text
     d = report.to_dict()
     assert d["applied"] is True and d["rule"] == "llava"
+
+
+def test_tied_weights_with_conflicting_targets_keep_the_tie_and_say_so():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).requires_grad_(False)  # frozen: the groups decide
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    policy = PrecisionPolicy.from_preset("bf16-true", group_dtypes={"lm_head": "fp32"})
+    with pytest.warns(PrecisionWarning, match=r"lm_head.weight \[lm_head\] is tied to") as seen:
+        enforce_policy(model, policy)
+    message = next(str(w.message) for w in seen if "is tied to" in str(w.message))
+    assert "model.embed_tokens.weight [language_model]" in message
+    assert "float32 for lm_head.weight and bfloat16 for model.embed_tokens.weight" in message
+    # the first name decides; the tie holds (one Parameter, one dtype)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.dtype == torch.bfloat16
