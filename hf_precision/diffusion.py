@@ -57,10 +57,10 @@ import torch
 from . import diffusion_rules
 from .diffusion_rules import *  # noqa: F403  (the public names of this module live there)
 from .diffusion_rules import (
-    _components,
     component_groups,
     diffusion_batch_rules,
     diffusion_modules,
+    pipeline_components,
     vae_overflow,
 )
 from .dtypes import dtype_name, narrows_range
@@ -126,7 +126,7 @@ def guard_diffusion(
     {'unet': {torch.float16}}
     >>> guard.remove()
     """
-    comps = _components(obj, "guard_diffusion")
+    comps = pipeline_components(obj, "guard_diffusion")
     if policy is None:
         policy = PrecisionPolicy.resolve(None, diffusion_modules(comps))
     policy = diffusion_batch_rules(PrecisionPolicy.resolve(policy))

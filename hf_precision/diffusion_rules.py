@@ -187,7 +187,7 @@ for _rule in _RULES:
         register_group_rule(_rule)
 
 
-def _components(obj: Any, call: str = "find_diffusion_groups") -> dict[str, nn.Module]:
+def pipeline_components(obj: Any, call: str = "find_diffusion_groups") -> dict[str, nn.Module]:
     """name -> module for a pipeline (``.components``), a mapping, or a module."""
     if isinstance(obj, nn.Module):
         return dict(obj.items()) if isinstance(obj, DiffusionModules) else {"model": obj}
@@ -218,7 +218,7 @@ def diffusion_modules(obj: Any) -> DiffusionModules:
             "vae" if is_vae(obj) else "text_encoder" if _is_text_encoder(obj) else "model"
         )
         return DiffusionModules({name: obj})
-    return DiffusionModules(_components(obj))
+    return DiffusionModules(pipeline_components(obj))
 
 
 def find_diffusion_groups(obj: Any) -> ModuleGroups:

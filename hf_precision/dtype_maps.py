@@ -374,7 +374,7 @@ def _stack_walk(root: nn.Module, groups: ModuleGroups) -> Iterator[tuple[str, nn
     an explicit stack (the recursive generator costs a frame per nesting level for every module
     it yields). Group modules held outside the module tree (a list-held tower) come last, under
     their own group: ``model.named_modules()`` never reaches them."""
-    lookup = groups._lookup
+    lookup = groups.by_path
     stack: list[tuple[str, nn.Module, str]] = [
         (path, mod, group)
         for group, path in reversed(groups.hidden.items())
@@ -469,7 +469,7 @@ def _dtype_map(
     records: dict[str, ModuleRecord] = {}
     tally = _Tally()
     seen: dict[int, str] = {}
-    lookup = groups._lookup
+    lookup = groups.by_path
     walk = (
         ((path, mod, group) for path, group, mod in view.modules)
         if view is not None and view.root is root

@@ -361,7 +361,7 @@ class _Planner:
                 if p is None:
                     continue
                 full = f"{path}.{pname}" if path else pname
-                pgroup = groups._lookup.get(full, group)
+                pgroup = groups.by_path.get(full, group)
                 trainable = p.requires_grad and id(p) not in unseen
                 if id(p) in first:
                     self._check_tie(full, pgroup, first[id(p)], p, trainable)

@@ -289,15 +289,17 @@ class ModuleGroups:
     hidden: dict[str, str] = field(default_factory=dict)
     #: how each hidden group module is held: ``"list"``, ``"tuple"``, ``"dict"``, ``"attribute"``
     held: dict[str, str] = field(default_factory=dict)
-    _lookup: dict[str, str] = field(default_factory=dict, repr=False)
+    #: exact entries, group path or direct parameter name -> group (filled from ``paths`` and
+    #: ``params``; :meth:`group_of` resolves any name inside them)
+    by_path: dict[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         for group, paths in self.paths.items():
             for path in paths:
-                self._lookup.setdefault(path, group)
+                self.by_path.setdefault(path, group)
         for group, names in self.params.items():
             for name in names:
-                self._lookup[name] = group
+                self.by_path[name] = group
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -317,7 +319,7 @@ class ModuleGroups:
         if self.prefix and name.startswith(self.prefix):
             name = name[len(self.prefix) :]
         name = clean_name(name)
-        lookup = self._lookup
+        lookup = self.by_path
         hit = lookup.get(name)
         if hit is not None:
             return hit
@@ -618,7 +620,7 @@ def walk_modules(root: nn.Module, groups: ModuleGroups) -> Iterator[tuple[str, s
     from the parent in O(1); modules held outside the module tree come last, under their group.
     The walk :func:`~hf_precision.enforce_policy` and the leaf guards share."""
     group_at: dict[str, str] = {}
-    lookup = groups._lookup
+    lookup = groups.by_path
     for path, mod in root.named_modules():
         parent = path.rsplit(".", 1)[0] if "." in path else ""
         group = lookup.get(path) or (group_at.get(parent, OTHER) if path else lookup.get("", OTHER))
