@@ -63,6 +63,18 @@ def _cycle_from(start: str) -> list[str] | None:
     return None
 
 
+def test_no_module_imports_another_modules_private_names() -> None:
+    private = [
+        f"{_module_name(path)}: from {node.module} import {a.name}"
+        for path in sorted(PKG.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__"
+        for a in node.names
+        if a.name.startswith("_") and not a.name.startswith("__")
+    ]
+    assert not private, private
+
+
 def test_no_import_cycles() -> None:
     cycles = {m: c for m in CODE if (c := _cycle_from(m)) is not None}
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles.values())
