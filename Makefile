@@ -13,12 +13,13 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
+$(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/python
 	# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build
 	$(BIN)/python -m pip install -q "torch==2.13.0"
 	# DS_BUILD_OPS=0: DeepSpeed installs without compiling its CUDA ops (it JIT-builds the one
 	# small CPU comm op it needs on first use)
-	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q "torch==2.13.0" -e ".[dev]"
+	# constraints.txt: the tested versions of the HF stack (the README's compatibility table)
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q -c constraints.txt "torch==2.13.0" -e ".[dev]"
 	touch $@
 
 setup: $(VENV)/.installed

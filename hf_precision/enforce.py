@@ -341,6 +341,8 @@ class _Planner:
     mode: Mode
     todo: list[PlannedCast] = field(default_factory=list)
     meta: list[str] = field(default_factory=list)
+    #: group -> (dtype its quantized layers compute in, their format), from a first pass
+    quantized: dict[str, tuple[torch.dtype, str]] = field(default_factory=dict)
 
     def walk(
         self, root: nn.Module, groups: ModuleGroups, walk: Iterable[tuple[str, str, nn.Module]]
@@ -355,6 +357,8 @@ class _Planner:
             if (m := hidden_module(root, hp)) is not None
             for p in m.parameters()
         }
+        walk = list(walk)
+        self._find_quantized(groups, walk)
         first: dict[int, tuple[str, str]] = {}  # id(parameter) -> its first (name, group)
         for path, group, mod in walk:
             for pname, p in mod._parameters.items():
@@ -376,6 +380,34 @@ class _Planner:
                     self.plan(mod, bname, b, full, group, "buffer", False)
                 else:  # integer buffers (CLIP's position_ids) follow the device only
                     self._plan_move(mod, bname, b, full, group)
+
+    def _find_quantized(self, groups: ModuleGroups, walk: list[tuple[str, str, nn.Module]]) -> None:
+        """Groups holding quantized layers that compute in a floating dtype other than the
+        policy's: the rest of such a group (embeddings, norms, whatever makes the rotary
+        tables' dtype) follows that dtype, or activations of two half dtypes meet inside the
+        group and promote to float32 (q/k/v of different dtypes in attention)."""
+        for path, group, mod in walk:
+            for pname, p in mod._parameters.items():
+                if p is None or is_castable(p):
+                    continue
+                compute = quantized_compute_dtype(p, mod)
+                if compute is None or group in self.quantized:
+                    continue
+                full = f"{path}.{pname}" if path else pname
+                self.quantized[groups.by_path.get(full, group)] = (
+                    compute,
+                    quantized_format(p, mod),
+                )
+        for group, (compute, fmt) in self.quantized.items():
+            wanted = self.policy.group_dtype(group)
+            if wanted != compute:
+                self.report.warnings.append(
+                    f"{group}: its quantized layers ({fmt}) compute in {dtype_name(compute)}, "
+                    f"not the policy's {dtype_name(wanted)}; the group's other frozen weights "
+                    f"follow them, so its activations keep one dtype. Fix: quantize (or set "
+                    f"bnb_4bit_compute_dtype=) in {dtype_name(wanted)}, or use a "
+                    f"{dtype_name(compute)} policy."
+                )
 
     def _check_tie(
         self, full: str, group: str, first: tuple[str, str], p: torch.Tensor, trainable: bool
@@ -448,6 +480,9 @@ class _Planner:
             current=t.dtype,
         )
         target, reason = decision.dtype, decision.reason
+        held = self.quantized.get(group)
+        if held is not None and decision.rule in ("frozen", "group_dtypes") and target != held[0]:
+            target, reason = held[0], f"follows the quantized layers of {group} ({held[1]})"
         if decision.keeps_fp32:
             self.report.kept_fp32.append((full, reason))
         if self._skip_wrapper_owned(t, full, group, kind):

@@ -1,4 +1,4 @@
-"""Built-in group rules: transformers 5.23 paths, and remote-code layouts matched by attribute
+"""Built-in group rules: transformers 5.24 paths, and remote-code layouts matched by attribute
 names. ``hf-precision architectures`` (:func:`hf_precision.groups.architecture_table`) prints
 them as the README's table; register your own with :func:`hf_precision.groups.register_group_rule`.
 
@@ -117,7 +117,7 @@ for _rule in (
         "qwen2_vl qwen2_5_vl qwen3_vl qwen3_vl_moe qwen3_5 qwen3_5_moe qwen2_5_omni_thinker "
         "qwen3_omni_moe_thinker qwen4_exp cosmos3_omni cohere_compass exaone4_5 glm4v glm4v_moe "
         "glm46v glmga glm5_next glm_ocr hyperclovax_vision_v2 dots3_note inkling2 "
-        "inkling_mm_model hunyuan_vl ernie4_5_vl_moe",
+        "inkling_mm_model inkling2_loop hunyuan_vl hy_v4_vl ernie4_5_vl_moe",
         vision=f"model.visual {_VT} model.vision_model",
         resampler="model.visual.merger model.vision_tower.merger model.vision_model.merger "
         "model.vision_tower.patch_merger model.resampler_model",
@@ -177,6 +177,13 @@ for _rule in (
         params={"vision": "model.high_res_vision_alpha"},
     ),
     _r("chameleon", "chameleon", vision="model.vqmodel", lm="model"),
+    _r(
+        "apertus1p5",
+        "apertus1p5",
+        vision="model.vision_tokenizer",
+        audio="model.audio_tokenizer",
+        lm=_LM,
+    ),
     _r("emu3", "emu3", vision="model.vqmodel", lm="model.text_model"),
     _r(
         "blip_2",

@@ -5,7 +5,7 @@ Discovery is a registry of :class:`GroupRule` objects, tried in order; the first
 ``model_types`` (or ``match``) fits and whose required groups exist wins. When none fits, a
 fallback uses ``get_encoder(modality=...)``, ``get_decoder()``, ``get_output_embeddings()`` and
 name patterns, and says which of them matched in :attr:`ModuleGroups.rule`. Paths are checked
-against transformers 5.23 (``tests/test_groups_all_architectures.py`` builds every
+against transformers 5.24 (``tests/test_groups_all_architectures.py`` builds every
 image-text-to-text architecture on the meta device).
 
 The supported-architecture table (rules, model types, the paths of each group) is generated

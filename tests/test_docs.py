@@ -81,12 +81,19 @@ def test_compatibility_table_matches_what_runs() -> None:
     import transformers
 
     makefile = (ROOT / "Makefile").read_text()
+    pins = dict(
+        line.split("==")
+        for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    )
     rows = _compat_rows()
     assert {r[0] for r in rows} >= {"transformers", "peft", "TRL", "bitsandbytes", "torchao"}
     tf4 = transformers.__version__.startswith("4.")
     for library, leg5, leg4, _, tests in rows:
         for path in re.findall(r"`(tests/[^`]+)`", tests):
             assert (ROOT / path).exists(), (library, path)
+        pinned = pins.get(_DISTRIBUTIONS.get(library, library))
+        assert pinned is None or pinned.startswith(leg5), (library, pinned, leg5)
         if leg4 != "–" and library in ("transformers", "peft"):
             assert f'"{library}=={leg4}"' in makefile, (library, leg4)
         if library == "transformers":  # the floor users get is the line the 4.x leg runs

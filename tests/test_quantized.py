@@ -82,6 +82,47 @@ def test_subclass_weights_are_never_touched(quantize: Any) -> None:
     _same(model, before)
 
 
+@pytest.mark.parametrize("quantize", [_torchao, _quanto], ids=["torchao", "quanto"])
+def test_a_group_follows_the_dtype_its_quantized_layers_compute_in(quantize: Any) -> None:
+    """bf16-computing quantized layers under an fp16 policy: the language model's other frozen
+    weights (embeddings, norms: they set the dtype of the rotary tables) stay bf16, or q/k
+    (bf16 x fp16 rotary -> fp32) and v (bf16) reach attention in different dtypes."""
+    from hf_precision import PrecisionWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tiny_llava(torch.bfloat16)
+        library = quantize(model)
+    model.requires_grad_(False)
+    before = _snapshot(model)
+    with pytest.warns(PrecisionWarning, match=r"language_model: its quantized layers") as seen:
+        report = enforce_policy(model, "fp16-true")
+    message = next(str(w.message) for w in seen if "quantized layers" in str(w.message))
+    assert f"({library}:" in message and "compute in bfloat16, not the policy's float16" in message
+    lm = model.model.language_model
+    assert lm.embed_tokens.weight.dtype == torch.bfloat16
+    assert lm.norm.weight.dtype == torch.bfloat16
+    assert report.group_dtypes["language_model"] == {torch.bfloat16}
+    # the other groups follow the policy
+    assert model.model.multi_modal_projector.linear_1.weight.dtype == torch.float16
+    assert model.lm_head.weight.dtype == torch.float16
+    handle = install_guards(model, "fp16-true", report)
+    seen_qkv: list[tuple[torch.dtype, ...]] = []
+    attn = lm.layers[0].self_attn
+    hooks = [
+        getattr(attn, n).register_forward_hook(lambda m, a, o: seen_qkv.append((o.dtype,)))
+        for n in ("q_proj", "k_proj", "v_proj")
+    ]
+    with torch.no_grad():
+        out = model(**tiny_batch(model))
+    for h in hooks:
+        h.remove()
+    handle.remove()
+    assert torch.isfinite(out.logits).all() and out.logits.dtype == torch.float16
+    assert {d for (d,) in seen_qkv} == {torch.bfloat16}
+    _same(model, before)
+
+
 #: (policy given to the callback, TrainingArguments flags, how the model is loaded)
 _RUNS = {
     "bf16": (None, {"bf16": True}, "bf16"),  # the policy inferred from bf16=True
