@@ -147,17 +147,12 @@ def test_report_summary_and_dict():
 
 
 def test_tied_weights_with_conflicting_targets_keep_the_tie_and_say_so():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
+    from hf_precision.tiny import tiny_config
+
+    config = tiny_config("llama")
+    config.tie_word_embeddings = True
     model = LlamaForCausalLM(config).requires_grad_(False)  # frozen: the groups decide
     assert model.lm_head.weight is model.model.embed_tokens.weight
     policy = PrecisionPolicy.from_preset("bf16-true", group_dtypes={"lm_head": "fp32"})

@@ -123,6 +123,22 @@ def test_a_group_follows_the_dtype_its_quantized_layers_compute_in(quantize: Any
     _same(model, before)
 
 
+def _train_and_evaluate(
+    make_trainer: Any, model: Any, batch: Any, policy: Any, flags: dict[str, Any]
+) -> None:
+    """A Trainer run with the callback (an evaluation every step), then evaluate(): both
+    losses finite."""
+    from hf_precision import PrecisionGuardCallback
+
+    cb = PrecisionGuardCallback(policy, report=False)
+    trainer = make_trainer(
+        model, batch, callbacks=[cb], eval_strategy="steps", eval_steps=1, **flags
+    )
+    out = trainer.train()
+    metrics = trainer.evaluate()
+    assert torch.isfinite(torch.tensor([out.training_loss, metrics["eval_loss"]])).all()
+
+
 #: (policy given to the callback, TrainingArguments flags, how the model is loaded)
 _RUNS = {
     "bf16": (None, {"bf16": True}, "bf16"),  # the policy inferred from bf16=True
@@ -138,7 +154,6 @@ def test_training_evaluate_generate_with_quantized_weights(
 ) -> None:
     """A trainable projector over a quantized language model: the callback trains, evaluates
     and generates under each policy; the quantized tensors stay the same objects and bytes."""
-    from hf_precision import PrecisionGuardCallback
 
     policy, flags, load = _RUNS[run]
     with warnings.catch_warnings():
@@ -152,13 +167,7 @@ def test_training_evaluate_generate_with_quantized_weights(
     before = _snapshot(model)
     projector = model.model.multi_modal_projector.linear_1.weight
     start = projector.detach().clone()
-    cb = PrecisionGuardCallback(policy, report=False)
-    trainer = make_trainer(
-        model, tiny_batch(model), callbacks=[cb], eval_strategy="steps", eval_steps=1, **flags
-    )
-    out = trainer.train()
-    metrics = trainer.evaluate()
-    assert torch.isfinite(torch.tensor([out.training_loss, metrics["eval_loss"]])).all()
+    _train_and_evaluate(make_trainer, model, tiny_batch(model), policy, flags)
     assert not torch.equal(projector.detach().float(), start.float()), "the projector trained"
     # trainable weights stay fp32 for the optimizer, unless the policy names pure fp16
     assert projector.dtype == (torch.float16 if run == "fp16-true" else torch.float32)
@@ -250,8 +259,6 @@ def test_qlora_with_bitsandbytes_trains_evaluates_and_generates(
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig, LlavaForConditionalGeneration
 
-    from hf_precision import PrecisionGuardCallback
-
     source = _wide_llava() if bits == 4 else tiny_llava(torch.bfloat16)
     source.save_pretrained(tmp_path / "ckpt")
     config = (
@@ -273,13 +280,7 @@ def test_qlora_with_bitsandbytes_trains_evaluates_and_generates(
     before = _snapshot(model)
     assert before
     policy, flags, _ = _RUNS[run]
-    cb = PrecisionGuardCallback(policy, report=False)
-    trainer = make_trainer(
-        model, tiny_batch(source), callbacks=[cb], eval_strategy="steps", eval_steps=1, **flags
-    )
-    out = trainer.train()
-    metrics = trainer.evaluate()
-    assert torch.isfinite(torch.tensor([out.training_loss, metrics["eval_loss"]])).all()
+    _train_and_evaluate(make_trainer, model, tiny_batch(source), policy, flags)
     # bitsandbytes' CPU inference path repacks 4-bit weights in place at eval (its own tensor,
     # its own layout) and unpacks them when saving: compare in the layout it saves
     model.state_dict()

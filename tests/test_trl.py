@@ -48,8 +48,10 @@ def _split_llava() -> Any:
     return model
 
 
-def _sft(tmp_path: Any, model: Any, callbacks: list[Any], **kw: Any) -> Any:
-    args = trl.SFTConfig(
+def _trainer(kind: str, tmp_path: Any, model: Any, data: Any, callbacks: list[Any], **kw: Any):
+    """``trl.SFTTrainer`` or ``trl.DPOTrainer`` (``kind``): LoRA on the LM's attention, two
+    steps on CPU, the tiny LLaVA processor."""
+    config = getattr(trl, f"{kind}Config")(
         output_dir=str(tmp_path),
         use_cpu=True,
         max_steps=2,
@@ -63,15 +65,19 @@ def _sft(tmp_path: Any, model: Any, callbacks: list[Any], **kw: Any) -> Any:
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return trl.SFTTrainer(
+        return getattr(trl, f"{kind}Trainer")(
             model=model,
-            args=args,
-            train_dataset=_dataset(),
-            eval_dataset=_dataset(),
+            args=config,
+            train_dataset=data,
+            eval_dataset=data,
             processing_class=tiny_llava_processor(),
             peft_config=LoraConfig(r=4, target_modules=LM_ATTN),
             callbacks=callbacks,
         )
+
+
+def _sft(tmp_path: Any, model: Any, callbacks: list[Any], **kw: Any) -> Any:
+    return _trainer("SFT", tmp_path, model, _dataset(), callbacks, **kw)
 
 
 # SFTConfig turns bf16 on by default: "no flag" is bf16=False said explicitly
@@ -119,29 +125,8 @@ def _preferences() -> Any:
 
 
 def _dpo(tmp_path: Any, callbacks: list[Any]) -> Any:
-    args = trl.DPOConfig(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        max_steps=2,
-        per_device_train_batch_size=2,
-        per_device_eval_batch_size=2,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        max_length=None,
-        bf16=False,  # no flag (DPOConfig, like SFTConfig, defaults to bf16)
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return trl.DPOTrainer(
-            model=_split_llava(),
-            args=args,
-            train_dataset=_preferences(),
-            eval_dataset=_preferences(),
-            processing_class=tiny_llava_processor(),
-            peft_config=LoraConfig(r=4, target_modules=LM_ATTN),
-            callbacks=callbacks,
-        )
+    # bf16=False: no flag (DPOConfig, like SFTConfig, defaults to bf16)
+    return _trainer("DPO", tmp_path, _split_llava(), _preferences(), callbacks, bf16=False)
 
 
 def test_dpo_trainer_on_a_split_vlm_fails_without_the_guard_and_trains_with_it(tmp_path: Any):
