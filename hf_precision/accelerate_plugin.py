@@ -250,16 +250,7 @@ class PrecisionGuardPlugin(GuardFrontEnd):
             self._reporter = self._make_reporter()
         root, _ = unwrap_model(model)
         if not any(g.root is root for g in self._guarded):
-            self._guarded.append(
-                PrecisionGuard(
-                    model,
-                    self.policy,
-                    name="PrecisionGuardPlugin",
-                    call=self._call,
-                    owner=self,
-                    reporter=self._reporter,
-                )
-            )
+            self._guarded.append(self._new_guard(model))
         self.verify(model, "setup")
         return model
 

@@ -129,15 +129,7 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
             self._reporter = PrecisionReporter.from_training_args(
                 args, report_dir=self.report_dir, report_to=self.report_to
             )
-        self.guard = PrecisionGuard(
-            model,
-            self.policy,
-            name="PrecisionGuardCallback",
-            call=self._call,
-            owner=self,
-            reporter=self._reporter,
-            deepspeed_dtype=self._deepspeed_dtype,
-        )
+        self.guard = self._new_guard(model, deepspeed_dtype=self._deepspeed_dtype)
         logger.info(
             "hf-precision: policy %s; groups by rule %r",
             self.policy.describe(),

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -40,13 +40,11 @@ from .errors import PrecisionError, PrecisionWarning, did_you_mean
 from .groups import (
     ModelView,
     ModuleGroups,
-    find_module_groups,
     hidden_module,
     owning_wrapper,
     unwrap_model,
-    walk_modules,
 )
-from .policy import Mode, PrecisionPolicy
+from .policy import MODES, Mode, PrecisionPolicy
 from .wrappers import is_sharded
 
 TensorKind = Literal["param", "buffer"]
@@ -276,20 +274,17 @@ def enforce_policy(
     root, _ = unwrap_model(model)
     policy = PrecisionPolicy.resolve(policy, root)
     mode = policy.mode if mode is None else mode
-    if mode not in ("audit", "fix", "raise"):
+    if mode not in MODES:
         raise PrecisionError(f"enforce_policy(mode={mode!r}): allowed modes audit, fix, raise.")
-    if view is not None and view.root is root:
-        groups = view.groups
-    elif groups is None:
-        groups = find_module_groups(root)
-    walk = view.modules if view is not None and view.root is root else walk_modules(root, groups)
+    view = ModelView.reuse(view, root, groups)
+    groups = view.groups
     model_keep = tuple(getattr(root, "_keep_in_fp32_modules", None) or ())
     device_mapped = bool(getattr(root, "hf_device_map", None))
     device = model_device(root, groups) if policy.move_devices and not device_mapped else None
     report = EnforceReport(policy, groups, applied=False, device=device)
 
     planner = _Planner(report, policy, model_keep, device, mode)
-    planner.walk(root, groups, walk)
+    planner.walk(root, groups, view.modules)
     if report.overflow:
         planner.keep_with_overflowed(root)
     report.warnings += _unmatched_patterns(root, policy, groups, report)
@@ -345,7 +340,7 @@ class _Planner:
     quantized: dict[str, tuple[torch.dtype, str]] = field(default_factory=dict)
 
     def walk(
-        self, root: nn.Module, groups: ModuleGroups, walk: Iterable[tuple[str, str, nn.Module]]
+        self, root: nn.Module, groups: ModuleGroups, walk: list[tuple[str, str, nn.Module]]
     ) -> None:
         """Plan every parameter and buffer of the walk, once per tensor (tied weights: the
         first name decides, the tie holds)."""
@@ -357,7 +352,6 @@ class _Planner:
             if (m := hidden_module(root, hp)) is not None
             for p in m.parameters()
         }
-        walk = list(walk)
         self._find_quantized(groups, walk)
         first: dict[int, tuple[str, str]] = {}  # id(parameter) -> its first (name, group)
         for path, group, mod in walk:

@@ -658,6 +658,15 @@ class ModelView:
         groups = groups if groups is not None else find_module_groups(root)
         return cls(root, groups, list(walk_modules(root, groups)))
 
+    @classmethod
+    def reuse(
+        cls, view: ModelView | None, model: nn.Module, groups: ModuleGroups | None = None
+    ) -> ModelView:
+        """``view`` when it is a walk of ``model``'s root (the caller's walk for this event),
+        else a new walk."""
+        root, _ = unwrap_model(model)
+        return view if view is not None and view.root is root else cls.of(root, groups)
+
     def parameters(self) -> list[nn.Parameter]:
         """Every parameter once, in walk order (``root.parameters()`` plus hidden modules')."""
         seen: set[int] = set()

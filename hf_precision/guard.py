@@ -313,6 +313,7 @@ class GuardFrontEnd:
     overrides, and the user's own call for messages. Subclasses run :class:`PrecisionGuard`."""
 
     policy: PrecisionPolicy | None
+    _reporter: Any  # the front end's PrecisionReporter (or None), made when it knows where
 
     def _init_policy(
         self,
@@ -322,12 +323,26 @@ class GuardFrontEnd:
         mode: Mode | None,
         leaf_guards: LeafGuards | None,
     ) -> None:
-        self._policy_arg = policy
+        self._name, self._policy_arg = name, policy
         self._mode, self._leaf_guards = mode, leaf_guards
         self._call = policy_call(name, policy, mode=mode, leaf_guards=leaf_guards)
         # nothing the caller passed in changes (a policy is a value)
         given = self._with_overrides(resolve_policy(policy, call=self._call))
         self.policy = None if policy is None else given
+
+    def _new_guard(self, model: nn.Module, **kwargs: Any) -> PrecisionGuard:
+        """The engine for ``model``, owned by this front end, speaking in its user's call and
+        reporting through its reporter."""
+        assert self.policy is not None
+        return PrecisionGuard(
+            model,
+            self.policy,
+            name=self._name,
+            call=self._call,
+            owner=self,
+            reporter=self._reporter,
+            **kwargs,
+        )
 
     def _with_overrides(self, policy: PrecisionPolicy) -> PrecisionPolicy:
         return with_overrides(

@@ -428,12 +428,9 @@ def install_guards(
     """
     root, _ = unwrap_model(model)
     policy = PrecisionPolicy.resolve(policy, root)
-    if view is not None and view.root is not root:
-        view = None
     if groups is None:
         groups = report.groups if report is not None else find_module_groups(root)
-    if view is None:
-        view = ModelView.of(root, groups)
+    view = ModelView.reuse(view, root, groups)
     move = policy.move_devices and not getattr(root, "hf_device_map", None)
     handle = GuardHandle(root)
     wanted: set[int] = set()
