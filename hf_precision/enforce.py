@@ -108,6 +108,10 @@ class EnforceReport:
     #: the message (with the fix) that goes with ``wrapper_casts``
     wrapper_note: str | None = None
     device: torch.device | None = None
+    #: the plan behind ``changes`` (:func:`apply_plan` carries it out) and the tensors found on
+    #: the meta device while the model is elsewhere
+    planned: list[PlannedCast] = field(default_factory=list, repr=False, compare=False)
+    meta: list[str] = field(default_factory=list, repr=False, compare=False)
 
     def __bool__(self) -> bool:
         return bool(self.changes)
@@ -276,34 +280,54 @@ def enforce_policy(
     mode = policy.mode if mode is None else mode
     if mode not in MODES:
         raise PrecisionError(f"enforce_policy(mode={mode!r}): allowed modes audit, fix, raise.")
-    view = ModelView.reuse(view, root, groups)
+    report = _plan(root, policy, ModelView.reuse(view, root, groups))
+    return apply_plan(model, report, mode=mode, optimizer=optimizer, allow_wrapped=allow_wrapped)
+
+
+def _plan(root: nn.Module, policy: PrecisionPolicy, view: ModelView) -> EnforceReport:
+    """What ``policy`` wants changed in ``root`` (the walk ``view``); changes nothing."""
     groups = view.groups
     model_keep = tuple(getattr(root, "_keep_in_fp32_modules", None) or ())
     device_mapped = bool(getattr(root, "hf_device_map", None))
     device = model_device(root, groups) if policy.move_devices and not device_mapped else None
     report = EnforceReport(policy, groups, applied=False, device=device)
-
-    planner = _Planner(report, policy, model_keep, device, mode)
+    planner = _Planner(report, policy, model_keep, device)
     planner.walk(root, groups, view.modules)
     if report.overflow:
         planner.keep_with_overflowed(root)
     report.warnings += _unmatched_patterns(root, policy, groups, report)
+    report.planned, report.meta = planner.todo, planner.meta
+    return report
+
+
+def apply_plan(
+    model: nn.Module,
+    report: EnforceReport,
+    *,
+    mode: Mode = "fix",
+    optimizer: Any = None,
+    allow_wrapped: bool = False,
+) -> EnforceReport:
+    """Carry out, in ``mode``, the plan of a report :func:`enforce_policy` made for ``model``
+    (an ``audit``), without planning again: the engine audits every event and applies only
+    when the audit found something. Returns ``report``, applied in ``fix`` mode."""
     wrapper = owning_wrapper(model)
     if mode == "fix" and report.changes and wrapper is not None and not allow_wrapped:
         raise _refuse_wrapped(model, wrapper, report)
-    if planner.meta and device is not None:
-        msg = _meta_message(groups, planner.meta, device)
+    if report.meta and report.device is not None:
+        msg = _meta_message(report.groups, report.meta, report.device)
         if mode != "audit":
             raise PrecisionError(msg)
-        report.warnings.append(msg)
+        if msg not in report.warnings:
+            report.warnings.append(msg)
     if mode == "fix":  # audits repeat every step: they report, they do not warn
         for w in report.warnings:
-            warnings.warn(w, PrecisionWarning, stacklevel=2)
+            warnings.warn(w, PrecisionWarning, stacklevel=3)
     if mode == "raise" and (report.changes or report.overflow):
         raise _violations(report)
-    if mode == "fix":
+    if mode == "fix" and not report.applied:
         with torch.no_grad():
-            for c in planner.todo:
+            for c in report.planned:
                 _apply(c.module, c.key, c.tensor, c.change.kind, c.dtype, c.device, optimizer)
         report.applied = True
     return report
@@ -333,7 +357,6 @@ class _Planner:
     policy: PrecisionPolicy
     model_keep: tuple[str, ...]
     device: torch.device | None
-    mode: Mode
     todo: list[PlannedCast] = field(default_factory=list)
     meta: list[str] = field(default_factory=list)
     #: group -> (dtype its quantized layers compute in, their format), from a first pass
@@ -545,14 +568,13 @@ class _Planner:
         if amax <= torch.finfo(target).max:
             return target
         self.report.overflow.append((full, amax))
-        if self.mode != "raise":
-            self.report.warnings.append(
-                f"{full} [{group}]: max |value| {amax:g} exceeds the "
-                f"{dtype_name(target)} range (±{torch.finfo(target).max:g}); kept in "
-                f"{dtype_name(t.dtype)} instead of becoming inf. Fix: "
-                f"keep_fp32=[{full!r}] to say so explicitly, or use bf16, whose range "
-                "matches fp32."
-            )
+        self.report.warnings.append(
+            f"{full} [{group}]: max |value| {amax:g} exceeds the "
+            f"{dtype_name(target)} range (±{torch.finfo(target).max:g}); kept in "
+            f"{dtype_name(t.dtype)} instead of becoming inf. Fix: "
+            f"keep_fp32=[{full!r}] to say so explicitly, or use bf16, whose range "
+            "matches fp32."
+        )
         return t.dtype
 
 

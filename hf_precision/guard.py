@@ -40,7 +40,7 @@ from torch import nn
 
 from .distributed import check_model_ranks, check_wrapped, explain_wrapped
 from .dtypes import dtype_name
-from .enforce import EnforceReport, enforce_policy, restore_values
+from .enforce import EnforceReport, apply_plan, enforce_policy, restore_values
 from .errors import PrecisionError, PrecisionWarning
 from .groups import ModelView, ModuleGroups, find_module_groups, unwrap_model
 from .hooks import GuardHandle, claim_model, install_guards, release_model, remove_guards
@@ -145,14 +145,12 @@ class PrecisionGuard:
         elif audit.changes and policy.mode != "audit":
             if wrapper == "DDP":
                 self._check_ddp_restore(audit, where)
-            report = enforce_policy(
+            report = apply_plan(  # the audit's plan, not a second one
                 model,
-                policy,
-                groups=self.groups,
+                audit,
                 mode=policy.mode,
                 optimizer=optimizer,
                 allow_wrapped=wrapper is not None,
-                view=view,
             )
         self._say(where, audit, report, found, first=first, held=wrapper in HOLDING_WRAPPERS)
         self.last_report = report

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from hf_precision import PrecisionGuardCallback, PrecisionPolicy, PrecisionWarning
+from hf_precision import PrecisionGuardCallback, PrecisionPolicy, PrecisionWarning, enforce
 from hf_precision.guard import PrecisionGuard
 from hf_precision.reporting import PrecisionReporter
 from hf_precision.tiny import tiny_batch, tiny_llava
@@ -62,9 +62,18 @@ def test_one_walk_of_the_model_per_event(drift: bool, tmp_path: Path) -> None:
     guard.verify("setup")
     if drift:
         model.model.multi_modal_projector.float()
-    with walks_of(model) as walks:
+    plans: list[int] = []
+    plan = enforce._plan
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        plans.append(1)
+        return plan(*args, **kwargs)
+
+    with walks_of(model) as walks, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(enforce, "_plan", counted)
         report = guard.verify("check")  # plan, apply, guards, dtype map and files
     assert walks == ["groups.py:walk_modules"]  # the event's ModelView, nothing else
+    assert len(plans) == 1  # the audit's plan is the one applied, not planned again
     assert bool(report.changes) == drift
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
