@@ -11,6 +11,7 @@ import base64
 import doctest
 import json
 import os
+import signal
 import subprocess
 import sys
 import types
@@ -344,7 +345,11 @@ def test_module_doctests(name):
 
 
 # ----------------------------------------------------------------------------- two processes
-def _launch(out: Path, names: list[str], nproc: int = 2, timeout: int = 240) -> dict[str, Any]:
+def _launch(out: Path, names: list[str], nproc: int = 2, timeout: int = 600) -> dict[str, Any]:
+    """Run ``names`` in one torchrun launch; what each rank wrote, plus the launch's log.
+
+    A launch past ``timeout`` is killed and still returns what finished: the scenarios that
+    wrote no file fail their own tests, with the log and the scenario that was running."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -363,8 +368,20 @@ def _launch(out: Path, names: list[str], nproc: int = 2, timeout: int = 240) -> 
         str(out),
         *names,
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    results: dict[str, Any] = {"_log": proc.stdout[-4000:] + proc.stderr[-4000:]}
+    # its own session, so that a timeout kills the ranks with the launcher
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        log = ""
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        running = next((n for n in names if not (out / n / "rank0.json").is_file()), None)
+        log = f"torchrun killed after {timeout} s while running {running!r}\n"
+    log += "".join(stream.decode(errors="replace")[-4000:] for stream in (stdout, stderr))
+    results: dict[str, Any] = {"_log": log}
     for name in names:
         results[name] = [
             json.loads((out / name / f"rank{r}.json").read_text())

@@ -588,11 +588,22 @@ def gpu_deepspeed_zero3(out: Path) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- harness
+def skip_shm_comm_build() -> None:
+    """DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce (``deepspeed_shm_comm``,
+    g++ on first use, ~50 s on 2 idle cores and minutes on a busy CI machine) when its first engine
+    starts. It is a CPU speed path with no bearing on dtypes; marked incompatible, DeepSpeed falls
+    back to plain torch.distributed (gloo), as it does on platforms without the op."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     names = sys.argv[2:] or [n for n in SCENARIOS if not n.startswith("gpu_")]
     if any(n.startswith("ds_") for n in names):
         os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+        skip_shm_comm_build()
     backend = "nccl" if any(n.startswith("gpu_") for n in names) else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
