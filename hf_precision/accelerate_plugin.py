@@ -51,9 +51,9 @@ from .distributed import rank
 from .dtypes import dtype_name
 from .enforce import EnforceReport
 from .errors import PrecisionError, PrecisionWarning
-from .groups import unwrap_model
 from .guard import GuardFrontEnd, PrecisionGuard
 from .policy import LeafGuards, Mode, PrecisionPolicy
+from .wrappers import unwrap_model
 
 logger = logging.getLogger("hf_precision")
 

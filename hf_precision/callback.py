@@ -31,10 +31,11 @@ from .deepspeed_config import check_training_args
 from .dtypes import dtype_name
 from .enforce import EnforceReport
 from .errors import PrecisionError, PrecisionWarning
-from .groups import ModuleGroups, unwrap_model
+from .groups import ModuleGroups
 from .guard import GuardFrontEnd, PrecisionGuard
 from .hooks import GuardHandle
 from .policy import LeafGuards, Mode, PrecisionPolicy
+from .wrappers import unwrap_model
 
 logger = logging.getLogger("hf_precision")
 

@@ -49,8 +49,9 @@ from .findings import (
     fix_text,
     module_weights,
 )
-from .groups import ModuleGroups, find_module_groups, unwrap_model
+from .groups import ModuleGroups, find_module_groups
 from .policy import PrecisionPolicy
+from .wrappers import unwrap_model
 
 __all__ = ["CLASS_NAMES", "Diagnosis", "Mismatch", "diagnose", "is_mismatch_error"]
 

@@ -33,7 +33,6 @@ from .groups import (
     group_rules,
     register_group,
     register_group_rule,
-    unwrap_model,
 )
 from .policy import (
     DEFAULT_KEY_GROUPS,
@@ -42,6 +41,7 @@ from .policy import (
     PrecisionPolicy,
     register_preset,
 )
+from .wrappers import unwrap_model
 
 TEXT_ENCODER_GROUPS: tuple[str, ...] = ("text_encoder", "text_encoder_2", "text_encoder_3")
 DENOISER_GROUPS: tuple[str, ...] = ("unet", "transformer")

@@ -38,13 +38,15 @@ from .dtype_maps import DtypeMap, dtype_map
 from .dtypes import dtype_name, is_castable, zero3_dtype
 from .enforce import Change, EnforceReport
 from .errors import PrecisionError
-from .groups import ModuleGroups, clean_name, find_module_groups, unwrap_model
+from .groups import ModuleGroups, find_module_groups
 from .policy import PrecisionPolicy
 from .wrappers import (
     WRAPPERS,
+    clean_name,
     detect_wrapper,
     planned_wrapper,
     settle_shards,
+    unwrap_model,
     wrapper_compute_dtypes,
     wrapper_of,
 )

@@ -34,17 +34,10 @@ from .dtypes import (
     storage_bytes,
     zero3_dtype,
 )
-from .groups import (
-    OTHER,
-    ModelView,
-    ModuleGroups,
-    clean_name,
-    find_module_groups,
-    hidden_module,
-    unwrap_model,
-)
+from .groups import OTHER, ModuleGroups, find_module_groups, hidden_module
 from .tables import fmt_bytes, render_table
-from .wrappers import is_sharded
+from .view import ModelView
+from .wrappers import clean_name, is_sharded, unwrap_model
 
 #: Tensor types that are never DTensors nor packed quantized storage.
 _PLAIN = (nn.Parameter, torch.Tensor)
@@ -355,7 +348,7 @@ def dtype_map(
 
     ``groups`` defaults to :func:`find_module_groups`; with a ``policy`` the records say why a
     module was kept in fp32; ``view`` is this event's walk of the model, when the caller has
-    one (:class:`~hf_precision.groups.ModelView`).
+    one (:class:`~hf_precision.view.ModelView`).
     """
     # Every container built here is kept (records, per-dtype counts): cyclic-GC passes during
     # the walk would only rescan them, a cost that grows faster than the model (measured on

@@ -37,15 +37,10 @@ from .dtypes import (
     zero3_dtype,
 )
 from .errors import PrecisionError, PrecisionWarning, did_you_mean
-from .groups import (
-    ModelView,
-    ModuleGroups,
-    hidden_module,
-    owning_wrapper,
-    unwrap_model,
-)
+from .groups import ModuleGroups, hidden_module
 from .policy import MODES, Mode, PrecisionPolicy
-from .wrappers import is_sharded
+from .view import ModelView
+from .wrappers import is_sharded, owning_wrapper, unwrap_model
 
 TensorKind = Literal["param", "buffer"]
 
@@ -272,7 +267,7 @@ def enforce_policy(
     Pass the ``optimizer`` when it already holds state, so its moment tensors follow. A model
     that DDP/FSDP/DeepSpeed already wraps is not cast (a :class:`PrecisionError` says what to
     do) unless ``allow_wrapped`` (the accelerate plugin's drift repair under DDP). ``view`` is
-    this event's walk of the model (:class:`~hf_precision.groups.ModelView`), when the caller
+    this event's walk of the model (:class:`~hf_precision.view.ModelView`), when the caller
     has one.
     """
     root, _ = unwrap_model(model)

@@ -32,6 +32,7 @@ from typing import Any
 from torch import nn
 
 from .errors import PrecisionError, PrecisionWarning
+from .wrappers import clean_name, unwrap_model
 
 #: The groups every VLM rule speaks of, in forward order.
 VLM_GROUPS: tuple[str, ...] = (
@@ -199,69 +200,6 @@ def _cell(rule: GroupRule, group: str) -> str:
     for p in rule.params.get(group, ()):
         cell += f", `{p}` (param)" if cell else f"`{p}` (param)"
     return cell or "—"
-
-
-# --------------------------------------------------------------------------------------------
-# Wrappers
-
-_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def clean_name(name: str) -> str:
-    """Drop FSDP1 / checkpoint / compile wrapper segments from a parameter or module path."""
-    for seg in _WRAPPER_SEGMENTS:
-        if seg in name:
-            name = name.replace(seg, "")
-    return name.removesuffix("._fsdp_wrapped_module").removesuffix("._orig_mod")
-
-
-_MODULE_WRAPPERS = {
-    "DistributedDataParallel",
-    "DataParallel",
-    "FullyShardedDataParallel",
-    "DeepSpeedEngine",
-}
-
-
-def _module_wrapper(model: nn.Module) -> bool:
-    """A DDP-like wrapper of any class: its one registered child is ``module``."""
-    return list(model._modules) == ["module"] and isinstance(model._modules["module"], nn.Module)
-
-
-def owning_wrapper(model: nn.Module) -> str | None:
-    """The class name of a wrapper that holds the parameters of what it wraps (DDP, FSDP1,
-    DeepSpeed, DataParallel), so that casting them in place desynchronises it; else ``None``."""
-    name = type(model).__name__
-    return name if name in _MODULE_WRAPPERS else None
-
-
-def _is_peft(model: nn.Module) -> bool:
-    """A peft wrapper (``PeftModel`` and subclasses): transformers 4.x models carry a
-    ``peft_config`` of their own once an adapter is attached, so the attribute alone is not it."""
-    return hasattr(model, "peft_config") and any(
-        c.__module__.startswith("peft.") for c in type(model).__mro__
-    )
-
-
-def unwrap_model(model: nn.Module) -> tuple[nn.Module, str]:
-    """Peel DDP/FSDP1/DataParallel/DeepSpeed (and any wrapper whose one child is ``module``),
-    ``torch.compile`` and PEFT wrappers.
-
-    Returns the innermost model and the path prefix of it inside ``model``.
-    """
-    prefix = ""
-    while True:
-        inner, seg = getattr(model, "_orig_mod", None), "_orig_mod."
-        if not isinstance(inner, nn.Module) and (
-            type(model).__name__ in _MODULE_WRAPPERS or _module_wrapper(model)
-        ):
-            inner, seg = getattr(model, "module", None), "module."
-        if not isinstance(inner, nn.Module) and _is_peft(model):
-            base = getattr(model, "base_model", None)
-            inner, seg = getattr(base, "model", None), "base_model.model."
-        if not isinstance(inner, nn.Module):
-            return model, prefix
-        model, prefix = inner, prefix + seg
 
 
 def model_type_of(model: nn.Module) -> str | None:
@@ -613,70 +551,6 @@ def find_module_groups(model: nn.Module, *, strict: bool = False) -> ModuleGroup
         )
         return ModuleGroups(root, {}, {}, "none", mt, prefix)
     return ModuleGroups(root, paths, params, "fallback(" + ", ".join(how) + ")", mt, prefix)
-
-
-def walk_modules(root: nn.Module, groups: ModuleGroups) -> Iterator[tuple[str, str, nn.Module]]:
-    """``(path, group, module)`` of every module of ``root`` in pre-order, the group derived
-    from the parent in O(1); modules held outside the module tree come last, under their group.
-    The walk :func:`~hf_precision.enforce_policy` and the leaf guards share."""
-    group_at: dict[str, str] = {}
-    lookup = groups.by_path
-    for path, mod in root.named_modules():
-        parent = path.rsplit(".", 1)[0] if "." in path else ""
-        group = lookup.get(path) or (group_at.get(parent, OTHER) if path else lookup.get("", OTHER))
-        group_at[path] = group
-        yield path, group, mod
-    # Modules held outside the module tree (OmniLMM's tune_clip=False keeps its vision tower in a
-    # list, so model.to() never reaches it) are walked too: that is the seed's device bug.
-    for group, hidden_path in groups.hidden.items():
-        hidden = hidden_module(root, hidden_path)
-        if hidden is not None:
-            for sub, mod in hidden.named_modules(prefix=hidden_path):
-                yield sub, group, mod
-
-
-@dataclass
-class ModelView:
-    """One walk of a model for one event: every module with its path and group (modules held
-    outside the module tree included, last). The plan (:func:`~hf_precision.enforce_policy`),
-    the guards (:func:`~hf_precision.install_guards`) and the engine read this list instead of
-    walking the model again.
-
-    >>> from hf_precision.tiny import tiny_llava
-    >>> view = ModelView.of(tiny_llava())
-    >>> view.modules[1][:2], len(view.parameters()) == len(list(view.root.parameters()))
-    (('model', 'other'), True)
-    """
-
-    root: nn.Module
-    groups: ModuleGroups
-    modules: list[tuple[str, str, nn.Module]]
-
-    @classmethod
-    def of(cls, model: nn.Module, groups: ModuleGroups | None = None) -> ModelView:
-        root, _ = unwrap_model(model)
-        groups = groups if groups is not None else find_module_groups(root)
-        return cls(root, groups, list(walk_modules(root, groups)))
-
-    @classmethod
-    def reuse(
-        cls, view: ModelView | None, model: nn.Module, groups: ModuleGroups | None = None
-    ) -> ModelView:
-        """``view`` when it is a walk of ``model``'s root (the caller's walk for this event),
-        else a new walk."""
-        root, _ = unwrap_model(model)
-        return view if view is not None and view.root is root else cls.of(root, groups)
-
-    def parameters(self) -> list[nn.Parameter]:
-        """Every parameter once, in walk order (``root.parameters()`` plus hidden modules')."""
-        seen: set[int] = set()
-        out = []
-        for _, _, mod in self.modules:
-            for p in mod._parameters.values():
-                if p is not None and id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        return out
 
 
 def _warn_hidden(root: nn.Module, found: ModuleGroups) -> None:

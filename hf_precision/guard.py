@@ -42,10 +42,11 @@ from .distributed import check_model_ranks, check_wrapped, explain_wrapped
 from .dtypes import dtype_name
 from .enforce import EnforceReport, apply_plan, enforce_policy, restore_values
 from .errors import PrecisionError, PrecisionWarning
-from .groups import ModelView, ModuleGroups, find_module_groups, unwrap_model
+from .groups import ModuleGroups, find_module_groups
 from .hooks import GuardHandle, claim_model, install_guards, release_model, remove_guards
 from .policy import LeafGuards, Mode, PrecisionPolicy, policy_call, resolve_policy, with_overrides
-from .wrappers import detect_wrapper, settle_shards
+from .view import ModelView
+from .wrappers import detect_wrapper, settle_shards, unwrap_model
 
 logger = logging.getLogger("hf_precision")
 

@@ -40,16 +40,10 @@ from .batch import cast_batch, cast_tensor, key_dtypes_for
 from .dtype_maps import receiving, receiving_dtypes
 from .dtypes import dtype_name, is_castable, quantized_compute_dtype
 from .errors import PrecisionError
-from .groups import (
-    LEAF_GUARDED_GROUPS,
-    OTHER,
-    ModelView,
-    ModuleGroups,
-    find_module_groups,
-    unwrap_model,
-)
+from .groups import LEAF_GUARDED_GROUPS, OTHER, ModuleGroups, find_module_groups
 from .policy import Mode, PrecisionPolicy
-from .wrappers import wrapper_compute_dtypes
+from .view import ModelView
+from .wrappers import unwrap_model, wrapper_compute_dtypes
 
 #: Where a guard sits: the model (batch), a group root (boundary), the first weighted leaf of a
 #: group (entry), any weighted leaf of a mixed group (leaf).
@@ -424,7 +418,7 @@ def install_guards(
 
     ``report`` (an :class:`~hf_precision.enforce.EnforceReport`) tells which groups mix dtypes;
     leaf guards go there when ``policy.leaf_guards == "auto"``. ``view`` is this event's walk
-    of the model (:class:`~hf_precision.groups.ModelView`), when the caller has one.
+    of the model (:class:`~hf_precision.view.ModelView`), when the caller has one.
     """
     root, _ = unwrap_model(model)
     policy = PrecisionPolicy.resolve(policy, root)

@@ -567,7 +567,7 @@ def infer_preset(model: nn.Module) -> str:
     """The preset :meth:`PrecisionPolicy.from_model` starts from: ``fp32`` when most weights
     are fp32 (or none is floating), else ``bf16-true`` / ``fp16-true``."""
     from .dtypes import is_castable
-    from .groups import unwrap_model
+    from .wrappers import unwrap_model
 
     root, _ = unwrap_model(model)
     dt = majority_dtype((p.dtype, p.numel()) for p in root.parameters() if is_castable(p))

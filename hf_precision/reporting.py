@@ -328,7 +328,7 @@ class PrecisionReporter:
 
         ``report`` is the :class:`~hf_precision.enforce.EnforceReport` of this event when the
         model did not match the policy (its changes become drift rows); ``view`` the event's
-        walk of the model (:class:`~hf_precision.groups.ModelView`), when the caller has one.
+        walk of the model (:class:`~hf_precision.view.ModelView`), when the caller has one.
         """
         dmap = dtype_map(model, groups, policy=policy, view=view)
         diff = self.last_map.diff(dmap) if self.last_map is not None else None

@@ -1,7 +1,8 @@
 """Who holds the parameters: wrapper detection and the facts the guard reads from wrappers.
 
-One place answers "is this tensor a shard" (:func:`is_sharded`: FSDP2's DTensor) and "does a
-wrapper own this model" (:func:`detect_wrapper`); :mod:`hf_precision.enforce`,
+One place answers "is this tensor a shard" (:func:`is_sharded`: FSDP2's DTensor), "does a
+wrapper own this model" (:func:`detect_wrapper`) and "which model is inside the wrappers"
+(:func:`unwrap_model`: DDP/FSDP1/DeepSpeed, ``torch.compile``, PEFT); :mod:`hf_precision.enforce`,
 :mod:`hf_precision.dtype_maps`, :mod:`hf_precision.hooks` and the front ends ask here. Nothing here
 imports torch.distributed or a wrapper library: classes are recognised by name and attribute.
 """
@@ -145,3 +146,66 @@ def wrapper_compute_dtypes(
                     if p.is_floating_point():
                         out[id(p)] = dtype
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Paths through wrappers: the model inside, and parameter names without wrapper segments
+
+_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def clean_name(name: str) -> str:
+    """Drop FSDP1 / checkpoint / compile wrapper segments from a parameter or module path."""
+    for seg in _WRAPPER_SEGMENTS:
+        if seg in name:
+            name = name.replace(seg, "")
+    return name.removesuffix("._fsdp_wrapped_module").removesuffix("._orig_mod")
+
+
+_MODULE_WRAPPERS = {
+    "DistributedDataParallel",
+    "DataParallel",
+    "FullyShardedDataParallel",
+    "DeepSpeedEngine",
+}
+
+
+def _module_wrapper(model: nn.Module) -> bool:
+    """A DDP-like wrapper of any class: its one registered child is ``module``."""
+    return list(model._modules) == ["module"] and isinstance(model._modules["module"], nn.Module)
+
+
+def owning_wrapper(model: nn.Module) -> str | None:
+    """The class name of a wrapper that holds the parameters of what it wraps (DDP, FSDP1,
+    DeepSpeed, DataParallel), so that casting them in place desynchronises it; else ``None``."""
+    name = type(model).__name__
+    return name if name in _MODULE_WRAPPERS else None
+
+
+def _is_peft(model: nn.Module) -> bool:
+    """A peft wrapper (``PeftModel`` and subclasses): transformers 4.x models carry a
+    ``peft_config`` of their own once an adapter is attached, so the attribute alone is not it."""
+    return hasattr(model, "peft_config") and any(
+        c.__module__.startswith("peft.") for c in type(model).__mro__
+    )
+
+
+def unwrap_model(model: nn.Module) -> tuple[nn.Module, str]:
+    """Peel DDP/FSDP1/DataParallel/DeepSpeed (and any wrapper whose one child is ``module``),
+    ``torch.compile`` and PEFT wrappers.
+
+    Returns the innermost model and the path prefix of it inside ``model``.
+    """
+    prefix = ""
+    while True:
+        inner, seg = getattr(model, "_orig_mod", None), "_orig_mod."
+        if not isinstance(inner, nn.Module) and (
+            type(model).__name__ in _MODULE_WRAPPERS or _module_wrapper(model)
+        ):
+            inner, seg = getattr(model, "module", None), "module."
+        if not isinstance(inner, nn.Module) and _is_peft(model):
+            base = getattr(model, "base_model", None)
+            inner, seg = getattr(base, "model", None), "base_model.model."
+        if not isinstance(inner, nn.Module):
+            return model, prefix
+        model, prefix = inner, prefix + seg

@@ -29,6 +29,7 @@ MODULES = [
     "accelerate_plugin",
     "distributed",
     "deepspeed_config",
+    "view",
     "tiny.vlm",
 ]
 

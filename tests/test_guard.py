@@ -72,7 +72,7 @@ def test_one_walk_of_the_model_per_event(drift: bool, tmp_path: Path) -> None:
     with walks_of(model) as walks, pytest.MonkeyPatch.context() as mp:
         mp.setattr(enforce, "_plan", counted)
         report = guard.verify("check")  # plan, apply, guards, dtype map and files
-    assert walks == ["groups.py:walk_modules"]  # the event's ModelView, nothing else
+    assert walks == ["view.py:walk_modules"]  # the event's ModelView, nothing else
     assert len(plans) == 1  # the audit's plan is the one applied, not planned again
     assert bool(report.changes) == drift
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
@@ -83,7 +83,7 @@ def test_a_callback_evaluation_walks_the_model_once(make_trainer: Any) -> None:
     trainer = make_trainer(model, tiny_batch(model), callbacks=[PrecisionGuardCallback()])
     with walks_of(model) as walks:
         trainer.evaluate()  # on_evaluate: one event
-    assert walks == ["groups.py:walk_modules"]
+    assert walks == ["view.py:walk_modules"]
 
 
 def test_events_run_the_pipeline_in_order(tmp_path: Path) -> None:

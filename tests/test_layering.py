@@ -85,7 +85,7 @@ def test_no_import_cycles() -> None:
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("errors", "tables", "wrappers"),
     "values": ("dtypes", "groups", "group_rules", "diffusion_rules", "policy"),
-    "model": ("dtype_maps",),
+    "model": ("view", "dtype_maps"),
     "core": ("enforce", "batch", "hooks", "deepspeed_config", "distributed"),
     "engine": ("guard",),
     "integrations": (

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -323,44 +323,34 @@ def build_tiny(model_type: str, dtype: torch.dtype | None = None, seed: int = 0)
     return cast("PreTrainedModel", model)
 
 
-def tiny_llava(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
-    return build_tiny("llava", dtype, seed)
+class TinyBuilder(Protocol):
+    """``tiny_<arch>(dtype=None, seed=0)``: a tiny random model of one architecture."""
+
+    def __call__(self, dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel: ...
 
 
-def tiny_llava_next(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
-    return build_tiny("llava_next", dtype, seed)
+def _builder(name: str, key: str) -> TinyBuilder:
+    def build(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
+        return build_tiny(key, dtype, seed)
+
+    build.__name__ = build.__qualname__ = name
+    build.__doc__ = (
+        f"A tiny random ``{key}`` model (``build_tiny({key!r}, dtype, seed)``): cast to ``dtype``"
+        " when given, the same weights for the same ``seed``."
+    )
+    return build
 
 
-def tiny_idefics2(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
-    return build_tiny("idefics2", dtype, seed)
-
-
-def tiny_idefics3(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
-    return build_tiny("idefics3", dtype, seed)
-
-
-def tiny_qwen2_vl(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
-    return build_tiny("qwen2_vl", dtype, seed)
-
-
-def tiny_paligemma(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
-    return build_tiny("paligemma", dtype, seed)
-
-
-def tiny_minicpmv4_6(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
-    return build_tiny("minicpmv4_6", dtype, seed)
-
-
-def tiny_blip2(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
-    return build_tiny("blip-2", dtype, seed)
-
-
-def tiny_kosmos2(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
-    return build_tiny("kosmos-2", dtype, seed)
-
-
-def tiny_text_llama(dtype: torch.dtype | None = None, seed: int = 0) -> PreTrainedModel:
-    return build_tiny("llama", dtype, seed)
+tiny_llava = _builder("tiny_llava", "llava")
+tiny_llava_next = _builder("tiny_llava_next", "llava_next")
+tiny_idefics2 = _builder("tiny_idefics2", "idefics2")
+tiny_idefics3 = _builder("tiny_idefics3", "idefics3")
+tiny_qwen2_vl = _builder("tiny_qwen2_vl", "qwen2_vl")
+tiny_paligemma = _builder("tiny_paligemma", "paligemma")
+tiny_minicpmv4_6 = _builder("tiny_minicpmv4_6", "minicpmv4_6")
+tiny_blip2 = _builder("tiny_blip2", "blip-2")
+tiny_kosmos2 = _builder("tiny_kosmos2", "kosmos-2")
+tiny_text_llama = _builder("tiny_text_llama", "llama")
 
 
 def _vision(config: Any) -> tuple[int, int]:

@@ -1,0 +1,81 @@
+"""One walk of a model for one event: the second step of the data walk (model -> **view** ->
+plan -> apply -> guards -> report, ``docs/architecture.md``).
+
+:class:`ModelView` lists every module with its path and group, modules held outside the module
+tree included; the plan, the wrapper check, the guards and the dtype map read it instead of
+walking the model again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from torch import nn
+
+from .groups import OTHER, ModuleGroups, find_module_groups, hidden_module
+from .wrappers import unwrap_model
+
+
+def walk_modules(root: nn.Module, groups: ModuleGroups) -> Iterator[tuple[str, str, nn.Module]]:
+    """``(path, group, module)`` of every module of ``root`` in pre-order, the group derived
+    from the parent in O(1); modules held outside the module tree come last, under their group.
+    The walk :func:`~hf_precision.enforce_policy` and the leaf guards share."""
+    group_at: dict[str, str] = {}
+    lookup = groups.by_path
+    for path, mod in root.named_modules():
+        parent = path.rsplit(".", 1)[0] if "." in path else ""
+        group = lookup.get(path) or (group_at.get(parent, OTHER) if path else lookup.get("", OTHER))
+        group_at[path] = group
+        yield path, group, mod
+    # Modules held outside the module tree (OmniLMM's tune_clip=False keeps its vision tower in a
+    # list, so model.to() never reaches it) are walked too: that is the seed's device bug.
+    for group, hidden_path in groups.hidden.items():
+        hidden = hidden_module(root, hidden_path)
+        if hidden is not None:
+            for sub, mod in hidden.named_modules(prefix=hidden_path):
+                yield sub, group, mod
+
+
+@dataclass
+class ModelView:
+    """One walk of a model for one event: every module with its path and group (modules held
+    outside the module tree included, last). The plan (:func:`~hf_precision.enforce_policy`),
+    the guards (:func:`~hf_precision.install_guards`) and the engine read this list instead of
+    walking the model again.
+
+    >>> from hf_precision.tiny import tiny_llava
+    >>> view = ModelView.of(tiny_llava())
+    >>> view.modules[1][:2], len(view.parameters()) == len(list(view.root.parameters()))
+    (('model', 'other'), True)
+    """
+
+    root: nn.Module
+    groups: ModuleGroups
+    modules: list[tuple[str, str, nn.Module]]
+
+    @classmethod
+    def of(cls, model: nn.Module, groups: ModuleGroups | None = None) -> ModelView:
+        root, _ = unwrap_model(model)
+        groups = groups if groups is not None else find_module_groups(root)
+        return cls(root, groups, list(walk_modules(root, groups)))
+
+    @classmethod
+    def reuse(
+        cls, view: ModelView | None, model: nn.Module, groups: ModuleGroups | None = None
+    ) -> ModelView:
+        """``view`` when it is a walk of ``model``'s root (the caller's walk for this event),
+        else a new walk."""
+        root, _ = unwrap_model(model)
+        return view if view is not None and view.root is root else cls.of(root, groups)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Every parameter once, in walk order (``root.parameters()`` plus hidden modules')."""
+        seen: set[int] = set()
+        out = []
+        for _, _, mod in self.modules:
+            for p in mod._parameters.values():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
