@@ -129,6 +129,29 @@ class PrecisionGuard:
         ``TrainingArguments``, says it will add). ``log_clean=False`` reports only events that
         found something.
         """
+        first = not self.events
+        try:
+            return self._verify(
+                event, model, wrapper, args, optimizer, step, check_ranks, log_clean
+            )
+        except BaseException:
+            if (
+                first
+            ):  # a guard whose first event failed guards nothing: free the model for the next
+                self.teardown()
+            raise
+
+    def _verify(
+        self,
+        event: str,
+        model: nn.Module | None,
+        wrapper: str | None,
+        args: Any,
+        optimizer: Any,
+        step: int,
+        check_ranks: bool,
+        log_clean: bool,
+    ) -> EnforceReport:
         if model is not None:
             self.model = model
         model, policy, where = self.model, self.policy, f"{self.name}.{event}"

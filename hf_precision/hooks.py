@@ -28,6 +28,7 @@ Targets are computed at install time; the per-call cost is a dtype comparison.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -499,10 +500,16 @@ def claim_model(root: nn.Module, owner: object, policy: PrecisionPolicy, call: s
         other, other_policy, other_call = held
         alive = other() if callable(other) else None
         if alive is not None and alive is not owner and other_policy != policy:
+            differ = ", ".join(
+                f"{f.name}={getattr(other_policy, f.name)!r} vs {getattr(policy, f.name)!r}"
+                for f in dataclasses.fields(policy)
+                if getattr(other_policy, f.name) != getattr(policy, f.name)
+            )
             raise PrecisionError(
                 f"{call}: {type(root).__name__} is already guarded by {other_call} with "
                 f"policy {other_policy.describe()}; this guard's policy is "
-                f"{policy.describe()}. Two guards with different policies repair each other's "
+                f"{policy.describe()} (they differ in {differ}). Two guards with different "
+                "policies repair each other's "
                 "casts at every event and the last one wins.\nFix: keep one guard (one "
                 "PrecisionGuardCallback in Trainer(callbacks=[...]), or one "
                 "PrecisionGuardPlugin), or give both the same policy."

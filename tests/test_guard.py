@@ -13,7 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from hf_precision import PrecisionGuardCallback, PrecisionPolicy, PrecisionWarning, enforce
+from hf_precision import (
+    PrecisionError,
+    PrecisionGuardCallback,
+    PrecisionPolicy,
+    PrecisionWarning,
+    enforce,
+)
 from hf_precision.guard import PrecisionGuard
 from hf_precision.reporting import PrecisionReporter
 from hf_precision.tiny import tiny_batch, tiny_llava
@@ -114,3 +120,21 @@ def test_front_ends_hold_no_pipeline_of_their_own() -> None:
         source = (Path(PKG) / name).read_text()
         for call in ("enforce_policy(", "install_guards(", "check_model_ranks(", ".data ="):
             assert call not in source, (name, call)
+
+
+def test_a_guard_whose_first_event_fails_releases_the_model() -> None:
+    model = _split()
+    model.model.vision_tower.to("meta")  # never materialised: the first event raises
+    failed = PrecisionGuard(model, PrecisionPolicy.from_preset("bf16", mode="fix"))
+    with pytest.raises(PrecisionError, match="meta device"):
+        failed.verify("setup")
+    assert failed.handle is None and not failed.events
+    model.model.vision_tower.to_empty(device="cpu")
+    # the failed guard is still referenced here, yet a guard with another policy may take over
+    other = PrecisionGuard(model, PrecisionPolicy.from_preset("bf16-true"))
+    other.verify("setup")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    # a guard that did guard keeps its claim: a third with another policy is refused, and the
+    # error names the fields the two policies differ in even when their summaries read the same
+    with pytest.raises(PrecisionError, match=r"they differ in mode='fix' vs 'audit'"):
+        PrecisionGuard(model, PrecisionPolicy.from_preset("bf16-true", mode="audit"))
