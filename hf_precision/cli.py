@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -251,10 +252,7 @@ def _audit_rows(dmap: Any, policy: Any, by_group: dict[str, dict[str, int]]) -> 
 
 
 def _audit(args: argparse.Namespace) -> int:
-    import torch
-
     from .dtype_maps import dtype_map
-    from .dtypes import dtype_name
     from .enforce import check_policy
     from .policy import PrecisionPolicy
 
@@ -263,57 +261,95 @@ def _audit(args: argparse.Namespace) -> int:
     set_trainable(model, args.trainable)
     report = check_policy(model, policy)
     dmap = dtype_map(model, report.groups, policy=policy)
-    by_group: dict[str, dict[str, int]] = {}
-    for c in report.changes:
-        key = f"{c.before}->{c.after}"
-        by_group.setdefault(c.group, {})[key] = by_group.setdefault(c.group, {}).get(key, 0) + 1
-    ok = not report.changes and not report.overflow
+    audit = _Audit(args, model, config, dtype, dtype_from, note, policy, report, dmap)
     if args.json:
-        info = {
-            "source": str(args.source),
-            "model_class": type(model).__name__,
-            "model_type": getattr(config, "model_type", None),
+        print(json.dumps(audit.to_dict(), indent=1, default=str))
+    else:
+        audit.print()
+    return 0 if audit.ok else 1
+
+
+@dataclass
+class _Audit:
+    """What ``hf-precision audit`` found: the model as built, the policy's verdict, the map."""
+
+    args: argparse.Namespace
+    model: Any
+    config: Any
+    dtype: Any
+    dtype_from: str | None
+    note: str | None
+    policy: Any
+    report: Any  # EnforceReport of check_policy
+    dmap: Any  # DtypeMap
+
+    @property
+    def ok(self) -> bool:
+        return not self.report.changes and not self.report.overflow
+
+    @property
+    def by_group(self) -> dict[str, dict[str, int]]:
+        """group -> {"before->after": count} of the casts the policy asks for."""
+        out: dict[str, dict[str, int]] = {}
+        for c in self.report.changes:
+            key = f"{c.before}->{c.after}"
+            out.setdefault(c.group, {})[key] = out.setdefault(c.group, {}).get(key, 0) + 1
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        from .dtypes import dtype_name
+
+        report = self.report
+        return {
+            "source": str(self.args.source),
+            "model_class": type(self.model).__name__,
+            "model_type": getattr(self.config, "model_type", None),
             "rule": report.groups.rule,
-            "built": "weights" if args.weights else "meta",
-            "dtype": dtype_name(dtype) if dtype is not None else "auto",
-            "dtype_from": dtype_from,
-            "note": note,
-            "policy": policy.to_dict(),
-            "ok": ok,
+            "built": "weights" if self.args.weights else "meta",
+            "dtype": dtype_name(self.dtype) if self.dtype is not None else "auto",
+            "dtype_from": self.dtype_from,
+            "note": self.note,
+            "policy": self.policy.to_dict(),
+            "ok": self.ok,
             "violations": len(report.changes),
-            "changes_by_group": by_group,
-            "groups": dmap.group_rows(),
+            "changes_by_group": self.by_group,
+            "groups": self.dmap.group_rows(),
             "changes": [c.__dict__ for c in report.changes],
             "kept_fp32": report.kept_fp32,
             "skipped": report.skipped,
             "overflow": report.overflow,
         }
-        print(json.dumps(info, indent=1, default=str))
-        return 0 if ok else 1
-    built = "weights loaded" if args.weights else "built on the meta device"
-    if dtype_from:
-        built += f", dtypes: {dtype_from}"
-    if note:
-        built += f"; {note}"
-    _print_table(
-        f"{type(model).__name__} ({getattr(config, 'model_type', None)}, groups by rule "
-        f"{report.groups.rule!r}, {built})",
-        ["group", "dtypes (params)", "params", "bytes", "trainable", "policy", "verdict"],
-        _audit_rows(dmap, policy, by_group),
-        args.plain,
-    )
-    if ok:
-        print(f"OK: the model matches policy {policy.describe()}")
-        return 0
-    detail = "; ".join(f"{g} {k} x{n}" for g, d in by_group.items() for k, n in d.items())
-    print(
-        f"VIOLATES policy {policy.describe()}: {len(report.changes)} tensor(s) would be cast "
-        f"({detail}). PrecisionGuardCallback casts them at on_init_end; or load with "
-        f"from_pretrained(..., dtype=torch.{dtype_name(policy.frozen_dtype or torch.float32)})."
-    )
-    for name, value in report.overflow:
-        print(f"  {name}: max |value| {value:g} exceeds the fp16 range")
-    return 1
+
+    def print(self) -> None:
+        import torch
+
+        from .dtypes import dtype_name
+
+        policy, report, by_group = self.policy, self.report, self.by_group
+        built = "weights loaded" if self.args.weights else "built on the meta device"
+        if self.dtype_from:
+            built += f", dtypes: {self.dtype_from}"
+        if self.note:
+            built += f"; {self.note}"
+        _print_table(
+            f"{type(self.model).__name__} ({getattr(self.config, 'model_type', None)}, groups "
+            f"by rule {report.groups.rule!r}, {built})",
+            ["group", "dtypes (params)", "params", "bytes", "trainable", "policy", "verdict"],
+            _audit_rows(self.dmap, policy, by_group),
+            self.args.plain,
+        )
+        if self.ok:
+            print(f"OK: the model matches policy {policy.describe()}")
+            return
+        detail = "; ".join(f"{g} {k} x{n}" for g, d in by_group.items() for k, n in d.items())
+        frozen = dtype_name(policy.frozen_dtype or torch.float32)
+        print(
+            f"VIOLATES policy {policy.describe()}: {len(report.changes)} tensor(s) would be "
+            f"cast ({detail}). PrecisionGuardCallback casts them at on_init_end; or load with "
+            f"from_pretrained(..., dtype=torch.{frozen})."
+        )
+        for name, value in report.overflow:
+            print(f"  {name}: max |value| {value:g} exceeds the fp16 range")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -329,30 +329,16 @@ def diagnose(
         out: Any = None
         for phase in phases:
             rec.phase, rec.stack, rec.last_done = phase, [], None
+            ctx = (
+                torch.autocast(device_type, dtype=ac_dtype)
+                if ac_dtype is not None and phase != "backward"
+                else contextlib.nullcontext()
+            )
             try:
-                ctx = (
-                    torch.autocast(device_type, dtype=ac_dtype)
-                    if ac_dtype is not None and phase != "backward"
-                    else contextlib.nullcontext()
-                )
-                if phase == "forward":
-                    with ctx, torch.set_grad_enabled(backward):
-                        out = model(**batch)
-                elif phase == "backward":
-                    loss = _loss(out)
-                    if loss is None:
-                        diag.passes[phase] = "skipped: no loss or nothing trainable"
-                        continue
-                    loss.backward()
-                    out = None
-                else:
-                    gen = {k: v for k, v in batch.items() if k not in pol.batch_skip_keys}
-                    gen["max_new_tokens"] = max_new_tokens
-                    if hasattr(root, "generation_config"):  # transformers' GenerationMixin
-                        gen["do_sample"] = False
-                    with ctx, torch.no_grad():
-                        model.generate(**gen)  # type: ignore[operator]
-                diag.passes[phase] = "ok"
+                with ctx:
+                    out, diag.passes[phase] = _run_phase(
+                        phase, model, batch, out, backward, pol, max_new_tokens
+                    )
             except RuntimeError as err:
                 if not is_mismatch_error(err):
                     raise
@@ -370,6 +356,34 @@ def diagnose(
         exc.diagnosis = diag  # type: ignore[attr-defined]
         raise exc from failure
     return diag
+
+
+def _run_phase(
+    phase: str,
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    out: Any,
+    backward: bool,
+    pol: PrecisionPolicy,
+    max_new_tokens: int,
+) -> tuple[Any, str]:
+    """One phase of :func:`diagnose`: (the output the next phase reads, how the pass went)."""
+    if phase == "forward":
+        with torch.set_grad_enabled(backward):
+            return model(**batch), "ok"
+    if phase == "backward":
+        loss = _loss(out)
+        if loss is None:
+            return out, "skipped: no loss or nothing trainable"
+        loss.backward()
+        return None, "ok"
+    gen = {k: v for k, v in batch.items() if k not in pol.batch_skip_keys}
+    gen["max_new_tokens"] = max_new_tokens
+    if hasattr(unwrap_model(model)[0], "generation_config"):  # transformers' GenerationMixin
+        gen["do_sample"] = False
+    with torch.no_grad():
+        model.generate(**gen)  # type: ignore[operator]
+    return out, "ok"
 
 
 def _explain(

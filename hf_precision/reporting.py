@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -204,23 +205,48 @@ def drift_rows(
 
 
 # ---------------------------------------------------------------------------- reporter
-def _log_text(
-    dmap: DtypeMap, event: str, step: int, stem: str, drift: list[dict[str, Any]], aggregated: int
-) -> str:
-    """What one event writes to the log: the group table, the drift, where the rest is."""
-    text = dmap.table(title=f"hf-precision {event} (step {step})", use_rich=None)
-    if drift:
-        text += (
-            f"\ndrift ({len(drift)} row(s)): "
-            + "; ".join(f"{r['name']} {r['before']}->{r['after']}" for r in drift[:5])
-            + (f"; ... {len(drift) - 5} more in {stem}.json" if len(drift) > 5 else "")
+@dataclass
+class _Snapshot:
+    """One event as the reporter writes it: the map, its drift rows, its table rows."""
+
+    event: str
+    step: int
+    policy: Any
+    report: Any  # the event's EnforceReport when the model did not match, else None
+    dmap: DtypeMap
+    drift: list[dict[str, Any]]
+    rows: list[dict[str, Any]]  # the module table (repeated layers aggregated)
+    aggregated: int  # module rows folded into repeated-layer rows
+    first: bool  # the reporter's first event
+    png: bytes | None = None
+
+    @property
+    def stem(self) -> str:
+        return f"{self.step:06d}-{self.event}"
+
+    @property
+    def mismatches(self) -> int:
+        report = self.report
+        return len(getattr(report, "changes", None) or ()) + len(
+            getattr(report, "wrapper_casts", None) or ()
         )
-    if aggregated:
-        text += (
-            f"\n(module table: {aggregated} of {len(dmap)} module rows aggregated into "
-            f"repeated-layer rows; {stem}.json has every module)"
-        )
-    return text
+
+    def text(self) -> str:
+        """What the event writes to the log: the group table, the drift, where the rest is."""
+        dmap, drift, stem = self.dmap, self.drift, self.stem
+        text = dmap.table(title=f"hf-precision {self.event} (step {self.step})", use_rich=None)
+        if drift:
+            text += (
+                f"\ndrift ({len(drift)} row(s)): "
+                + "; ".join(f"{r['name']} {r['before']}->{r['after']}" for r in drift[:5])
+                + (f"; ... {len(drift) - 5} more in {stem}.json" if len(drift) > 5 else "")
+            )
+        if self.aggregated:
+            text += (
+                f"\n(module table: {self.aggregated} of {len(dmap)} module rows aggregated into "
+                f"repeated-layer rows; {stem}.json has every module)"
+            )
+        return text
 
 
 class PrecisionReporter:
@@ -337,59 +363,54 @@ class PrecisionReporter:
         if not self.is_main_process:
             return dmap
         self.events.append((event, step))
-        drift = drift_rows(event, step, report, diff, previous)
-        mismatches = len(getattr(report, "changes", None) or ()) + len(
-            getattr(report, "wrapper_casts", None) or ()
-        )
         rows, aggregated = module_table_rows(dmap, self.max_table_rows)
-        stem = f"{step:06d}-{event}"
-        png = self._render_png(dmap, event, step)
+        snap = _Snapshot(
+            event,
+            step,
+            policy,
+            report,
+            dmap,
+            drift_rows(event, step, report, diff, previous),
+            rows,
+            aggregated,
+            first,
+        )
+        snap.png = self._render_png(dmap, event, step)
         png_path = None
         if self.report_dir is not None:
             try:
-                png_path = self._write_event_files(
-                    stem, event, step, policy, mismatches, dmap, drift, report, png
-                )
+                png_path = self._write_event_files(snap)
             except OSError as err:  # a report is an observer: it never stops training
                 self._failed(
                     "files",
                     f"could not write the dtype map of {event} under "
                     f"{self.report_dir} ({type(err).__name__}: {err})",
                 )
-        text = _log_text(dmap, event, step, stem, drift, aggregated)
-        if self.console:
-            logger.info("%s", text)
-        if self.report_dir is not None:
-            try:
-                with open(self.report_dir / "precision.log", "a", encoding="utf-8") as fh:
-                    fh.write(text + "\n\n")
-            except OSError as err:
-                self._failed(
-                    "files",
-                    f"could not append to {self.report_dir / 'precision.log'} "
-                    f"({type(err).__name__}: {err})",
-                )
+        self._append_log(snap.text())
         if self.wandb is not None:
             try:
-                self._to_wandb(
-                    event,
-                    step,
-                    dmap,
-                    rows,
-                    aggregated,
-                    drift,
-                    mismatches,
-                    policy,
-                    png,
-                    png_path,
-                    first,
-                )
+                self._to_wandb(snap, png_path)
             except Exception as err:  # W&B's own errors: warn once, the files still go on
                 self._failed(
                     "wandb",
                     f"could not log the dtype map of {event} to W&B ({type(err).__name__}: {err})",
                 )
         return dmap
+
+    def _append_log(self, text: str) -> None:
+        if self.console:
+            logger.info("%s", text)
+        if self.report_dir is None:
+            return
+        try:
+            with open(self.report_dir / "precision.log", "a", encoding="utf-8") as fh:
+                fh.write(text + "\n\n")
+        except OSError as err:
+            self._failed(
+                "files",
+                f"could not append to {self.report_dir / 'precision.log'} "
+                f"({type(err).__name__}: {err})",
+            )
 
     def _failed(self, what: str, detail: str) -> None:
         """Warn once per kind of report (files, W&B); training goes on."""
@@ -408,78 +429,55 @@ class PrecisionReporter:
             stacklevel=3,
         )
 
-    def _write_event_files(
-        self,
-        stem: str,
-        event: str,
-        step: int,
-        policy: Any,
-        mismatches: int,
-        dmap: DtypeMap,
-        drift: list[dict[str, Any]],
-        report: Any,
-        png: bytes | None,
-    ) -> Path | None:
+    def _write_event_files(self, snap: _Snapshot) -> Path | None:
         assert self.report_dir is not None
         self.report_dir.mkdir(parents=True, exist_ok=True)
         png_path = None
-        if png is not None:
-            png_path = self.report_dir / f"{stem}.png"
-            png_path.write_bytes(png)
+        if snap.png is not None:
+            png_path = self.report_dir / f"{snap.stem}.png"
+            png_path.write_bytes(snap.png)
             self.written.append(png_path)
-        path = self.report_dir / f"{stem}.json"
+        path = self.report_dir / f"{snap.stem}.json"
+        report = snap.report.to_dict() if snap.report is not None else {}
         payload = {
-            "event": event,
-            "step": step,
-            "policy": policy.to_dict() if policy is not None else None,
-            "mismatches": mismatches,
-            "bytes_by_dtype": dmap.bytes_by_dtype,
-            "dtype_map": dmap.to_dict(),
-            "drift": drift,
-            "changes": report.to_dict()["changes"] if report is not None else [],
-            "wrapper_casts": report.to_dict()["wrapper_casts"] if report is not None else [],
+            "event": snap.event,
+            "step": snap.step,
+            "policy": snap.policy.to_dict() if snap.policy is not None else None,
+            "mismatches": snap.mismatches,
+            "bytes_by_dtype": snap.dmap.bytes_by_dtype,
+            "dtype_map": snap.dmap.to_dict(),
+            "drift": snap.drift,
+            "changes": report.get("changes", []),
+            "wrapper_casts": report.get("wrapper_casts", []),
             "picture": png_path.name if png_path is not None else None,
         }
         path.write_text(json.dumps(payload, indent=1))
         self.written.append(path)
         return png_path
 
-    def _to_wandb(
-        self,
-        event: str,
-        step: int,
-        dmap: DtypeMap,
-        rows: list[dict[str, Any]],
-        aggregated: int,
-        drift: list[dict[str, Any]],
-        mismatches: int,
-        policy: Any,
-        png: bytes | None,
-        png_path: Path | None,
-        first: bool,
-    ) -> None:
+    def _to_wandb(self, snap: _Snapshot, png_path: Path | None) -> None:
         from .report_wandb import WandbPayload
 
         scalars: dict[str, float | int] = {
-            f"precision/bytes/{d}": b for d, b in sorted(dmap.bytes_by_dtype.items())
+            f"precision/bytes/{d}": b for d, b in sorted(snap.dmap.bytes_by_dtype.items())
         }
-        scalars["precision/mismatches"] = mismatches
-        scalars["precision/modules_aggregated"] = aggregated
-        group_rows = dmap.group_rows()
+        scalars["precision/mismatches"] = snap.mismatches
+        scalars["precision/modules_aggregated"] = snap.aggregated
+        group_rows = snap.dmap.group_rows()
         self.wandb.submit(
             WandbPayload(
-                event=event,
-                step=step,
+                event=snap.event,
+                step=snap.step,
                 module_columns=list(MODULE_COLUMNS),
-                module_rows=[[r[c] for c in MODULE_COLUMNS] for r in rows],
+                module_rows=[[r[c] for c in MODULE_COLUMNS] for r in snap.rows],
                 group_columns=list(GROUP_COLUMNS),
                 group_rows=[[r[c] for c in GROUP_COLUMNS] for r in group_rows],
                 drift_columns=list(DRIFT_COLUMNS),
-                drift_rows=[[r[c] for c in DRIFT_COLUMNS] for r in drift],
+                drift_rows=[[r[c] for c in DRIFT_COLUMNS] for r in snap.drift],
                 scalars=scalars,
-                policy=policy.describe() if policy is not None else None,
-                png=png,
+                policy=snap.policy.describe() if snap.policy is not None else None,
+                png=snap.png,
                 png_path=png_path,
             ),
-            first_event=first,
+            first_event=snap.first,
         )
