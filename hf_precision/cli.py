@@ -265,7 +265,7 @@ def _audit(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(audit.to_dict(), indent=1, default=str))
     else:
-        audit.print()
+        audit.show()
     return 0 if audit.ok else 1
 
 
@@ -320,7 +320,7 @@ class _Audit:
             "overflow": report.overflow,
         }
 
-    def print(self) -> None:
+    def show(self) -> None:
         import torch
 
         from .dtypes import dtype_name

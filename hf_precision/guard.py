@@ -135,9 +135,8 @@ class PrecisionGuard:
                 event, model, wrapper, args, optimizer, step, check_ranks, log_clean
             )
         except BaseException:
-            if (
-                first
-            ):  # a guard whose first event failed guards nothing: free the model for the next
+            # a guard whose first event failed guards nothing: free the model for the next one
+            if first:
                 self.teardown()
             raise
 
