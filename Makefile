@@ -35,8 +35,8 @@ test: setup
 # table). The 5.x leg is `make test`.
 TF4_VENV ?= .venv-tf4
 TF4_PINS ?= "transformers==4.57.6" "peft==0.17.1"
-TF4_TESTS ?= tests/test_enforce.py tests/test_groups.py tests/test_view.py tests/test_guard.py \
-	tests/test_hooks.py tests/test_batch.py \
+TF4_TESTS ?= tests/test_enforce.py tests/test_plan.py tests/test_groups.py tests/test_view.py \
+	tests/test_guard.py tests/test_hooks.py tests/test_batch.py \
 	tests/test_policy.py tests/test_dtype_maps.py tests/test_dtypes.py tests/test_callback.py \
 	tests/scenarios tests/tiny tests/test_docs.py::test_compatibility_table_matches_what_runs
 

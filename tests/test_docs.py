@@ -30,6 +30,7 @@ MODULES = [
     "distributed",
     "deepspeed_config",
     "view",
+    "plan",
     "tiny.vlm",
 ]
 

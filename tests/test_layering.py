@@ -86,7 +86,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("errors", "tables", "wrappers"),
     "values": ("dtypes", "groups", "group_rules", "diffusion_rules", "policy"),
     "model": ("view", "dtype_maps"),
-    "core": ("enforce", "batch", "hooks", "deepspeed_config", "distributed"),
+    "core": ("plan", "enforce", "batch", "hooks", "deepspeed_config", "distributed"),
     "engine": ("guard",),
     "integrations": (
         "callback",

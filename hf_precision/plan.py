@@ -1,0 +1,462 @@
+"""The plan: what a policy wants changed in a model, tensor by tensor; changes nothing.
+
+The third step of the data walk (model -> view -> **plan** -> apply -> guards -> report,
+``docs/architecture.md``). :func:`plan_policy` reads the event's walk of the model
+(:class:`~hf_precision.view.ModelView`) and returns an :class:`EnforceReport` whose ``changes``
+say what would be cast and why, and whose ``planned`` :class:`PlannedCast` records
+:func:`~hf_precision.enforce.apply_plan` carries out.
+Quantized storage, tensors a wrapper owns (FSDP2 shards, ZeRO-3 partitions) and integer buffers
+are never planned for a cast; before a downcast to fp16 the plan checks the value range, so
+nothing becomes ``inf``.
+
+>>> from hf_precision import PrecisionPolicy
+>>> from hf_precision.tiny import tiny_llava
+>>> from hf_precision.view import ModelView
+>>> model = tiny_llava()
+>>> report = plan_policy(model, PrecisionPolicy.from_preset("bf16-true"), ModelView.of(model))
+>>> report.applied, {c.after for c in report.changes}, len(report.planned) == len(report.changes)
+(False, {'bfloat16'}, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from .dtypes import (
+    dtype_name,
+    is_castable,
+    narrows_range,
+    quantized_compute_dtype,
+    quantized_format,
+    zero3_dtype,
+)
+from .errors import did_you_mean
+from .groups import ModuleGroups, hidden_module
+from .policy import PrecisionPolicy
+from .view import ModelView
+from .wrappers import is_sharded
+
+__all__ = ["Change", "EnforceReport", "PlannedCast", "TensorKind", "model_device", "plan_policy"]
+
+TensorKind = Literal["param", "buffer"]
+
+_MAX_LISTED = 12
+#: Adapter weights whose layers cast their own input to the adapter dtype and the result back
+#: (peft LoRA's ``_cast_input_dtype``): fp32 LoRA beside bf16 base weights does not make a group
+#: "mixed", so a LoRA model gets no leaf guard on every Linear of its language model.
+_SELF_CASTING = re.compile(r"(^|\.)lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
+
+
+@dataclass
+class Change:
+    """One tensor the policy wants changed (applied or not, see :attr:`EnforceReport.applied`)."""
+
+    name: str
+    kind: TensorKind
+    group: str
+    before: str
+    after: str
+    reason: str
+    device_before: str = ""
+    device_after: str = ""
+
+    def describe(self) -> str:
+        dev = (
+            f", {self.device_before} -> {self.device_after}"
+            if self.device_after and self.device_after != self.device_before
+            else ""
+        )
+        return f"{self.name} [{self.group}]: {self.before} -> {self.after}{dev} ({self.reason})"
+
+
+@dataclass
+class PlannedCast:
+    """One tensor the plan casts or moves: where it lives, the tensor, what and why."""
+
+    module: nn.Module
+    key: str  # the attribute name in ``module._parameters`` / ``module._buffers``
+    tensor: torch.Tensor
+    change: Change
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass
+class EnforceReport:
+    """What :func:`enforce_policy` changed (or, in ``audit`` mode, would change)."""
+
+    policy: PrecisionPolicy
+    groups: ModuleGroups
+    applied: bool
+    changes: list[Change] = field(default_factory=list)
+    kept_fp32: list[tuple[str, str]] = field(default_factory=list)
+    overflow: list[tuple[str, float]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    group_dtypes: dict[str, set[torch.dtype]] = field(default_factory=dict)
+    #: what a wrapper (DeepSpeed, FSDP) cast against the policy: reported, never cast back
+    wrapper_casts: list[Change] = field(default_factory=list)
+    #: the message (with the fix) that goes with ``wrapper_casts``
+    wrapper_note: str | None = None
+    device: torch.device | None = None
+    #: the plan behind ``changes`` (:func:`apply_plan` carries it out) and the tensors found on
+    #: the meta device while the model is elsewhere
+    planned: list[PlannedCast] = field(default_factory=list, repr=False, compare=False)
+    meta: list[str] = field(default_factory=list, repr=False, compare=False)
+
+    def __bool__(self) -> bool:
+        return bool(self.changes)
+
+    def __iter__(self) -> Iterator[Change]:
+        return iter(self.changes)
+
+    @property
+    def mixed_groups(self) -> tuple[str, ...]:
+        """Groups whose floating parameters end up in more than one dtype (leaf guards go there)."""
+        return tuple(g for g, d in self.group_dtypes.items() if len(d) > 1)
+
+    def listed_changes(self) -> list[str]:
+        """The first changes, one line each, and how many more there are."""
+        lines = [c.describe() for c in self.changes[:_MAX_LISTED]]
+        if len(self.changes) > _MAX_LISTED:
+            lines.append(f"... and {len(self.changes) - _MAX_LISTED} more")
+        return lines
+
+    def summary(self) -> str:
+        verb = "cast" if self.applied else "would cast"
+        lines = [f"enforce_policy[{self.policy.describe()}]: {verb} {len(self.changes)} tensor(s)"]
+        lines += ["  " + line for line in self.listed_changes()]
+        for name, value in self.overflow:
+            lines.append(f"  kept {name}: max |value| {value:g} exceeds fp16 range")
+        for name, why in self.skipped[:_MAX_LISTED]:
+            lines.append(f"  skipped {name}: {why}")
+        return "\n".join(lines)
+
+    __str__ = summary
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy.to_dict(),
+            "applied": self.applied,
+            "changes": [c.__dict__ for c in self.changes],
+            "wrapper_casts": [c.__dict__ for c in self.wrapper_casts],
+            "kept_fp32": self.kept_fp32,
+            "overflow": self.overflow,
+            "skipped": self.skipped,
+            "mixed_groups": list(self.mixed_groups),
+            "rule": self.groups.rule,
+        }
+
+
+def model_device(root: nn.Module, groups: ModuleGroups) -> torch.device | None:
+    """Where the model lives: the language model's device, else the majority device."""
+    counts: dict[torch.device, int] = {}
+    for mod in groups.modules("language_model") or [root]:
+        for p in mod.parameters():
+            if p.device.type != "meta":
+                counts[p.device] = counts.get(p.device, 0) + p.numel()
+    if not counts:
+        for p in root.parameters():
+            if p.device.type != "meta":
+                counts[p.device] = counts.get(p.device, 0) + p.numel()
+    return max(counts, key=lambda d: counts[d]) if counts else None
+
+
+def _unmatched_patterns(
+    root: nn.Module, policy: PrecisionPolicy, groups: ModuleGroups, report: EnforceReport
+) -> list[str]:
+    """One message per ``keep_fp32`` pattern that selects nothing and per ``group_dtypes``
+    group the model does not have (a typo such as ``model.vison_tower`` is silent otherwise)."""
+
+    from .policy import PRESET_DEFAULTS
+
+    preset = PRESET_DEFAULTS.get(policy.name or "", {})  # a preset's own rules (vae32) are general
+    used = {reason for _, reason in report.kept_fp32}
+    out = []
+    names: list[str] = []  # module paths for "did you mean", walked once if a pattern misses
+    for pat in policy.keep_fp32:
+        if f"keep_fp32 {pat!r}" in used or pat in preset.get("keep_fp32", ()):
+            continue
+        names = names or [n for n, _ in root.named_modules() if n]
+        hint = did_you_mean(pat.removeprefix("re:"), names)
+        out.append(
+            f"keep_fp32 pattern {pat!r} selects no parameter or buffer of "
+            f"{type(root).__name__}.{hint} Fix: use an exact name, a module path prefix, one "
+            "path component, or 're:<regex>' (see PrecisionPolicy.keep_fp32)."
+        )
+    for group in policy.group_dtypes:
+        if group not in groups and group not in preset.get("group_dtypes", {}):
+            out.append(
+                f"group_dtypes[{group!r}] names a group {type(root).__name__} does not have "
+                f"(found: {', '.join(groups.names) or 'none'}). Fix: drop it, or register a "
+                "group rule that finds it."
+            )
+    return out
+
+
+def plan_policy(root: nn.Module, policy: PrecisionPolicy, view: ModelView) -> EnforceReport:
+    """What ``policy`` wants changed in ``root`` (the walk ``view``); changes nothing."""
+    groups = view.groups
+    model_keep = tuple(getattr(root, "_keep_in_fp32_modules", None) or ())
+    device_mapped = bool(getattr(root, "hf_device_map", None))
+    device = model_device(root, groups) if policy.move_devices and not device_mapped else None
+    report = EnforceReport(policy, groups, applied=False, device=device)
+    planner = _Planner(report, policy, model_keep, device)
+    planner.walk(root, groups, view.modules)
+    if report.overflow:
+        planner.keep_with_overflowed(root)
+    report.warnings += _unmatched_patterns(root, policy, groups, report)
+    report.planned, report.meta = planner.todo, planner.meta
+    return report
+
+
+def _range_checked(src: torch.dtype, dst: torch.dtype, kind: TensorKind) -> bool:
+    """Downcasts worth a range check (a read pass over the tensor): every one to a narrower
+    exponent range (fp16); to bf16, which keeps fp32's range short of its top 0.4%, only buffers,
+    where sentinels such as ``finfo(float32).min`` live (a weight that large overflows anyway)."""
+    if not narrows_range(src, dst):
+        return False
+    return kind == "buffer" or torch.finfo(dst).max < torch.finfo(src).max / 2
+
+
+def _amax(t: torch.Tensor) -> float:
+    """max |t| without a ``|t|`` temporary, so the check adds no memory to the cast."""
+    lo, hi = torch.aminmax(t.detach())
+    return float(torch.maximum(lo.neg(), hi))
+
+
+@dataclass
+class _Planner:
+    """Decides, tensor by tensor, what the policy wants (:meth:`plan`); collects the casts
+    (``todo``), the tensors left on the meta device and, in the report, the rest."""
+
+    report: EnforceReport
+    policy: PrecisionPolicy
+    model_keep: tuple[str, ...]
+    device: torch.device | None
+    todo: list[PlannedCast] = field(default_factory=list)
+    meta: list[str] = field(default_factory=list)
+    #: group -> (dtype its quantized layers compute in, their format), from a first pass
+    quantized: dict[str, tuple[torch.dtype, str]] = field(default_factory=dict)
+
+    def walk(
+        self, root: nn.Module, groups: ModuleGroups, walk: list[tuple[str, str, nn.Module]]
+    ) -> None:
+        """Plan every parameter and buffer of the walk, once per tensor (tied weights: the
+        first name decides, the tie holds)."""
+        # Parameters of modules held outside the module tree are frozen by construction: the
+        # optimizer (built from model.parameters()) never sees them, whatever requires_grad says.
+        unseen = {
+            id(p)
+            for hp in groups.hidden.values()
+            if (m := hidden_module(root, hp)) is not None
+            for p in m.parameters()
+        }
+        self._find_quantized(groups, walk)
+        first: dict[int, tuple[str, str]] = {}  # id(parameter) -> its first (name, group)
+        for path, group, mod in walk:
+            for pname, p in mod._parameters.items():
+                if p is None:
+                    continue
+                full = f"{path}.{pname}" if path else pname
+                pgroup = groups.by_path.get(full, group)
+                trainable = p.requires_grad and id(p) not in unseen
+                if id(p) in first:
+                    self._check_tie(full, pgroup, first[id(p)], p, trainable)
+                    continue
+                first[id(p)] = (full, pgroup)
+                self.plan(mod, pname, p, full, pgroup, "param", trainable)
+            for bname, b in mod._buffers.items():
+                if b is None:
+                    continue
+                full = f"{path}.{bname}" if path else bname
+                if is_castable(b):
+                    self.plan(mod, bname, b, full, group, "buffer", False)
+                else:  # integer buffers (CLIP's position_ids) follow the device only
+                    self._plan_move(mod, bname, b, full, group)
+
+    def _find_quantized(self, groups: ModuleGroups, walk: list[tuple[str, str, nn.Module]]) -> None:
+        """Groups holding quantized layers that compute in a floating dtype other than the
+        policy's: the rest of such a group (embeddings, norms, whatever makes the rotary
+        tables' dtype) follows that dtype, or activations of two half dtypes meet inside the
+        group and promote to float32 (q/k/v of different dtypes in attention)."""
+        for path, group, mod in walk:
+            for pname, p in mod._parameters.items():
+                if p is None or is_castable(p):
+                    continue
+                compute = quantized_compute_dtype(p, mod)
+                if compute is None or group in self.quantized:
+                    continue
+                full = f"{path}.{pname}" if path else pname
+                self.quantized[groups.by_path.get(full, group)] = (
+                    compute,
+                    quantized_format(p, mod),
+                )
+        for group, (compute, fmt) in self.quantized.items():
+            wanted = self.policy.group_dtype(group)
+            if wanted != compute:
+                self.report.warnings.append(
+                    f"{group}: its quantized layers ({fmt}) compute in {dtype_name(compute)}, "
+                    f"not the policy's {dtype_name(wanted)}; the group's other frozen weights "
+                    f"follow them, so its activations keep one dtype. Fix: quantize (or set "
+                    f"bnb_4bit_compute_dtype=) in {dtype_name(wanted)}, or use a "
+                    f"{dtype_name(compute)} policy."
+                )
+
+    def _check_tie(
+        self, full: str, group: str, first: tuple[str, str], p: torch.Tensor, trainable: bool
+    ) -> None:
+        def want(name: str, group: str) -> torch.dtype:
+            return self.policy.decide(
+                name, group, trainable=trainable, model_patterns=self.model_keep, current=p.dtype
+            ).dtype
+
+        mine, theirs = want(full, group), want(*first)
+        if mine != theirs:
+            self.report.warnings.append(
+                f"{full} [{group}] is tied to {first[0]} [{first[1]}]: the policy wants "
+                f"{dtype_name(mine)} for {full} and {dtype_name(theirs)} for {first[0]}; both "
+                f"keep {dtype_name(theirs)} so the tie holds. Fix: give both the same dtype "
+                f"(keep_fp32=[{first[0]!r}] keeps the pair in float32)."
+            )
+
+    def _plan_move(self, mod: nn.Module, key: str, b: torch.Tensor, full: str, group: str) -> None:
+        device = self.device
+        if device is None or b.device == device or b.device.type == "meta":
+            return
+        dt = dtype_name(b.dtype)
+        change = Change(full, "buffer", group, dt, dt, "device", str(b.device), str(device))
+        self.report.changes.append(change)
+        self.todo.append(PlannedCast(mod, key, b, change, b.dtype, device))
+
+    def keep_with_overflowed(self, root: nn.Module) -> None:
+        """A module computes in one dtype: the parameters beside one kept for its range stay
+        in its dtype too (an fp32 weight next to an fp16 bias fails inside F.linear)."""
+        report = self.report
+        named = dict(root.named_parameters())
+        held = {n.rpartition(".")[0]: named[n].dtype for n, _ in report.overflow if n in named}
+        for item in list(self.todo):
+            change, t = item.change, item.tensor
+            owner = change.name.rpartition(".")[0]
+            if change.kind != "param" or owner not in held or item.dtype == held[owner]:
+                continue
+            self.todo.remove(item)
+            report.changes.remove(change)
+            report.group_dtypes.setdefault(change.group, set()).add(held[owner])
+            if held[owner] != t.dtype or item.device != t.device:
+                change.after = dtype_name(held[owner])
+                change.reason += f", kept with {owner}'s out-of-range tensor"
+                self.todo.append(dataclasses.replace(item, dtype=held[owner]))
+                report.changes.append(change)
+
+    def plan(
+        self,
+        mod: nn.Module,
+        key: str,
+        t: torch.Tensor,
+        full: str,
+        group: str,
+        kind: TensorKind,
+        trainable: bool,
+    ) -> None:
+        """One tensor: what the policy wants (:meth:`PrecisionPolicy.decide`), unless it is
+        quantized or a wrapper's, in range, on the model's device; a :class:`PlannedCast` when
+        that differs from what it is."""
+        if not is_castable(t):
+            self._skip_quantized(mod, t, full, group, kind)
+            return
+        decision = self.policy.decide(
+            full,
+            group,
+            trainable=trainable,
+            is_buffer=kind == "buffer",
+            model_patterns=self.model_keep,
+            current=t.dtype,
+        )
+        target, reason = decision.dtype, decision.reason
+        held = self.quantized.get(group)
+        if held is not None and decision.rule in ("frozen", "group_dtypes") and target != held[0]:
+            target, reason = held[0], f"follows the quantized layers of {group} ({held[1]})"
+        if decision.keeps_fp32:
+            self.report.kept_fp32.append((full, reason))
+        if self._skip_wrapper_owned(t, full, group, kind):
+            return
+        dev = t.device
+        target_dev = dev
+        if self.device is not None and dev != self.device:
+            if dev.type == "meta":
+                self.meta.append(full)
+            else:
+                target_dev = self.device
+        final = self._in_range(t, target, full, group, kind)
+        if kind == "param" and not _SELF_CASTING.search(full):
+            self.report.group_dtypes.setdefault(group, set()).add(final)
+        if final == t.dtype and target_dev == dev:
+            return
+        change = Change(
+            full,
+            kind,
+            group,
+            dtype_name(t.dtype),
+            dtype_name(final),
+            reason,
+            str(dev),
+            str(target_dev),
+        )
+        self.report.changes.append(change)
+        self.todo.append(PlannedCast(mod, key, t, change, final, target_dev))
+
+    def _skip_quantized(
+        self, mod: nn.Module, t: torch.Tensor, full: str, group: str, kind: TensorKind
+    ) -> None:
+        """Quantized storage is never cast; its layer computes in its compute dtype, which is
+        where the leaf guards send inputs."""
+        if t.is_floating_point() or kind == "param":
+            self.report.skipped.append((full, f"quantized storage ({quantized_format(t, mod)})"))
+            compute = quantized_compute_dtype(t, mod)
+            if compute is not None:
+                self.report.group_dtypes.setdefault(group, set()).add(compute)
+
+    def _skip_wrapper_owned(self, t: torch.Tensor, full: str, group: str, kind: TensorKind) -> bool:
+        """The wrapper owns these tensors: writing .data would desynchronise them from its
+        partitions (ZeRO-3's ds_tensor) or shards. Verified elsewhere, never cast."""
+        zero3 = zero3_dtype(t) if kind == "param" else None
+        if zero3 is None and not is_sharded(t):
+            return False
+        held = zero3 or t.dtype
+        owner = "partitioned by DeepSpeed ZeRO-3" if zero3 is not None else "sharded by FSDP2"
+        self.report.skipped.append((full, f"{owner} ({dtype_name(held)}); not cast"))
+        if kind == "param":
+            self.report.group_dtypes.setdefault(group, set()).add(held)
+        return True
+
+    def _in_range(
+        self, t: torch.Tensor, target: torch.dtype, full: str, group: str, kind: TensorKind
+    ) -> torch.dtype:
+        """``target``, or ``t``'s own dtype when its values would overflow ``target`` (never
+        turned into inf; reported, and a warning says how to make it explicit)."""
+        if (
+            target == t.dtype
+            or t.device.type == "meta"
+            or not _range_checked(t.dtype, target, kind)
+        ):
+            return target
+        amax = _amax(t) if t.numel() else 0.0
+        if amax <= torch.finfo(target).max:
+            return target
+        self.report.overflow.append((full, amax))
+        self.report.warnings.append(
+            f"{full} [{group}]: max |value| {amax:g} exceeds the "
+            f"{dtype_name(target)} range (±{torch.finfo(target).max:g}); kept in "
+            f"{dtype_name(t.dtype)} instead of becoming inf. Fix: "
+            f"keep_fp32=[{full!r}] to say so explicitly, or use bf16, whose range "
+            "matches fp32."
+        )
+        return t.dtype
