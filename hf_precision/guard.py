@@ -136,8 +136,12 @@ class PrecisionGuard:
             )
         except BaseException:
             # a guard whose first event failed guards nothing: free the model for the next one
+            # (and take off only guards it installed itself: another guard's stay)
             if first:
-                self.teardown()
+                if self.handle is not None:
+                    remove_guards(self.model)
+                    self.handle = None
+                release_model(self.root, self.owner)
             raise
 
     def _verify(
