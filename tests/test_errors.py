@@ -9,7 +9,7 @@ from hf_precision.errors import did_you_mean
 
 
 def test_precision_error_is_caught_as_value_and_runtime_error() -> None:
-    for base in (ValueError, RuntimeError):
+    for base in (PrecisionError, ValueError, RuntimeError):
         with pytest.raises(base, match=r"unknown preset 'bf61'\. Did you mean 'bf16'\?"):
             PrecisionPolicy.from_preset("bf61")
     assert issubclass(PrecisionWarning, UserWarning)
