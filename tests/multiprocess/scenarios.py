@@ -603,7 +603,8 @@ def main() -> None:
     names = sys.argv[2:] or [n for n in SCENARIOS if not n.startswith("gpu_")]
     if any(n.startswith("ds_") for n in names):
         os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
-        skip_shm_comm_build()
+        if os.environ["DS_ACCELERATOR"] == "cpu":
+            skip_shm_comm_build()
     backend = "nccl" if any(n.startswith("gpu_") for n in names) else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
