@@ -1,0 +1,75 @@
+"""Reading a checkpoint without its weights: where a source points, the dtypes its
+safetensors headers store, a meta model given those dtypes, trainable groups by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_precision.checkpoint import (
+    apply_stored_dtypes,
+    build_model,
+    resolve_source,
+    set_trainable,
+    stored_dtypes,
+)
+from hf_precision.tiny import tiny_llava
+
+
+@pytest.fixture(scope="module")
+def split_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny LLaVA saved split: vision tower fp32, the rest bf16."""
+    model = tiny_llava(torch.bfloat16)
+    model.model.vision_tower.float()
+    folder = tmp_path_factory.mktemp("llava_split")
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_sources_are_folders_configs_or_model_types(split_checkpoint: Path) -> None:
+    assert resolve_source(str(split_checkpoint)) == ("path", split_checkpoint)
+    config = split_checkpoint / "config.json"
+    assert resolve_source(str(config)) == ("path", config)
+    assert resolve_source("llava") == ("type", "llava")
+    with pytest.raises(SystemExit) as err:
+        resolve_source(str(split_checkpoint / "missing" / "config.json"))
+    assert err.value.code == 2
+
+
+def test_stored_dtypes_come_from_the_headers(split_checkpoint: Path) -> None:
+    stored = stored_dtypes(split_checkpoint)
+    tower = {dt for name, dt in stored.items() if "vision_tower" in name}
+    rest = {dt for name, dt in stored.items() if "vision_tower" not in name}
+    assert tower == {torch.float32} and rest == {torch.bfloat16}
+
+
+def test_a_meta_model_takes_the_stored_dtypes(split_checkpoint: Path) -> None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(split_checkpoint, local_files_only=True)
+    model = build_model(config, meta=True)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    stored = stored_dtypes(split_checkpoint)
+    matched, total = apply_stored_dtypes(model, stored)
+    assert matched == total == len(stored)
+    assert {p.dtype for p in model.model.vision_tower.parameters()} == {torch.float32}
+    assert {p.dtype for p in model.model.language_model.parameters()} == {torch.bfloat16}
+    assert {p.device.type for p in model.parameters()} == {"meta"}  # still no data read
+
+
+def test_trainable_groups_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    model = tiny_llava()
+    set_trainable(model, "projector, lm_head")
+    trainable = {
+        n.split(".")[1] if n.startswith("model.") else n.split(".")[0]
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
+    assert trainable == {"multi_modal_projector", "lm_head"}
+    with pytest.raises(SystemExit):
+        set_trainable(model, "projektor")
+    assert "--trainable: unknown group 'projektor'. Did you mean 'projector'?" in (
+        capsys.readouterr().err
+    )
