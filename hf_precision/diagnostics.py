@@ -323,6 +323,10 @@ def diagnose(
     phases = (["forward"] + (["backward"] if backward else []) if forward else []) + (
         ["generate"] if generate else []
     )
+    gen = {k: v for k, v in batch.items() if k not in pol.batch_skip_keys}
+    gen["max_new_tokens"] = max_new_tokens
+    if hasattr(root, "generation_config"):  # transformers' GenerationMixin
+        gen["do_sample"] = False
     failure: RuntimeError | None = None
     rec.install()
     try:
@@ -336,9 +340,7 @@ def diagnose(
             )
             try:
                 with ctx:
-                    out, diag.passes[phase] = _run_phase(
-                        phase, model, batch, out, backward, pol, max_new_tokens
-                    )
+                    out, diag.passes[phase] = _run_phase(phase, model, batch, out, backward, gen)
             except RuntimeError as err:
                 if not is_mismatch_error(err):
                     raise
@@ -364,10 +366,10 @@ def _run_phase(
     batch: Mapping[str, Any],
     out: Any,
     backward: bool,
-    pol: PrecisionPolicy,
-    max_new_tokens: int,
+    gen: Mapping[str, Any],
 ) -> tuple[Any, str]:
-    """One phase of :func:`diagnose`: (the output the next phase reads, how the pass went)."""
+    """One phase of :func:`diagnose`: (the output the next phase reads, how the pass went).
+    ``gen`` holds the ``generate()`` arguments (the batch without its skipped keys)."""
     if phase == "forward":
         with torch.set_grad_enabled(backward):
             return model(**batch), "ok"
@@ -377,10 +379,6 @@ def _run_phase(
             return out, "skipped: no loss or nothing trainable"
         loss.backward()
         return None, "ok"
-    gen = {k: v for k, v in batch.items() if k not in pol.batch_skip_keys}
-    gen["max_new_tokens"] = max_new_tokens
-    if hasattr(unwrap_model(model)[0], "generation_config"):  # transformers' GenerationMixin
-        gen["do_sample"] = False
     with torch.no_grad():
         model.generate(**gen)  # type: ignore[operator]
     return out, "ok"
