@@ -135,8 +135,9 @@ class PrecisionGuard:
                 event, model, wrapper, args, optimizer, step, check_ranks, log_clean
             )
         except BaseException:
-            # a guard whose first event failed guards nothing: free the model for the next one
-            # (and take off only guards it installed itself: another guard's stay)
+            # a guard whose first event failed guards nothing: free the model for the next one.
+            # Hooks are one set per module, whoever installed them: take them off only when this
+            # event got as far as installing them, else they are a set-up guard's.
             if first:
                 if self.handle is not None:
                     remove_guards(self.model)
