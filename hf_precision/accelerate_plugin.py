@@ -83,11 +83,11 @@ class PrecisionGuardPlugin(GuardFrontEnd):
             ``accelerator.mixed_precision`` (``bf16`` -> frozen bf16 / trainable fp32) and the
             model as loaded.
         mode: override the policy's mode: ``"audit"``, ``"fix"``, ``"raise"``.
+        check_every: compare parameter dtypes before every N-th optimizer step (0: never).
+        check_ranks: gather the ranks' dtype-map digests at prepare and after evaluations.
         leaf_guards: override the policy's ``leaf_guards`` (``"auto"``, ``"on"``, ``"off"``).
         report: write dtype maps (files, and W&B when the accelerator logs with wandb).
         report_dir: where the files go (default ``<project_dir or .>/precision``).
-        check_every: compare parameter dtypes before every N-th optimizer step (0: never).
-        check_ranks: gather the ranks' dtype-map digests at prepare and after evaluations.
 
     >>> guard = PrecisionGuardPlugin("bf16", mode="raise")
     """
@@ -97,11 +97,11 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         policy: PrecisionPolicy | str | None = None,
         *,
         mode: Mode | None = None,
+        check_every: int = 1,
+        check_ranks: bool = True,
         leaf_guards: LeafGuards | None = None,
         report: bool = True,
         report_dir: str | os.PathLike[str] | None = None,
-        check_every: int = 1,
-        check_ranks: bool = True,
     ) -> None:
         if not isinstance(check_every, int) or check_every < 0:
             raise PrecisionError(

@@ -51,9 +51,11 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         policy: a :class:`PrecisionPolicy`, a preset name (``"bf16"``, ``"fp16"``, …) or ``None``
             to infer it from ``TrainingArguments`` and the model as loaded.
         mode: override the policy's mode: ``"audit"`` (report only), ``"fix"``, ``"raise"``.
+        leaf_guards: override the policy's ``leaf_guards`` (``"auto"``, ``"on"``, ``"off"``).
         report: write dtype maps (files always, W&B when ``"wandb"`` is in ``report_to``);
             ``False`` turns reporting off.
         report_dir: where the files go (default ``<output_dir>/precision``).
+        report_to: the trackers to log to (default: ``TrainingArguments.report_to``).
 
     >>> from transformers import Trainer  # doctest: +SKIP
     >>> Trainer(model=model, args=args, callbacks=[PrecisionGuardCallback()])  # doctest: +SKIP

@@ -265,12 +265,8 @@ class DtypeMap:
         return self.table()
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "rule": self.rule,
-            "model_type": self.model_type,
-            "groups": {k: asdict(v) for k, v in self.groups.items()},
-            "records": {k: asdict(v) for k, v in self.records.items()},
-        }
+        """Plain JSON-ready data (records, groups, rule, model_type); :meth:`from_dict` reads it."""
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DtypeMap:
