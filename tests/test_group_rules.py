@@ -4,10 +4,13 @@ layouts matched by their attributes, and a generated table row for every VLM rul
 from __future__ import annotations
 
 from collections import Counter
+from importlib import resources
 
+import pytest
 import torch
 
-from hf_precision import find_module_groups
+from hf_precision import PrecisionError, find_module_groups
+from hf_precision.group_rules import RULES_FILE, read_rules
 from hf_precision.groups import VLM_GROUPS, architecture_table, group_rules
 from hf_precision.tiny import MiniCPMV2Tiny, XComposerTiny, XTunerLLaVATiny
 
@@ -48,3 +51,56 @@ def test_remote_code_layouts_are_matched_by_their_attributes() -> None:
         model = build(torch.float32)
         model.config.model_type = "a_name_no_rule_knows"  # the attributes decide
         assert find_module_groups(model).rule == rule, build.__name__
+
+
+def test_the_built_in_rules_are_read_from_the_packaged_toml_in_its_order() -> None:
+    text = resources.files("hf_precision").joinpath(RULES_FILE).read_text(encoding="utf-8")
+    built_in = read_rules(text)
+    registered = {r.name: r for r in group_rules()}
+    assert [r.name for r in built_in] == [r.name for r in _vlm_rules()]
+    for rule in built_in:
+        same = registered[rule.name]
+        assert (rule.model_types, rule.paths, rule.extra, rule.params, rule.note) == (
+            same.model_types,
+            same.paths,
+            same.extra,
+            same.params,
+            same.note,
+        )
+    llava = registered["llava"]
+    assert llava.paths["vision_encoder"] == ("model.vision_tower",)
+    assert llava.paths["lm_head"] == ("lm_head",)  # the default
+    assert llava.params == {"resampler": ("model.image_newline",)}
+    assert registered["blip_2"].paths["lm_head"] == ("language_model.lm_head", "lm_head")
+
+
+def test_read_rules_builds_attribute_matches_and_defaults() -> None:
+    (rule,) = read_rules(
+        '[[rule]]\nname = "two_part"\nattrs = ["encoder", "decoder"]\n'
+        'paths.vision_encoder = "encoder"\npaths.language_model = "decoder"\n'
+        'extra.vision_encoder = ["a", "b"]\n'
+    )
+    assert rule.model_types == () and rule.note == ""
+    assert rule.extra == {"vision_encoder": ("a", "b")}
+    assert rule.match is not None
+    both = torch.nn.Module()
+    both.encoder, both.decoder = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    one = torch.nn.Module()
+    one.encoder = torch.nn.Linear(2, 2)
+    assert rule.match(both) and not rule.match(one)
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ('[[rule]]\nname = "x"\npath.vision_encoder = "v"\n', "unknown key(s) ['path']"),
+        ('[[rule]]\nmodel_types = "x"\n', "or no name"),
+        ('[[rule]]\nname = "x"\npaths.vision_encoder = [1]\n', "must be module paths"),
+        ('[rules]\nname = "x"\n', "expected only [[rule]] tables, found ['rules']"),
+        ("[[rule]\n", "not valid TOML"),
+    ],
+)
+def test_read_rules_names_the_file_the_rule_and_the_fix(text: str, says: str) -> None:
+    with pytest.raises(PrecisionError) as err:
+        read_rules(text, "mine.toml")
+    assert says in str(err.value) and "mine.toml" in str(err.value)

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .vlm import fragment_kwargs
+
 LATENT_CHANNELS, LATENT_SIZE = 4, 8
 
 
@@ -173,17 +175,5 @@ def tiny_text_encoder(cls: Any = None, seed: int = 0) -> Any:
     from transformers import CLIPTextConfig, CLIPTextModel
 
     torch.manual_seed(seed)
-    return (cls or CLIPTextModel)(
-        CLIPTextConfig(
-            vocab_size=32,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            max_position_embeddings=8,
-            bos_token_id=0,
-            eos_token_id=1,
-            pad_token_id=0,
-            projection_dim=16,
-        )
-    ).requires_grad_(False)
+    config = CLIPTextConfig(**fragment_kwargs("clip_text_16"))
+    return (cls or CLIPTextModel)(config).requires_grad_(False)

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .vlm import build_tiny, fragment_kwargs
+
 # Any wording of a matmul dtype mismatch (biased / bias-free linear, CPU / CUDA): pytest.raises.
 MATMUL_DTYPE_ERROR = (
     r"(mat1 and mat2 must have the same dtype"
@@ -196,8 +198,6 @@ class Resampler(nn.Module):
 
 def _tiny_llama() -> Any:
     """The tiny ``LlamaForCausalLM`` of :mod:`.vlm` (typed ``Any``: used duck-typed)."""
-    from .vlm import build_tiny
-
     return build_tiny("llama")
 
 
@@ -500,17 +500,7 @@ class XTunerLLaVATiny(RemoteVLM):
         torch.manual_seed(seed)
         self.config = RemoteConfig("xtuner_llava", image_size=30, num_image_tokens=25)
         self.llm = _tiny_llama()
-        self.visual_encoder = CLIPVisionModel(
-            CLIPVisionConfig(
-                image_size=30,
-                patch_size=6,
-                hidden_size=16,
-                intermediate_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                projection_dim=16,
-            )
-        )
+        self.visual_encoder = CLIPVisionModel(CLIPVisionConfig(**fragment_kwargs("clip_vision_16")))
         self.projector = ProjectorModel(16, 32)
         self.visual_select_layer = -2
         self.eval()

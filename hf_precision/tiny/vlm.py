@@ -7,264 +7,104 @@ tests, recipes and benchmarks get the real module layout of each architecture (p
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
+import sys
 import tempfile
 from collections.abc import Callable
+from importlib import resources
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
 if TYPE_CHECKING:
     from transformers import LlavaProcessor, PreTrainedConfig, PreTrainedModel
 
-# Shared tiny text-model kwargs (offline: nothing is downloaded); ids follow the tiny tokenizer.
+# Ids follow the tiny tokenizer (configs.toml spells the same numbers).
 PAD_ID, BOS_ID, EOS_ID, UNK_ID, IMAGE_TOKEN_ID = 0, 1, 2, 3, 255
-TXT: dict[str, int] = dict(
-    vocab_size=256,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
-_IDS: dict[str, int] = dict(pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
-_VIT: dict[str, int] = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-)
-_CLIP_VIT: dict[str, Any] = {
-    "model_type": "clip_vision_model",
-    "image_size": 30,
-    "patch_size": 6,
-    **_VIT,
-}
 # Qwen2-VL special ids (the real ones are beyond a 256 vocab).
 QWEN_IMAGE, QWEN_VIDEO, QWEN_VISION_START, QWEN_VISION_END = 250, 251, 252, 253
 _TEXT_LEN = 6  # text tokens per row after the image placeholders
+CONFIGS_FILE = "configs.toml"  # the tiny configs, as data
+
+
+def _takes(cls: Any, name: str, method: str = "__init__") -> bool:
+    return cls is not None and name in inspect.signature(getattr(cls, method)).parameters
 
 
 def _accepts(class_name: str, name: str, method: str = "__init__") -> bool:
     """Whether transformers' ``class_name.method`` takes ``name`` (a feature check, not a
     version check: the 4.x and 5.x lines spell a few fields and inputs differently)."""
-    import inspect
-
     import transformers
 
-    cls = getattr(transformers, class_name, None)
-    return cls is not None and name in inspect.signature(getattr(cls, method)).parameters
+    return _takes(getattr(transformers, class_name, None), name, method)
 
 
-def _llava() -> PreTrainedConfig:
-    from transformers import LlavaConfig
-
-    return LlavaConfig(
-        vision_config=dict(_CLIP_VIT),
-        text_config=dict(model_type="llama", **TXT, **_IDS),
-        image_token_index=IMAGE_TOKEN_ID,
-    )
-
-
-def _llava_next() -> PreTrainedConfig:
-    from transformers import LlavaNextConfig
-
-    # One pinpoint equal to the tile size: anyres gives base tile + 1 tile per image.
-    return LlavaNextConfig(
-        vision_config=dict(_CLIP_VIT),
-        text_config=dict(model_type="llama", **TXT, **_IDS),
-        image_token_index=IMAGE_TOKEN_ID,
-        image_grid_pinpoints=[[30, 30]],
-    )
+def _merged(table: dict[str, Any], fragments: dict[str, Any]) -> dict[str, Any]:
+    """A table of configs.toml with the ``use`` fragments of it and its sub-tables merged in
+    first (the table's own keys win)."""
+    out: dict[str, Any] = {}
+    for name in table.get("use", ()):
+        out.update(_merged(fragments[name], fragments))
+    for key, value in table.items():
+        if key != "use":
+            out[key] = _merged(value, fragments) if isinstance(value, dict) else value
+    return out
 
 
-def _idefics2() -> PreTrainedConfig:
-    from transformers import Idefics2Config
-
-    return Idefics2Config(
-        vision_config=dict(image_size=32, patch_size=8, **_VIT),
-        perceiver_config=dict(
-            hidden_size=32,
-            resampler_n_latents=4,
-            resampler_depth=1,
-            resampler_n_heads=2,
-            resampler_head_dim=8,
-            num_key_value_heads=1,
-        ),
-        text_config=dict(model_type="mistral", **TXT, **_IDS),
-        image_token_id=IMAGE_TOKEN_ID,
-    )
+def _read_configs() -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    text = resources.files(__package__).joinpath(CONFIGS_FILE).read_text(encoding="utf-8")
+    tables = tomllib.loads(text)
+    fragments = tables.pop("fragments")
+    return {key: _merged(table, fragments) for key, table in tables.items()}, fragments
 
 
-def _idefics3() -> PreTrainedConfig:
-    from transformers import Idefics3Config
-
-    return Idefics3Config(
-        vision_config=dict(image_size=32, patch_size=8, **_VIT),
-        text_config=dict(model_type="llama", **TXT, **_IDS),
-        image_token_id=IMAGE_TOKEN_ID,
-        scale_factor=2,
-    )
+_TABLES, _FRAGMENTS = _read_configs()
 
 
-def _qwen2_vl() -> PreTrainedConfig:
-    from transformers import Qwen2VLConfig
+def fragment_kwargs(name: str) -> dict[str, Any]:
+    """A fresh copy of the keyword arguments of ``[fragments.<name>]`` in ``configs.toml`` (the
+    parts of the tiny remote-code and diffusion models that are transformers configs).
 
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
-    # transformers 5 reads rope_parameters; 4.x reads rope_scaling (with type "mrope")
-    rope_key = "rope_parameters" if _accepts("Qwen2VLTextConfig", "rope_parameters") else None
-    text = {rope_key: rope} if rope_key else {"rope_scaling": {**rope, "type": "mrope"}}
-    return Qwen2VLConfig(
-        vision_config=dict(
-            depth=2,
-            embed_dim=32,
-            hidden_size=32,
-            num_heads=4,
-            mlp_ratio=2,
-            patch_size=4,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-        ),
-        text_config=dict(**TXT, **_IDS, **text),
-        image_token_id=QWEN_IMAGE,
-        video_token_id=QWEN_VIDEO,
-        vision_start_token_id=QWEN_VISION_START,
-        vision_end_token_id=QWEN_VISION_END,
-    )
+    >>> fragment_kwargs("clip_text_16")["hidden_size"]
+    16
+    """
+    if name not in _FRAGMENTS:
+        raise KeyError(f"no fragment {name!r} in {CONFIGS_FILE}; known: {sorted(_FRAGMENTS)}")
+    return copy.deepcopy(_merged(_FRAGMENTS[name], _FRAGMENTS))
 
 
-def _paligemma() -> PreTrainedConfig:
-    from transformers import PaliGemmaConfig
+def _config(key: str) -> PreTrainedConfig:
+    import transformers
 
-    return PaliGemmaConfig(
-        vision_config={
-            "model_type": "siglip_vision_model",
-            "image_size": 32,
-            "patch_size": 8,
-            "projection_dim": 32,
-            **_VIT,
-        },
-        text_config=dict(model_type="gemma", head_dim=8, **TXT, **_IDS),
-        image_token_index=IMAGE_TOKEN_ID,
-        projection_dim=32,
-    )
-
-
-def _minicpmv4_6() -> PreTrainedConfig:
-    from transformers import MiniCPMV4_6Config
-
-    # LM is the real default family (qwen3_5_text: one gated-delta linear-attention layer + one
-    # full-attention layer). insert_layer_id=0 puts the window merger after the first ViT layer.
-    text = dict(
-        model_type="qwen3_5_text",
-        **TXT,
-        **_IDS,
-        head_dim=8,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        layer_types=["linear_attention", "full_attention"],
-    )
-    # Vision width 16: the two 2x2 mergers hold (4*width)^2-sized linears.
-    vision = dict(
-        image_size=32,
-        patch_size=4,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-    )
-    return MiniCPMV4_6Config(
-        vision_config=vision,
-        text_config=text,
-        insert_layer_id=0,
-        image_size=32,
-        image_token_id=IMAGE_TOKEN_ID,
-    )
-
-
-def _blip2() -> PreTrainedConfig:
-    from transformers import Blip2Config
-
-    return Blip2Config(
-        vision_config=dict(image_size=30, patch_size=6, **_VIT),
-        qformer_config=dict(
-            hidden_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            intermediate_size=64,
-            encoder_hidden_size=32,
-            vocab_size=256,
-            max_position_embeddings=64,
-        ),
-        text_config=dict(
-            model_type="opt",
-            vocab_size=256,
-            hidden_size=32,
-            ffn_dim=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            word_embed_proj_dim=32,
-            max_position_embeddings=64,
-            **_IDS,
-        ),
-        num_query_tokens=4,
-        image_token_index=IMAGE_TOKEN_ID,
-        image_text_hidden_size=32,
-    )
-
-
-def _kosmos2() -> PreTrainedConfig:
-    from transformers import Kosmos2Config
-
-    return Kosmos2Config(
-        text_config=dict(
-            vocab_size=256,
-            embed_dim=32,
-            layers=2,
-            ffn_dim=64,
-            attention_heads=4,
-            max_position_embeddings=64,
-            dropout=0.0,
-            attention_dropout=0.0,
-        ),
-        vision_config=dict(image_size=30, patch_size=6, **_VIT),
-        latent_query_num=4,
-    )
-
-
-def _llama() -> PreTrainedConfig:
-    from transformers import LlamaConfig
-
-    kwargs: dict[str, Any] = {**TXT, **_IDS, "max_position_embeddings": 64}
-    return LlamaConfig(**kwargs)
+    kwargs = copy.deepcopy(_TABLES[key])  # a config may keep and change what it is given
+    name = kwargs.pop("config")
+    del kwargs["model"]
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise ImportError(
+            f"tiny_config({key!r}): transformers {transformers.__version__} has no {name}. "
+            "Fix: upgrade transformers."
+        )
+    text = kwargs.get("text_config", {})
+    sub = getattr(cls, "sub_configs", {}).get("text_config")
+    if "rope_parameters" in text and not _takes(sub, "rope_parameters"):
+        # transformers 4.x: rope_scaling, and multimodal rope says so in its type
+        text["rope_scaling"] = {**text.pop("rope_parameters"), "type": "mrope"}
+    return cast("PreTrainedConfig", cls(**kwargs))
 
 
 TINY_CONFIGS: dict[str, Callable[[], PreTrainedConfig]] = {
-    "llava": _llava,
-    "llava_next": _llava_next,
-    "idefics2": _idefics2,
-    "idefics3": _idefics3,
-    "qwen2_vl": _qwen2_vl,
-    "paligemma": _paligemma,
-    "minicpmv4_6": _minicpmv4_6,
-    "blip-2": _blip2,
-    "kosmos-2": _kosmos2,
-    "llama": _llama,
+    key: functools.partial(_config, key) for key in _TABLES
 }
-_MODEL_CLASSES: dict[str, str] = {
-    "llava": "LlavaForConditionalGeneration",
-    "llava_next": "LlavaNextForConditionalGeneration",
-    "idefics2": "Idefics2ForConditionalGeneration",
-    "idefics3": "Idefics3ForConditionalGeneration",
-    "qwen2_vl": "Qwen2VLForConditionalGeneration",
-    "paligemma": "PaliGemmaForConditionalGeneration",
-    "minicpmv4_6": "MiniCPMV4_6ForConditionalGeneration",
-    "blip-2": "Blip2ForConditionalGeneration",
-    "kosmos-2": "Kosmos2ForConditionalGeneration",
-    "llama": "LlamaForCausalLM",
-}
+
 _ALIASES = {"blip_2": "blip-2", "blip2": "blip-2", "kosmos2": "kosmos-2", "text_llama": "llama"}
 
 
@@ -284,7 +124,7 @@ def tiny_available(model_type: str) -> bool:
     """
     import transformers
 
-    return hasattr(transformers, _MODEL_CLASSES[_canonical(model_type)])
+    return hasattr(transformers, _TABLES[_canonical(model_type)]["model"])
 
 
 def tower_body(tower: nn.Module) -> nn.Module:
@@ -311,12 +151,12 @@ def build_tiny(model_type: str, dtype: torch.dtype | None = None, seed: int = 0)
     if not tiny_available(key):
         raise ImportError(
             f"build_tiny({model_type!r}): transformers {transformers.__version__} has no "
-            f"{_MODEL_CLASSES[key]}.\nFix: upgrade transformers, or use one of "
+            f"{_TABLES[key]['model']}.\nFix: upgrade transformers, or use one of "
             f"{sorted(k for k in TINY_CONFIGS if tiny_available(k))}."
         )
     config = TINY_CONFIGS[key]()
     torch.manual_seed(seed)
-    model: Any = getattr(transformers, _MODEL_CLASSES[key])(config)
+    model: Any = getattr(transformers, _TABLES[key]["model"])(config)
     model.eval()
     if dtype is not None:
         model.to(dtype)  # in place, every floating param/buffer (_keep_in_fp32 included)

@@ -105,6 +105,38 @@ def test_seed_and_registry() -> None:
         vlm.build_tiny("gpt2")
 
 
+@pytest.mark.parametrize("model_type", _types(*MODEL_TYPES))
+def test_the_configs_file_speaks_the_tiny_tokenizers_ids(model_type: str) -> None:
+    config = vlm.tiny_config(model_type)
+    text = config.get_text_config()
+    assert text.vocab_size == 256, model_type
+    if model_type != "kosmos-2":  # its own ids (Kosmos2TextConfig's defaults; see tiny_batch)
+        ids = (text.pad_token_id, text.bos_token_id, text.eos_token_id)
+        assert ids == (vlm.PAD_ID, vlm.BOS_ID, vlm.EOS_ID), model_type
+    expected = {"qwen2_vl": vlm.QWEN_IMAGE, "kosmos-2": None, "llama": None}
+    assert vlm.image_token_of(config) == expected.get(model_type, vlm.IMAGE_TOKEN_ID)
+
+
+def test_a_config_and_a_fragment_are_fresh_copies_of_the_file() -> None:
+    config = vlm.tiny_config("llava_next")
+    config.image_grid_pinpoints[0][0] = 1
+    assert vlm.tiny_config("llava_next").image_grid_pinpoints == [[30, 30]]
+    clip = vlm.fragment_kwargs("clip")  # merged with the fragment it uses
+    assert clip["model_type"] == "clip_vision_model" and clip["hidden_size"] == 32
+    clip["hidden_size"] = 8
+    assert vlm.fragment_kwargs("clip")["hidden_size"] == 32
+    with pytest.raises(KeyError, match="no fragment 'clip64' in configs.toml"):
+        vlm.fragment_kwargs("clip64")
+
+
+def test_qwen2_vl_rope_is_spelled_the_way_this_transformers_reads_it() -> None:
+    text = vlm.tiny_config("qwen2_vl").get_text_config()
+    if vlm._accepts("Qwen2VLTextConfig", "rope_parameters"):
+        assert text.rope_parameters["mrope_section"] == [2, 1, 1]
+    else:  # 4.x reads rope_scaling
+        assert text.rope_scaling["mrope_section"] == [2, 1, 1]
+
+
 @pytest.mark.parametrize("model_type", _types(*[t for t in MODEL_TYPES if t != "llama"]))
 def test_batch_layout(model_type: str) -> None:
     config = vlm.tiny_config(model_type)
