@@ -1,5 +1,6 @@
 """The package's shape: no import cycles (module-level or inside functions), lower layers know
-nothing of the layers above them, and every module imports alone in a fresh interpreter."""
+nothing of the layers above them, every module imports alone in a fresh interpreter, and every
+module has its test file."""
 
 from __future__ import annotations
 
@@ -153,3 +154,15 @@ def test_every_module_imports_alone_in_a_fresh_interpreter() -> None:
         for m, run in runs.items():
             _, err = run.communicate(timeout=120)
             assert run.returncode == 0, (m, err.decode()[-2000:])
+
+
+def test_tests_mirror_the_package() -> None:
+    """``hf_precision/a/b.py`` is tested in ``tests/a/test_b.py`` (other files may test it too)."""
+    tests = Path(__file__).resolve().parent
+    missing = [
+        str(p.relative_to(PKG.parent))
+        for p in sorted(PKG.rglob("*.py"))
+        if p.stem not in ("__init__", "__main__")
+        and not (tests / p.parent.relative_to(PKG) / f"test_{p.stem}.py").is_file()
+    ]
+    assert missing == [], f"modules without their test file: {missing}"
