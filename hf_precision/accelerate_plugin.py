@@ -53,6 +53,7 @@ from .enforce import EnforceReport
 from .errors import PrecisionError, PrecisionWarning
 from .guard import GuardFrontEnd, PrecisionGuard
 from .policy import LeafGuards, Mode, PrecisionPolicy
+from .reporting import PrecisionReporter
 from .wrappers import unwrap_model
 
 logger = logging.getLogger("hf_precision")
@@ -179,29 +180,9 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         accelerator.register_for_checkpointing(self)
         self._handles.append(accelerator.register_save_state_pre_hook(self._save_state_hook))
         if self.report and self._reporter is None:
-            self._reporter = self._make_reporter(accelerator)
-
-    def _make_reporter(self, accelerator: Any = None) -> Any:
-        from .reporting import PrecisionReporter
-
-        if accelerator is None:  # a loop without accelerate: files from rank 0
-            base = self.report_dir or Path("precision")
-            return PrecisionReporter(base, is_main_process=rank() == 0)
-        names = [str(getattr(t, "value", t)).lower() for t in (accelerator.log_with or [])]
-        wandb = any("wandb" in n for n in names)
-        base = self.report_dir or Path(accelerator.project_dir or ".") / "precision"
-        reporter = PrecisionReporter(base, is_main_process=accelerator.is_main_process, wandb=wandb)
-        sink = getattr(reporter, "wandb", None)
-        if sink is not None and hasattr(sink, "_run"):
-
-            def tracker_run() -> Any:  # the run accelerator.init_trackers made, once it exists
-                for t in accelerator.trackers:
-                    if t.name == "wandb":
-                        return accelerator.get_tracker("wandb", unwrap=True)
-                return None
-
-            sink._run = tracker_run
-        return reporter
+            self._reporter = PrecisionReporter.from_accelerator(
+                accelerator, report_dir=self.report_dir
+            )
 
     def _wrap_loader(self, obj: Any) -> Any:
         policy = self.policy
@@ -246,8 +227,10 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         """
         if self.policy is None:
             self.policy = self._with_overrides(PrecisionPolicy.from_model(model))
-        if self.report and self._reporter is None:
-            self._reporter = self._make_reporter()
+        if self.report and self._reporter is None:  # a loop without accelerate: rank 0 writes
+            self._reporter = PrecisionReporter(
+                self.report_dir or "precision", is_main_process=rank() == 0
+            )
         root, _ = unwrap_model(model)
         if not any(g.root is root for g in self._guarded):
             self._guarded.append(self._new_guard(model))

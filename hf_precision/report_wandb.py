@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,10 +99,18 @@ def wandb_disabled_reason() -> str | None:
     return None
 
 
+def _active_run() -> Any:
+    import wandb
+
+    return wandb.run
+
+
 class WandbSink:
     """Logs :class:`WandbPayload` objects to the active W&B run, once it exists."""
 
-    def __init__(self) -> None:
+    def __init__(self, run: Callable[[], Any] | None = None) -> None:
+        #: where the run comes from (default ``wandb.run``; accelerate: its wandb tracker's run)
+        self.find_run = run or _active_run
         self.enabled = True
         self.pending: list[WandbPayload] = []
         self.logged: list[tuple[str, int]] = []  # (event, step) for inspection
@@ -119,19 +128,13 @@ class WandbSink:
         self.enabled = False
         self.pending.clear()
 
-    @staticmethod
-    def _run() -> Any:
-        import wandb
-
-        return wandb.run
-
     # ------------------------------------------------------------------ API
     def submit(self, payload: WandbPayload, *, first_event: bool) -> None:
         """Log now when a run exists, otherwise keep the payload for later."""
         if not self.enabled:
             return
         try:
-            run = self._run()
+            run = self.find_run()
         except Exception as err:
             self._disable(f"could not reach wandb ({type(err).__name__}: {err}).")
             return

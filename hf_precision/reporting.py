@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -257,6 +258,7 @@ class PrecisionReporter:
         console: log the text table through the ``hf_precision`` logger.
         is_main_process: only the main process writes and logs.
         wandb: log to the active W&B run.
+        wandb_run: where that run comes from (default ``wandb.run``), called at each event.
         max_table_rows: above this many modules the tables aggregate repeated layers (and say
             how many rows were folded); the JSON files keep every module.
         picture: render the PNG (needs matplotlib; a warning once when it is missing).
@@ -269,6 +271,7 @@ class PrecisionReporter:
         console: bool = True,
         is_main_process: bool = True,
         wandb: bool = False,
+        wandb_run: Callable[[], Any] | None = None,
         max_table_rows: int = MAX_TABLE_ROWS,
         picture: bool = True,
     ) -> None:
@@ -287,7 +290,7 @@ class PrecisionReporter:
         if wandb and is_main_process:
             from .report_wandb import WandbSink
 
-            self.wandb = WandbSink()
+            self.wandb = WandbSink(wandb_run)
 
     @classmethod
     def from_training_args(
@@ -308,6 +311,27 @@ class PrecisionReporter:
                 getattr(args, "report_to", None) or [], call="TrainingArguments.report_to"
             )
         return cls(out, is_main_process=main, wandb=use_wandb)
+
+    @classmethod
+    def from_accelerator(
+        cls, accelerator: Any, *, report_dir: str | os.PathLike[str] | None = None
+    ) -> PrecisionReporter:
+        """Files in ``report_dir`` (default ``<project_dir or .>/precision``); W&B when
+        ``log_with`` names wandb, into the run of accelerate's wandb tracker once
+        ``init_trackers`` made it; main process = ``accelerator.is_main_process``."""
+        names = [str(getattr(t, "value", t)).lower() for t in (accelerator.log_with or [])]
+
+        def tracker_run() -> Any:
+            if any(t.name == "wandb" for t in accelerator.trackers):
+                return accelerator.get_tracker("wandb", unwrap=True)
+            return None
+
+        return cls(
+            report_dir or Path(accelerator.project_dir or ".") / "precision",
+            is_main_process=accelerator.is_main_process,
+            wandb=any("wandb" in n for n in names),
+            wandb_run=tracker_run,
+        )
 
     # ------------------------------------------------------------------ picture
     def _render_png(self, dmap: DtypeMap, event: str, step: int) -> bytes | None:

@@ -226,3 +226,27 @@ def test_wandb_goes_offline_only_without_a_login(tmp_path, capsys):
     assert wandb_offline_unless_logged_in(logged_in) is False and "WANDB_MODE" not in logged_in
     for env in ({"WANDB_API_KEY": "k"}, {"WANDB_MODE": "disabled"}, {"WANDB_MODE": "offline"}):
         assert wandb_offline_unless_logged_in(dict(env, HOME=str(tmp_path / "x"))) is False
+
+
+def test_the_sink_asks_its_run_source_at_each_event(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """accelerate's tracker run (or any source) is looked up when an event is logged: payloads
+    wait while it gives no run and are logged once it does."""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    runs: list[Any] = [None]
+    reporter = PrecisionReporter(
+        tmp_path / "p", console=False, wandb=True, wandb_run=lambda: runs[0]
+    )
+    reporter.log_event("setup", tiny_llava(), step=0)
+    assert [p.event for p in reporter.wandb.pending] == ["setup"] and reporter.wandb.logged == []
+    run = wandb.init(project="hf-precision-test")
+    try:
+        runs[0] = run
+        reporter.log_event("after_prepare", tiny_llava(), step=1)
+        assert reporter.wandb.logged == [("setup", 0), ("after_prepare", 1)]
+        assert reporter.wandb.pending == []
+    finally:
+        wandb.finish()

@@ -186,3 +186,24 @@ def test_a_full_disk_warns_once_and_training_goes_on(make_trainer: Any, tmp_path
     assert "No space left on device" in msgs[0] or "ENOSPC" in msgs[0] or "Errno 28" in msgs[0]
     # events that could be written still were
     assert (report_dir / "000000-on_train_begin.json").is_file()
+
+
+def test_a_reporter_from_an_accelerator_writes_under_its_project_dir(tmp_path: Path) -> None:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    try:
+        reporter = PrecisionReporter.from_accelerator(
+            Accelerator(cpu=True, project_dir=str(tmp_path))
+        )
+        assert reporter.report_dir == tmp_path / "precision" and reporter.is_main_process
+        assert reporter.wandb is None  # log_with names no wandb
+        reporter.log_event("setup", tiny_llava(), step=0)
+        assert (tmp_path / "precision" / "000000-setup.json").is_file()
+        elsewhere = PrecisionReporter.from_accelerator(
+            Accelerator(cpu=True), report_dir=tmp_path / "mine"
+        )
+        assert elsewhere.report_dir == tmp_path / "mine"
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
