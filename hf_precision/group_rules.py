@@ -42,6 +42,15 @@ def _rule(entry: dict[str, Any], where: str) -> GroupRule:
             f"{where}: unknown key(s) {unknown} or no name. Allowed keys: {', '.join(_KEYS)}. "
             'Fix: e.g. name = "my_vlm" and paths.vision_encoder = "model.vision_tower".'
         )
+    for key in ("paths", "extra", "params"):
+        if not isinstance(entry.get(key, {}), dict):
+            raise PrecisionError(
+                f"{where}: {key} must be a table of group = path(s). "
+                f'Fix: e.g. {key}.vision_encoder = "model.vision_tower".'
+            )
+    for key in ("model_types", "attrs"):
+        if not all(isinstance(n, str) for n in _names(entry.get(key, ()))):
+            raise PrecisionError(f"{where}: {key} must be a string or a list of strings.")
     attrs = _names(entry.get("attrs", ()))
     paths = dict(entry.get("paths", {}))
     paths.setdefault("lm_head", "lm_head")

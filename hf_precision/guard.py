@@ -3,11 +3,12 @@
 At each event (``setup``, ``on_train_begin``, ``after_evaluate``, ...) :meth:`PrecisionGuard.verify`
 walks the same steps, in one direction (docs/architecture.md):
 
-1. **plan** — ``enforce_policy(mode="audit")``: what differs from the policy (nothing is cast);
+1. **plan** — :func:`~hf_precision.plan.plan_policy` on one :class:`~hf_precision.view.ModelView`
+   (what ``enforce_policy(mode="audit")`` returns): what differs from the policy, nothing cast;
 2. **wrapper** — if FSDP/FSDP2/DeepSpeed holds the parameters, explain what it does on purpose
    and raise for the rest (never cast); under DDP only a return to the wrap-time dtypes is cast;
-3. **apply** — ``enforce_policy(mode="fix")`` when the plan is not empty (the one place that
-   casts, :mod:`hf_precision.enforce`);
+3. **apply** — :func:`~hf_precision.enforce.apply_plan` when the plan is not empty (the one
+   place that casts);
 4. **guards** — install or update the batch, boundary and leaf hooks;
 5. **report** — the reporter's files / W&B, then, where the front end asks, the ranks compared.
 
@@ -22,10 +23,11 @@ and :func:`~hf_precision.diffusion.guard_diffusion` (one guard per pipeline comp
 >>> model = tiny_llava()
 >>> _ = model.model.vision_tower.to(torch.float16)
 >>> guard = PrecisionGuard(model, PrecisionPolicy.from_preset("bf16-true"))
->>> len(guard.verify("setup").changes) > 0, len(guard.verify("check").changes)
+>>> setup = guard.verify("setup")  # the fp16 tower and the fp32 rest, all to bf16
+>>> len(setup.changes) > 0, len(guard.verify("check").changes)
 (True, 0)
->>> guard.events
-[('setup', 41), ('check', 0)]
+>>> guard.events == [("setup", len(setup.changes)), ("check", 0)]
+True
 >>> guard.teardown()
 """
 

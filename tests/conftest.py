@@ -48,9 +48,35 @@ def _no_leaked_mixed_precision(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def make_trainer(tmp_path: Any) -> Callable[..., Any]:
+def tiny_args(tmp_path: Any) -> Callable[..., Any]:
+    """``tiny_args(**overrides) -> TrainingArguments`` for the tiny models: CPU, two steps of
+    batch 2, output in ``tmp_path/out``, no checkpoints, no trackers, no worker processes."""
+    from transformers import TrainingArguments
+
+    def factory(**overrides: Any) -> Any:
+        defaults: dict[str, Any] = dict(
+            output_dir=str(tmp_path / "out"),
+            use_cpu=True,
+            report_to=[],
+            max_steps=2,
+            per_device_train_batch_size=2,
+            per_device_eval_batch_size=2,
+            save_strategy="no",
+            remove_unused_columns=False,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            learning_rate=1e-3,
+            seed=0,
+        )
+        return TrainingArguments(**{**defaults, **overrides})
+
+    return factory
+
+
+@pytest.fixture
+def make_trainer(tiny_args: Callable[..., Any]) -> Callable[..., Any]:
     """``make_trainer(model, batch, callbacks=[...], **training_args) -> Trainer`` on CPU."""
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     def factory(
         model: torch.nn.Module,
@@ -60,23 +86,7 @@ def make_trainer(tmp_path: Any) -> Callable[..., Any]:
         repeat: int = 2,
         **kw: Any,
     ) -> Any:
-        defaults: dict[str, Any] = dict(
-            output_dir=str(tmp_path / "out"),
-            use_cpu=True,
-            report_to=[],
-            max_steps=2,
-            per_device_train_batch_size=2,
-            per_device_eval_batch_size=2,
-            logging_steps=1,
-            save_strategy="no",
-            remove_unused_columns=False,
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-            learning_rate=1e-3,
-            seed=0,
-        )
-        defaults.update(kw)
-        args = TrainingArguments(**defaults)
+        args = tiny_args(**{"logging_steps": 1, **kw})
         data = ListDataset(batch, repeat)
         return Trainer(
             model=model, args=args, train_dataset=data, eval_dataset=data, callbacks=callbacks or []

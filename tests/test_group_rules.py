@@ -97,6 +97,8 @@ def test_read_rules_builds_attribute_matches_and_defaults() -> None:
         ('[[rule]]\nmodel_types = "x"\n', "or no name"),
         ('[[rule]]\nname = "x"\npaths.vision_encoder = [1]\n', "must be module paths"),
         ('[rules]\nname = "x"\n', "expected only [[rule]] tables, found ['rules']"),
+        ('[[rule]]\nname = "x"\npaths = "model"\n', "paths must be a table of group = path(s)"),
+        ('[[rule]]\nname = "x"\nmodel_types = [1]\n', "model_types must be a string or a list"),
         ("[[rule]\n", "not valid TOML"),
     ],
 )

@@ -78,14 +78,21 @@ def test_wandb_disabled_warns_once(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert len(list(tmp_path.glob("*.json"))) == 2
 
 
-def test_trainer_wandb_offline_tables_match_dtype_map(
-    make_trainer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The real ``wandb`` module, its runs offline under ``tmp_path`` (skipped if missing)."""
     wandb = pytest.importorskip("wandb")
-    from hf_precision import PrecisionGuardCallback
-
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    return wandb
+
+
+def test_trainer_wandb_offline_tables_match_dtype_map(
+    make_trainer: Any, offline_wandb: Any
+) -> None:
+    wandb = offline_wandb
+    from hf_precision import PrecisionGuardCallback
+
     guard = PrecisionGuardCallback()
     drift, record, seen = _callbacks(guard)
     model = tiny_llava()
@@ -140,13 +147,10 @@ def test_trainer_wandb_offline_tables_match_dtype_map(
 
 
 def test_wandb_log_failure_warns_once_and_training_goes_on(
-    make_trainer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    make_trainer: Any, offline_wandb: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    wandb = pytest.importorskip("wandb")
+    wandb = offline_wandb
     from hf_precision import PrecisionGuardCallback
-
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
 
     def broken_table(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("W&B is down")
@@ -228,14 +232,10 @@ def test_wandb_goes_offline_only_without_a_login(tmp_path, capsys):
         assert wandb_offline_unless_logged_in(dict(env, HOME=str(tmp_path / "x"))) is False
 
 
-def test_the_sink_asks_its_run_source_at_each_event(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_sink_asks_its_run_source_at_each_event(tmp_path: Path, offline_wandb: Any) -> None:
     """accelerate's tracker run (or any source) is looked up when an event is logged: payloads
     wait while it gives no run and are logged once it does."""
-    wandb = pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    wandb = offline_wandb
     runs: list[Any] = [None]
     reporter = PrecisionReporter(
         tmp_path / "p", console=False, wandb=True, wandb_run=lambda: runs[0]

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback
 
 from hf_precision import PrecisionGuardCallback, PrecisionWarning
 from hf_precision.hooks import guard_targets, installed_guards
@@ -120,29 +120,20 @@ def _mixed_model() -> Any:
 
 
 @pytest.mark.slow
-def test_soak_1000_steps_100_evaluations(tmp_path: Any) -> None:
+def test_soak_1000_steps_100_evaluations(tiny_args: Any) -> None:
     model = _mixed_model()
     # Reports off: writing a dtype map per event costs ~0.15 s, 30 s for 200 events (the
     # reporter has its own tests); everything else runs as in a real fine-tune.
     guard = PrecisionGuardCallback(report=False)
     probe = Probe()
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
+    args = tiny_args(
         bf16=True,
-        report_to=[],
         max_steps=STEPS,
         eval_strategy="steps",
         eval_steps=EVAL_EVERY,
         logging_steps=50,
         per_device_train_batch_size=1,
-        per_device_eval_batch_size=2,
-        save_strategy="no",
-        remove_unused_columns=False,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
         learning_rate=1e-4,
-        seed=0,
     )
     data = Rows(tiny_batch(model, batch_size=2))  # one eval batch per evaluation
     start = time.perf_counter()

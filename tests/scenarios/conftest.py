@@ -19,12 +19,12 @@ def as_rows(batch: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
 
 
 @pytest.fixture
-def trainer_for(tmp_path: Any) -> Callable[..., Trainer]:
+def trainer_for(tiny_args: Callable[..., TrainingArguments]) -> Callable[..., Trainer]:
     """``trainer_for(model, batch_or_rows, callbacks=[...], **training_args) -> Trainer``.
 
-    A real ``transformers.Trainer`` on CPU: two steps of batch 2, no checkpoints, no trackers.
-    ``collator`` and ``compute_loss_func`` go to the Trainer, everything else to
-    ``TrainingArguments``. The train rows double as the eval rows.
+    A real ``transformers.Trainer`` on CPU (``tiny_args``: two steps of batch 2, no
+    checkpoints, no trackers, no logging). ``collator`` and ``compute_loss_func`` go to the
+    Trainer, everything else to ``TrainingArguments``. The train rows double as the eval rows.
     """
 
     def factory(
@@ -36,26 +36,10 @@ def trainer_for(tmp_path: Any) -> Callable[..., Trainer]:
         compute_loss_func: Any = None,
         **kw: Any,
     ) -> Trainer:
-        defaults: dict[str, Any] = dict(
-            output_dir=str(tmp_path / "out"),
-            use_cpu=True,
-            report_to=[],
-            max_steps=2,
-            per_device_train_batch_size=2,
-            per_device_eval_batch_size=2,
-            save_strategy="no",
-            logging_strategy="no",
-            remove_unused_columns=False,
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-            learning_rate=1e-3,
-            seed=0,
-        )
-        defaults.update(kw)
         rows = as_rows(data) if isinstance(data, Mapping) else list(data)
         return Trainer(
             model=model,
-            args=TrainingArguments(**defaults),
+            args=tiny_args(**{"logging_strategy": "no", **kw}),
             train_dataset=rows,
             eval_dataset=rows,
             data_collator=collator or default_data_collator,
