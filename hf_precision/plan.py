@@ -157,15 +157,16 @@ class EnforceReport:
 
 def model_device(root: nn.Module, groups: ModuleGroups) -> torch.device | None:
     """Where the model lives: the language model's device, else the majority device."""
-    counts: dict[torch.device, int] = {}
-    for mod in groups.modules("language_model") or [root]:
-        for p in mod.parameters():
+
+    def weights_per_device(mods: list[nn.Module]) -> dict[torch.device, int]:
+        counts: dict[torch.device, int] = {}
+        for p in (p for mod in mods for p in mod.parameters()):
             if p.device.type != "meta":
                 counts[p.device] = counts.get(p.device, 0) + p.numel()
-    if not counts:
-        for p in root.parameters():
-            if p.device.type != "meta":
-                counts[p.device] = counts.get(p.device, 0) + p.numel()
+        return counts
+
+    counts = weights_per_device(groups.modules("language_model") or [root])
+    counts = counts or weights_per_device([root])
     return max(counts, key=lambda d: counts[d]) if counts else None
 
 

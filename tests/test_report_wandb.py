@@ -78,6 +78,20 @@ def test_wandb_disabled_warns_once(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert len(list(tmp_path.glob("*.json"))) == 2
 
 
+def _wandb_trainer(make_trainer: Any, callbacks: list[Any], **kw: Any) -> Any:
+    """A Trainer of the tiny LLaVA that reports to W&B and evaluates after step 2."""
+    model = tiny_llava()
+    return make_trainer(
+        model,
+        tiny_batch(model),
+        report_to=["wandb"],
+        eval_strategy="steps",
+        eval_steps=2,
+        callbacks=callbacks,
+        **kw,
+    )
+
+
 @pytest.fixture
 def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """The real ``wandb`` module, its runs offline under ``tmp_path`` (skipped if missing)."""
@@ -95,16 +109,7 @@ def test_trainer_wandb_offline_tables_match_dtype_map(
 
     guard = PrecisionGuardCallback()
     drift, record, seen = _callbacks(guard)
-    model = tiny_llava()
-    trainer = make_trainer(
-        model,
-        tiny_batch(model),
-        report_to=["wandb"],
-        eval_strategy="steps",
-        eval_steps=2,
-        run_name="precision-test",
-        callbacks=[drift, guard, record],
-    )
+    trainer = _wandb_trainer(make_trainer, [drift, guard, record], run_name="precision-test")
     try:
         with pytest.warns(PrecisionWarning, match="drift repaired"):
             trainer.train()
@@ -156,15 +161,7 @@ def test_wandb_log_failure_warns_once_and_training_goes_on(
         raise RuntimeError("W&B is down")
 
     monkeypatch.setattr(wandb, "Table", broken_table)  # only the reporter builds tables
-    model = tiny_llava()
-    trainer = make_trainer(
-        model,
-        tiny_batch(model),
-        report_to=["wandb"],
-        eval_strategy="steps",
-        eval_steps=2,
-        callbacks=[PrecisionGuardCallback()],
-    )
+    trainer = _wandb_trainer(make_trainer, [PrecisionGuardCallback()])
     try:
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
