@@ -89,7 +89,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "model": ("view", "dtype_maps"),
     "core": ("plan", "enforce", "batch", "hooks", "deepspeed_config", "distributed"),
     "engine": ("guard",),
-    "integrations": (
+    "frontends": (
         "callback",
         "accelerate_plugin",
         "diffusion",
@@ -97,9 +97,18 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "report_wandb",
         "plot",
     ),
+    # the folder hf_precision/integrations/: one adapter module per third-party tool; every module
+    # in it belongs to this layer without being listed (adding one touches nothing else)
+    "frameworks": ("integrations",),
     "tools": ("findings", "diagnostics", "checkpoint", "doctor", "cli"),
 }
 RANK = {f"hf_precision.{m}": i for i, mods in enumerate(LAYERS.values()) for m in mods}
+RANK.update(
+    {
+        m: RANK["hf_precision.integrations"]
+        for m in (_module_name(p) for p in sorted((PKG / "integrations").rglob("*.py")))
+    }
+)
 INTEGRATIONS = {m for m, r in RANK.items() if r >= list(LAYERS).index("engine")}
 
 
