@@ -167,7 +167,9 @@ def apply_plan(
     if mode == "fix" and not report.applied:
         with torch.no_grad():
             for c in report.planned:
-                _apply(c.module, c.key, c.tensor, c.change.kind, c.dtype, c.device, optimizer)
+                _apply(
+                    c.module, c.key, c.tensor, c.change.kind, c.dtype, c.device, optimizer, c.value
+                )
         report.applied = True
     return report
 
@@ -180,9 +182,10 @@ def _apply(
     dtype: torch.dtype,
     device: torch.device,
     optimizer: Any,
+    value: torch.Tensor | None = None,
 ) -> None:
-    if kind == "buffer":
-        mod._buffers[key] = t.to(device=device, dtype=dtype)
+    if kind == "buffer":  # ``value``: exact values the plan recomputed (a rounded rotary table)
+        mod._buffers[key] = (t if value is None else value).to(device=device, dtype=dtype)
         return
     grad = t.grad
     if grad is not None:

@@ -4,7 +4,8 @@ Module hooks fire on every path — training forward, evaluation, ``generate()``
 images through ``get_image_features`` outside the top-level forward), ``PeftModel.generate`` and
 callbacks calling submodules — which is why the guard uses them rather than wrapping ``forward``.
 
-Four kinds (:data:`GuardKind`), all removable and idempotent (installing twice adds nothing):
+Four kinds of forward pre-hooks (:data:`GuardKind`) and one forward hook, all removable and
+idempotent (installing twice adds nothing):
 
 * **batch** — on the model itself: batch keys (``pixel_values``, float masks, ``latents`` …)
   follow the policy (labels untouched);
@@ -14,7 +15,13 @@ Four kinds (:data:`GuardKind`), all removable and idempotent (installing twice a
   the group directly (``vpm.forward_features(...)``), past the boundary hook;
 * **leaf** — on every module with its own weights inside groups that mix dtypes (or everywhere
   with ``leaf_guards="on"``): inputs follow that module's weight dtype. This covers fp32 norm
-  upcasts and tensors built inside ``forward`` (MiniCPM-V's numpy sin-cos table).
+  upcasts and tensors built inside ``forward`` (MiniCPM-V's numpy sin-cos table);
+* **exit** (a forward hook) — on the group that hands image features to the language model
+  (the projector, else the resampler, else the vision encoder): its floating outputs leave in
+  the dtype of the language model's input embeddings, so plain tensor code after it
+  (``input_embeds[selected] = vit_embeds``, ``masked_scatter``, ``cat``) sees one dtype: a
+  projector trained in fp32 beside a bf16 language model, or a projector's bf16 autocast
+  output written into fp32 embeddings.
 
 Targets are computed at install time; the per-call cost is a dtype comparison.
 
@@ -51,6 +58,9 @@ from .wrappers import unwrap_model, wrapper_compute_dtypes
 GuardKind = Literal["batch", "boundary", "entry", "leaf"]
 
 _ATTR = "_hf_precision_guard"
+_EXIT_ATTR = "_hf_precision_exit"
+#: The groups on the image path, in the order they usually run (see :func:`_handover_roots`).
+_IMAGE_PATH = ("vision_encoder", "resampler", "projector")
 #: Modules whose whole forward is one op autocast runs in its own dtype (F.linear, F.conv*).
 _AUTOCAST_OPS: frozenset[type[nn.Module]] = frozenset((nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
 #: Leaves whose inputs are integer ids: a hook there would only cost time.
@@ -206,6 +216,61 @@ def _guard_hook(
     return new_args, new_kwargs
 
 
+@dataclass(slots=True)
+class _ExitState:
+    """An exit guard: outputs follow ``ref``'s dtype (the language model's input embeddings,
+    read at call time so a later cast of the embeddings moves the target with it)."""
+
+    path: str
+    ref: torch.Tensor
+    handle: Any = None
+
+
+def _cast_out(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.dtype != dtype and value.is_floating_point() and is_castable(value):
+            return value.to(dtype)
+        return value
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        items = [_cast_out(v, dtype) for v in value]
+        if any(a is not b for a, b in zip(items, value, strict=True)):
+            return type(value)(items)
+        return value
+    if isinstance(value, dict):  # ModelOutput included: its direct tensors, in place
+        for k in list(value.keys()):
+            v = value[k]
+            if isinstance(v, torch.Tensor):
+                new = _cast_out(v, dtype)
+                if new is not v:
+                    value[k] = new
+    return value
+
+
+def _exit_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    st: _ExitState | None = module.__dict__.get(_EXIT_ATTR)
+    if st is None:
+        return None
+    out = _cast_out(output, st.ref.dtype)
+    return None if out is output else out
+
+
+def _install_exit(module: nn.Module, st: _ExitState) -> bool:
+    old: _ExitState | None = module.__dict__.get(_EXIT_ATTR)
+    if old is not None:
+        st.handle = old.handle
+        module.__dict__[_EXIT_ATTR] = st
+        return False
+    st.handle = module.register_forward_hook(_exit_hook)
+    module.__dict__[_EXIT_ATTR] = st
+    return True
+
+
+def _uninstall_exit(module: nn.Module) -> None:
+    st: _ExitState | None = module.__dict__.pop(_EXIT_ATTR, None)
+    if st is not None and st.handle is not None:
+        st.handle.remove()
+
+
 def _install(module: nn.Module, st: _GuardState) -> bool:
     """Install or update the hook of one module; True when a new hook was added."""
     old: _GuardState | None = module.__dict__.get(_ATTR)
@@ -232,10 +297,14 @@ class GuardHandle:
     batch: list[str] = field(default_factory=list)
     boundary: list[str] = field(default_factory=list)
     leaf: list[str] = field(default_factory=list)
+    #: group roots whose outputs leave in the language model's embedding dtype (forward hooks)
+    exit: list[str] = field(default_factory=list)
     added: int = 0
 
     @property
     def count(self) -> int:
+        """The forward pre-hooks (batch, boundary, entry, leaf); the exit hooks sit on group
+        roots that carry a boundary guard too."""
         return len(self.batch) + len(self.boundary) + len(self.leaf)
 
     def remove(self) -> None:
@@ -244,7 +313,7 @@ class GuardHandle:
     def __repr__(self) -> str:
         return (
             f"GuardHandle(batch={len(self.batch)}, boundary={len(self.boundary)}, "
-            f"leaf={len(self.leaf)})"
+            f"leaf={len(self.leaf)}, exit={len(self.exit)})"
         )
 
 
@@ -263,8 +332,9 @@ def remove_guards(model: nn.Module) -> int:
     root, _ = unwrap_model(model)
     n = 0
     for mod in list(_all_modules(root)):
-        if _ATTR in mod.__dict__:
+        if _ATTR in mod.__dict__ or _EXIT_ATTR in mod.__dict__:
             _uninstall(mod)
+            _uninstall_exit(mod)
             n += 1
     return n
 
@@ -272,7 +342,7 @@ def remove_guards(model: nn.Module) -> int:
 def installed_guards(model: nn.Module) -> int:
     """How many modules carry an hf-precision hook."""
     root, _ = unwrap_model(model)
-    return sum(1 for m in _all_modules(root) if _ATTR in m.__dict__)
+    return sum(1 for m in _all_modules(root) if _ATTR in m.__dict__ or _EXIT_ATTR in m.__dict__)
 
 
 def _own_weight(mod: nn.Module) -> tuple[torch.dtype, torch.Tensor | None] | None:
@@ -378,6 +448,49 @@ def _put_entry(
         return
 
 
+def _embedding_weight(root: nn.Module, groups: ModuleGroups) -> torch.Tensor | None:
+    """The weight of the language model's input embeddings (what image features are written
+    into), or ``None`` when the model has none that a cast could follow (quantized, absent)."""
+    owners = [root, *groups.modules("language_model")]
+    for owner in owners:
+        get = getattr(owner, "get_input_embeddings", None)
+        if get is None:
+            continue
+        try:
+            emb = get()
+        except (NotImplementedError, AttributeError, TypeError):
+            continue
+        w = getattr(emb, "weight", None)
+        if isinstance(w, torch.Tensor) and w.is_floating_point() and is_castable(w):
+            return w
+    return None
+
+
+def _handover_roots(root: nn.Module, groups: ModuleGroups) -> list[tuple[str, nn.Module]]:
+    """Where image features leave the image path for the language model: the roots of the
+    projector if the model has one, else the resampler's, else the vision encoder's; a root
+    that sits inside another image-path group's root (Idefics3's projector inside its
+    connector) hands over through that outer root."""
+    present = [g for g in _IMAGE_PATH if groups.modules(g)]
+    if not present:
+        return []
+    last = present[-1]
+    outer = {
+        path: mod
+        for g in present
+        for path, mod in zip(groups.paths.get(g, ()), groups.modules(g), strict=True)
+    }
+    out: list[tuple[str, nn.Module]] = []
+    for path, mod in zip(groups.paths.get(last, ()), groups.modules(last), strict=True):
+        holders = [p for p in outer if p and path.startswith(p + ".")]
+        if holders:
+            path = min(holders, key=len)
+            mod = outer[path]
+        if mod is not root and all(m is not mod for _, m in out):
+            out.append((path, mod))
+    return out
+
+
 def _batch_state(
     root: nn.Module,
     policy: PrecisionPolicy,
@@ -462,6 +575,13 @@ def install_guards(
                         handle.boundary,
                     )
             _put_entry(mod, path, policy, compute, move, put, handle)
+    exits: set[int] = set()
+    emb = _embedding_weight(root, groups) if policy.mode == "fix" else None
+    if emb is not None and policy.boundary_guards:
+        for path, mod in _handover_roots(root, groups):
+            exits.add(id(mod))
+            handle.added += _install_exit(mod, _ExitState(path, emb))
+            handle.exit.append(path)
     if leaf_groups is None:
         leaf_groups = _leaf_groups(policy, groups, report)
     if leaf_groups:
@@ -475,6 +595,8 @@ def install_guards(
     for _, _, mod in view.modules:
         if _ATTR in mod.__dict__ and id(mod) not in wanted:
             _uninstall(mod)
+        if _EXIT_ATTR in mod.__dict__ and id(mod) not in exits:
+            _uninstall_exit(mod)
     return handle
 
 

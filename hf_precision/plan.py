@@ -39,7 +39,7 @@ from .dtypes import (
 )
 from .errors import did_you_mean
 from .groups import ModuleGroups, hidden_module
-from .policy import PrecisionPolicy
+from .policy import PrecisionPolicy, Role, Rule, tensor_role
 from .view import ModelView
 from .wrappers import is_sharded
 
@@ -86,6 +86,8 @@ class PlannedCast:
     change: Change
     dtype: torch.dtype
     device: torch.device
+    #: the exact values to write instead of a cast (a rotary table recomputed from the config)
+    value: torch.Tensor | None = None
 
 
 @dataclass
@@ -97,6 +99,9 @@ class EnforceReport:
     applied: bool
     changes: list[Change] = field(default_factory=list)
     kept_fp32: list[tuple[str, str]] = field(default_factory=list)
+    #: every tensor a keep rule held in float32: (name, group, rule, reason), the rule one of
+    #: ``rotary``, ``keep_fp32``, ``deliberate_fp32`` (:data:`~hf_precision.policy.KEEP_RULES`)
+    kept: list[tuple[str, str, Rule, str]] = field(default_factory=list)
     overflow: list[tuple[str, float]] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -148,6 +153,9 @@ class EnforceReport:
             "changes": [c.__dict__ for c in self.changes],
             "wrapper_casts": [c.__dict__ for c in self.wrapper_casts],
             "kept_fp32": self.kept_fp32,
+            "kept": [
+                {"name": n, "group": g, "rule": r, "reason": why} for n, g, r, why in self.kept
+            ],
             "overflow": self.overflow,
             "skipped": self.skipped,
             "mixed_groups": list(self.mixed_groups),
@@ -218,6 +226,29 @@ def plan_policy(root: nn.Module, policy: PrecisionPolicy, view: ModelView) -> En
     return report
 
 
+def _recomputed_rotary(mod: nn.Module, key: str, t: torch.Tensor) -> torch.Tensor | None:
+    """``mod.<key>`` recomputed in float32 by building the rotary module again from its config
+    (transformers' rotary modules keep ``config`` and compute their tables in ``__init__``:
+    ``rope_init_fn`` / ``compute_default_rope_parameters``); ``None`` when the module cannot,
+    or when the fresh table, rounded, is not what the model holds (a table changed on purpose,
+    e.g. by dynamic RoPE scaling, is not replaced)."""
+    config = getattr(mod, "config", None)
+    if config is None:
+        return None
+    try:
+        with torch.device("cpu"):
+            fresh = type(mod)(config)
+    except Exception:  # a constructor that needs more than the config: cannot recompute
+        return None
+    value = fresh._buffers.get(key)
+    if value is None or value.shape != t.shape or not value.is_floating_point():
+        return None
+    value = value.detach().float()
+    if not torch.equal(value.to(t.dtype), t.detach().to("cpu")):
+        return None
+    return value
+
+
 def _range_checked(src: torch.dtype, dst: torch.dtype, kind: TensorKind) -> bool:
     """Downcasts worth a range check (a read pass over the tensor): every one to a narrower
     exponent range (fp16); to bf16, which keeps fp32's range short of its top 0.4%, only buffers,
@@ -246,6 +277,8 @@ class _Planner:
     meta: list[str] = field(default_factory=list)
     #: group -> (dtype its quantized layers compute in, their format), from a first pass
     quantized: dict[str, tuple[torch.dtype, str]] = field(default_factory=dict)
+    #: group -> the dtype most of its weights other than norms and adapters are in (first pass)
+    group_dtype: dict[str, torch.dtype] = field(default_factory=dict)
 
     def walk(
         self, root: nn.Module, groups: ModuleGroups, walk: list[tuple[str, str, nn.Module]]
@@ -261,6 +294,7 @@ class _Planner:
             for p in m.parameters()
         }
         self._find_quantized(groups, walk)
+        self._find_group_dtypes(groups, walk)
         first: dict[int, tuple[str, str]] = {}  # id(parameter) -> its first (name, group)
         for path, group, mod in walk:
             for pname, p in mod._parameters.items():
@@ -310,6 +344,29 @@ class _Planner:
                     f"bnb_4bit_compute_dtype=) in {dtype_name(wanted)}, or use a "
                     f"{dtype_name(compute)} policy."
                 )
+
+    def _find_group_dtypes(
+        self, groups: ModuleGroups, walk: list[tuple[str, str, nn.Module]]
+    ) -> None:
+        """The dtype each group computes in, as loaded: the majority (by elements) of its
+        weights other than normalization layers and self-casting adapters (LoRA); a group
+        holding quantized layers computes in their compute dtype. A frozen fp32 norm in a group computing in half
+        was put there on purpose (:meth:`PrecisionPolicy.decide`, rule ``deliberate_fp32``)."""
+        counts: dict[str, dict[torch.dtype, int]] = {}
+        seen: set[int] = set()
+        for path, group, mod in walk:
+            for pname, p in mod._parameters.items():
+                if p is None or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                full = f"{path}.{pname}" if path else pname
+                if _SELF_CASTING.search(full) or tensor_role(mod, pname, p, is_buffer=False):
+                    continue
+                if is_castable(p):
+                    per = counts.setdefault(groups.by_path.get(full, group), {})
+                    per[p.dtype] = per.get(p.dtype, 0) + p.numel()
+        self.group_dtype = {g: max(c, key=lambda d: c[d]) for g, c in counts.items() if c}
+        self.group_dtype.update({g: compute for g, (compute, _) in self.quantized.items()})
 
     def _check_tie(
         self, full: str, group: str, first: tuple[str, str], p: torch.Tensor, trainable: bool
@@ -373,6 +430,7 @@ class _Planner:
         if not is_castable(t):
             self._skip_quantized(mod, t, full, group, kind)
             return
+        role: Role | None = tensor_role(mod, key, t, is_buffer=kind == "buffer")
         decision = self.policy.decide(
             full,
             group,
@@ -380,6 +438,8 @@ class _Planner:
             is_buffer=kind == "buffer",
             model_patterns=self.model_keep,
             current=t.dtype,
+            role=role,
+            group_dtype=self.group_dtype.get(group),
         )
         target, reason = decision.dtype, decision.reason
         held = self.quantized.get(group)
@@ -387,8 +447,12 @@ class _Planner:
             target, reason = held[0], f"follows the quantized layers of {group} ({held[1]})"
         if decision.keeps_fp32:
             self.report.kept_fp32.append((full, reason))
+            self.report.kept.append((full, group, decision.rule, reason))
         if self._skip_wrapper_owned(t, full, group, kind):
             return
+        value = None
+        if decision.rule == "rotary" and t.dtype != target and t.device.type != "meta":
+            value, reason = self._rounded_rotary(mod, key, t, full, group)
         dev = t.device
         target_dev = dev
         if self.device is not None and dev != self.device:
@@ -412,7 +476,28 @@ class _Planner:
             str(target_dev),
         )
         self.report.changes.append(change)
-        self.todo.append(PlannedCast(mod, key, t, change, final, target_dev))
+        self.todo.append(PlannedCast(mod, key, t, change, final, target_dev, value))
+
+    def _rounded_rotary(
+        self, mod: nn.Module, key: str, t: torch.Tensor, full: str, group: str
+    ) -> tuple[torch.Tensor | None, str]:
+        """A rotary table found in a lower precision (a ``model.to(bf16)`` rounded it): its
+        exact values recomputed from the config where the rotary module can (the same table,
+        rounded, equals what the model holds), else a warning that the upcast cannot give the
+        lost bits back."""
+        was = dtype_name(t.dtype)
+        value = _recomputed_rotary(mod, key, t)
+        if value is not None:
+            return value, f"rotary table rounded to {was}: recomputed from the config"
+        self.report.warnings.append(
+            f"{full} [{group}]: this rotary table was already rounded to {was} "
+            f"({type(mod).__name__}, e.g. by model.to({was})); the guard keeps it in float32 "
+            "from now on, but an upcast cannot restore the lost bits and its module cannot "
+            "recompute it from a config. Fix: load the model with from_pretrained(..., "
+            f"dtype=torch.{t.dtype}) (which keeps rotary tables in float32) instead of "
+            f"casting the whole model with .to({was})."
+        )
+        return None, f"rotary table rounded to {was}: upcast, the lost bits cannot be restored"
 
     def _skip_quantized(
         self, mod: nn.Module, t: torch.Tensor, full: str, group: str, kind: TensorKind

@@ -9,13 +9,18 @@ True
 
 Precedence for one parameter (first that applies):
 
-1. keep-in-fp32 (``keep_fp32`` patterns, the model's ``_keep_in_fp32_modules``, rotary
-   ``inv_freq`` buffers) -> float32;
+1. rotary tables (any ``*inv_freq*`` buffer, every floating buffer of a rotary-embedding
+   module: :func:`tensor_role`) -> float32 (rule ``rotary``); ``keep_fp32`` patterns and the
+   model's ``_keep_in_fp32_modules`` -> float32 (rule ``keep_fp32``);
 2. trainable parameter -> float32 if it is float32 and ``keep_trainable_fp32`` (set when the
    policy is inferred with no precision flag), else ``trainable_dtype`` (fp32 under mixed
    presets: the optimizer and the fp16 GradScaler need fp32 weights and gradients);
 3. its group has an override in ``group_dtypes`` -> that dtype;
-4. otherwise -> ``frozen_dtype``.
+4. a frozen fp32 weight of a normalization layer (recognised by module type) whose group's
+   other weights are in a half dtype -> stays float32 (rule ``deliberate_fp32``: LLaMA-Factory's
+   ``upcast_layernorm``, PEFT's ``prepare_model_for_kbit_training``, axolotl's norm upcasts
+   chose it); ``keep_fp32_norms=False`` or naming the group in ``group_dtypes`` casts it;
+5. otherwise -> ``frozen_dtype``.
 """
 
 from __future__ import annotations
@@ -43,7 +48,20 @@ MODES: tuple[Mode, ...] = get_args(Mode)
 LeafGuards = Literal["auto", "on", "off"]
 LEAF_GUARDS: tuple[LeafGuards, ...] = get_args(LeafGuards)
 #: Which precedence rule decided a tensor's dtype (see :class:`Decision`).
-Rule = Literal["keep_fp32", "keep_trainable_fp32", "trainable", "group_dtypes", "frozen"]
+Rule = Literal[
+    "rotary",
+    "keep_fp32",
+    "keep_trainable_fp32",
+    "trainable",
+    "group_dtypes",
+    "deliberate_fp32",
+    "frozen",
+]
+#: The rules that keep a tensor in float32 whatever the preset (:attr:`Decision.keeps_fp32`).
+KEEP_RULES: tuple[Rule, ...] = ("rotary", "keep_fp32", "deliberate_fp32")
+#: What a tensor is, beyond its name (:func:`tensor_role`): a normalization layer's weight or a
+#: rotary/positional table.
+Role = Literal["norm", "rotary"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,9 +75,10 @@ class Decision:
 
     @property
     def keeps_fp32(self) -> bool:
-        """A keep-in-fp32 pattern, the model's ``_keep_in_fp32_modules`` or a rotary buffer
-        decided: the tensor must stay float32 whatever the wrapper or the preset."""
-        return self.rule == "keep_fp32"
+        """A keep-in-fp32 pattern, the model's ``_keep_in_fp32_modules``, a rotary table or a
+        deliberate fp32 norm decided: the tensor must stay float32 whatever the wrapper or the
+        preset."""
+        return self.rule in KEEP_RULES
 
 
 #: preset -> (compute, frozen, trainable)
@@ -89,8 +108,54 @@ _PRESET_ALIASES = {
     "bf16-mixed-fp32": "bf16",
 }
 
-#: Buffers that always stay fp32 (rotary frequencies lose positions when rounded).
-DEFAULT_KEEP_FP32_BUFFERS: tuple[str, ...] = ("re:(.*\\.)?(original_)?inv_freq",)
+#: Buffers that always stay fp32 by name (rotary frequencies lose positions when rounded): any
+#: ``*inv_freq*`` (``inv_freq``, ``original_inv_freq``, Gemma 3's per-layer-type
+#: ``sliding_attention_inv_freq`` ...). Buffers of rotary modules are found by type too
+#: (:func:`tensor_role`).
+DEFAULT_KEEP_FP32_BUFFERS: tuple[str, ...] = ("re:(.*\\.)?[^.]*inv_freq[^.]*",)
+#: Normalization layers by type (subclasses included) and by class name (``*RMSNorm``,
+#: ``*LayerNorm``, ``*GroupNorm`` of transformers and remote code).
+_NORM_TYPES: tuple[type[nn.Module], ...] = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+    nn.modules.batchnorm._NormBase,
+)
+_NORM_NAME = re.compile(r"(RMS|Layer|Group|Batch)_?Norm", re.IGNORECASE)
+_ROTARY_NAME = re.compile(r"Rotary|RoPE|Rope(Emb|$)")
+
+
+def is_norm_module(module: nn.Module) -> bool:
+    """A normalization layer, by type or class name (``LlamaRMSNorm``, ``Qwen2VLLayerNorm``,
+    ``nn.LayerNorm``, remote code's ``InternRMSNorm``)."""
+    return isinstance(module, _NORM_TYPES) or bool(_NORM_NAME.search(type(module).__name__))
+
+
+def is_rotary_module(module: nn.Module) -> bool:
+    """A rotary-embedding module: its class name says so (``LlamaRotaryEmbedding``,
+    ``Qwen2VisionRotaryEmbedding``), or it keeps rotary state (``inv_freq``,
+    ``rope_init_fn``, ``rope_type``)."""
+    if _ROTARY_NAME.search(type(module).__name__):
+        return True
+    d = module.__dict__
+    return "inv_freq" in d.get("_buffers", {}) or "rope_init_fn" in d or "rope_type" in d
+
+
+def tensor_role(
+    module: nn.Module, key: str, tensor: torch.Tensor, *, is_buffer: bool
+) -> Role | None:
+    """What ``module.<key>`` is, by the module that holds it: ``"rotary"`` for a floating
+    buffer of a rotary module (or any ``*inv_freq*`` buffer), ``"norm"`` for a 1-D weight or
+    bias of a normalization layer, else ``None``."""
+    if is_buffer:
+        if tensor.is_floating_point() and ("inv_freq" in key or is_rotary_module(module)):
+            return "rotary"
+        return None
+    if tensor.dim() <= 1 and is_norm_module(module):
+        return "norm"
+    return None
+
+
 #: Batch keys never cast (targets are compared, not computed with).
 DEFAULT_SKIP_KEYS: tuple[str, ...] = (
     "labels",
@@ -202,6 +267,13 @@ class PrecisionPolicy:
     )
     honour_model_keep_fp32: bool = field(
         default=True, metadata={"help": "keep model._keep_in_fp32_modules in fp32"}
+    )
+    keep_fp32_norms: bool = field(
+        default=True,
+        metadata={
+            "help": "frozen fp32 norm weights in a group whose other weights are half stay "
+            "fp32 (upcast_layernorm, prepare_model_for_kbit_training); False casts them"
+        },
     )
     mode: Mode = field(default="fix", metadata={"help": "audit | fix | raise"})
     move_devices: bool = field(
@@ -417,13 +489,22 @@ class PrecisionPolicy:
         return self.group_dtypes.get(group, self.frozen_dtype)  # type: ignore[return-value]
 
     def keep_fp32_reason(
-        self, name: str, *, is_buffer: bool, model_patterns: Iterable[str] = ()
+        self,
+        name: str,
+        *,
+        is_buffer: bool,
+        model_patterns: Iterable[str] = (),
+        role: Role | None = None,
     ) -> str | None:
-        """Why ``name`` must stay fp32, or ``None``."""
+        """Why ``name`` must stay fp32 whatever its group (a rotary table, a ``keep_fp32``
+        pattern, the model's ``_keep_in_fp32_modules``), or ``None``. ``role`` is
+        :func:`tensor_role`'s answer where the caller knows the module."""
         if is_buffer:
             for pat in DEFAULT_KEEP_FP32_BUFFERS:
                 if match_pattern(pat, name):
                     return "rotary inv_freq buffer"
+            if role == "rotary":
+                return "rotary table (buffer of a rotary-embedding module)"
         for pat in self.keep_fp32:
             if match_pattern(pat, name):
                 return f"keep_fp32 {pat!r}"
@@ -442,18 +523,41 @@ class PrecisionPolicy:
         is_buffer: bool = False,
         model_patterns: Iterable[str] = (),
         current: torch.dtype | None = None,
+        role: Role | None = None,
+        group_dtype: torch.dtype | None = None,
     ) -> Decision:
         """The dtype the policy wants for one parameter/buffer (now in ``current``) and the
-        rule that decided (the precedence at the top of this module)."""
-        reason = self.keep_fp32_reason(name, is_buffer=is_buffer, model_patterns=model_patterns)
+        rule that decided (the precedence at the top of this module). ``role`` is what the
+        tensor is (:func:`tensor_role`), ``group_dtype`` the dtype the other weights of its
+        group are in (the plan's first pass): together they tell a deliberate fp32 norm from
+        one left in fp32 with its whole group."""
+        reason = self.keep_fp32_reason(
+            name, is_buffer=is_buffer, model_patterns=model_patterns, role=role
+        )
         if reason is not None:
-            return Decision(torch.float32, "keep_fp32", reason)
+            rule: Rule = "rotary" if reason.startswith("rotary") else "keep_fp32"
+            return Decision(torch.float32, rule, reason)
         if trainable and self.keep_trainable_fp32 and current == torch.float32:
             return Decision(torch.float32, "keep_trainable_fp32", "keep_trainable_fp32")
         if trainable and self.trainable_dtype is not None:
             return Decision(self.trainable_dtype, "trainable", "trainable")
         if group in self.group_dtypes:
             return Decision(self.group_dtypes[group], "group_dtypes", f"group_dtypes[{group!r}]")
+        if (
+            role == "norm"
+            and self.keep_fp32_norms
+            and current == torch.float32
+            and group_dtype is not None
+            and group_dtype.is_floating_point
+            and group_dtype.itemsize < 4
+        ):
+            return Decision(
+                torch.float32,
+                "deliberate_fp32",
+                f"fp32 norm weight in a {dtype_name(group_dtype)} group: kept as chosen "
+                "(upcast_layernorm / prepare_model_for_kbit_training); keep_fp32_norms=False "
+                "casts it",
+            )
         return Decision(self.frozen_dtype, "frozen", "frozen")  # type: ignore[arg-type]
 
     def target_dtype(self, name: str, group: str, **kwargs: Any) -> tuple[torch.dtype, str]:

@@ -2,7 +2,7 @@
 
 - :mod:`.vlm`: native transformers VLMs from tiny configs, ``tiny_batch``, an offline processor.
 - :mod:`.remote_layouts`: plain-torch copies of remote-code layouts (MiniCPM-V 2.x, OmniLMM,
-  InternLM-XComposer, InternVL-Chat) with their real dtype bugs.
+  InternLM-XComposer, InternVL-Chat, XTuner's LLaVA, DeepSeek-VL) with their real dtype bugs.
 - :mod:`.diffusion`: a OneTrainer-style denoiser and its fp32-mask collator.
 
 Attributes load lazily (PEP 562) so ``import hf_precision.tiny`` stays cheap; nothing here
@@ -24,8 +24,10 @@ if TYPE_CHECKING:
     )
     from .remote_layouts import (
         CONV_DTYPE_ERROR,
+        INDEX_PUT_DTYPE_ERROR,
         MATMUL_DTYPE_ERROR,
         REMOTE_LAYOUTS,
+        DeepSeekVLTiny,
         InternVLTiny,
         MiniCPMV2Tiny,
         OmniLMMTiny,
@@ -80,6 +82,8 @@ _MODULES: dict[str, tuple[str, ...]] = {
     ),
     "remote_layouts": (
         "CONV_DTYPE_ERROR",
+        "DeepSeekVLTiny",
+        "INDEX_PUT_DTYPE_ERROR",
         "MATMUL_DTYPE_ERROR",
         "REMOTE_LAYOUTS",
         "InternVLTiny",

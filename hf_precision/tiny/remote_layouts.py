@@ -38,6 +38,9 @@ MATMUL_DTYPE_ERROR = (
     r"(mat1 and mat2 must have the same dtype"
     r"|expected (m1 and m2|mat1 and mat2) to have the same dtype)"
 )
+#: Image features written by index put into text embeddings of another dtype (InternVL-Chat,
+#: DeepSeek-VL).
+INDEX_PUT_DTYPE_ERROR = r"Index put requires the source and destination dtypes match"
 CONV_DTYPE_ERROR = r"Input type \(float\) and bias type \(c10::(BFloat16|Half)\) should be the same"
 IMAGE_TOKEN_ID = 255
 _TEXT_LEN = 6
@@ -536,11 +539,25 @@ class ProjectorModel(nn.Module):
 
 
 class InternVLTiny(RemoteVLM):
-    """Remote-code InternVL-Chat layout: ``vision_model``, ``mlp1``, ``language_model``.
+    """InternVL-Chat, held as ``OpenGVLab/InternVL`` holds it (commit
+    03285798fa1ed6496981887724d0db688581a859,
+    ``internvl_chat/internvl/model/internvl_chat/modeling_internvl_chat.py``).
 
-    InternViT's embeddings read ``target_dtype = patch_embedding.weight.dtype`` but never cast
-    the pixels with it, so fp32 pixels into a bf16 conv fail:
-    ``Input type (float) and bias type (c10::BFloat16) should be the same``.
+    ``InternVLChatModel`` has ``vision_model`` (InternViT: here :class:`TinyViT` with a CLS
+    token), ``mlp1`` (LayerNorm, Linear, GELU, Linear over the pixel-shuffled features) and
+    ``language_model`` (an HF causal LM, its head at ``language_model.lm_head``;
+    :meth:`wrap_llm_lora` makes it a ``PeftModel``, head at
+    ``language_model.base_model.model.lm_head``). Its dtype handling, bugs included:
+
+    - InternViT's embeddings read ``target_dtype = patch_embedding.weight.dtype`` but never cast
+      the pixels with it: fp32 pixels into a bf16 conv fail with
+      ``Input type (float) and bias type (c10::BFloat16) should be the same``;
+    - ``forward`` writes the image features into the text embeddings by index put,
+      ``input_embeds[selected] = input_embeds[selected] * 0.0 + vit_embeds.reshape(-1, C)``
+      (``generate``: ``input_embeds[selected] = vit_embeds.reshape(-1, C)``): nothing casts them,
+      so ``mlp1`` trained in fp32 beside a bf16 language model fails with ``Index put requires
+      the source and destination dtypes match``. (Upstream wraps the training form in a
+      ``try`` whose ``except`` repeats the same index put: the error propagates.)
     """
 
     def __init__(self, dtype: torch.dtype | None = None, seed: int = 0) -> None:
@@ -549,6 +566,8 @@ class InternVLTiny(RemoteVLM):
         # 32x32 image, patch 8 -> 4x4 grid (+CLS); pixel shuffle 0.5 -> 4 tokens of width 64.
         self.config = RemoteConfig("internvl_chat", image_size=32, num_image_tokens=4)
         self.downsample_ratio = 0.5
+        self.select_layer = -1
+        self.img_context_token_id = self.config.image_token_id
         self.vision_model = TinyViT(image_size=32, patch_size=8, width=16, cls_token=True)
         vit_hidden = 16 * int(1 / self.downsample_ratio) ** 2
         self.mlp1 = nn.Sequential(
@@ -559,6 +578,30 @@ class InternVLTiny(RemoteVLM):
         if dtype is not None:
             self.to(dtype)
 
+    def wrap_llm_lora(self, r: int = 4, lora_alpha: int = 8, lora_dropout: float = 0.05) -> None:
+        """InternVL's own LoRA: ``get_peft_model`` on the language model only (the Llama/Qwen2
+        target modules), then ``enable_input_require_grads``."""
+        from peft import LoraConfig, get_peft_model
+
+        target_modules = [
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.down_proj",
+            "mlp.up_proj",
+        ]
+        lora_config = LoraConfig(
+            r=r,
+            target_modules=target_modules,
+            lora_alpha=lora_alpha,
+            lora_dropout=lora_dropout,
+            task_type="CAUSAL_LM",
+        )
+        self.language_model = get_peft_model(self.language_model, lora_config)
+        self.language_model.enable_input_require_grads()
+
     def pixel_shuffle(self, x: torch.Tensor, scale_factor: float = 0.5) -> torch.Tensor:
         n, w, h, c = x.size()
         x = x.view(n, w, int(h * scale_factor), int(c / scale_factor))
@@ -566,11 +609,16 @@ class InternVLTiny(RemoteVLM):
         x = x.view(n, int(h * scale_factor), int(w * scale_factor), int(c / scale_factor**2))
         return x.permute(0, 2, 1, 3).contiguous()
 
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def extract_feature(self, pixel_values: torch.Tensor) -> torch.Tensor:
         vit_embeds = self.vision_model(pixel_values)[:, 1:, :]  # drop CLS
-        side = int(vit_embeds.shape[1] ** 0.5)
-        vit_embeds = self.pixel_shuffle(vit_embeds.reshape(vit_embeds.shape[0], side, side, -1))
-        return self.mlp1(vit_embeds.reshape(vit_embeds.shape[0], -1, vit_embeds.shape[-1]))
+        h = w = int(vit_embeds.shape[1] ** 0.5)
+        vit_embeds = vit_embeds.reshape(vit_embeds.shape[0], h, w, -1)
+        vit_embeds = self.pixel_shuffle(vit_embeds, scale_factor=self.downsample_ratio)
+        vit_embeds = vit_embeds.reshape(vit_embeds.shape[0], -1, vit_embeds.shape[-1])
+        return self.mlp1(vit_embeds)
+
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.extract_feature(pixel_values)
 
     def get_input_embeddings(self) -> nn.Module:
         return self.language_model.get_input_embeddings()
@@ -579,6 +627,173 @@ class InternVLTiny(RemoteVLM):
         out = self.language_model(inputs_embeds=inputs_embeds, attention_mask=attention_mask)
         return out.logits
 
+    def get_vllm_embedding(
+        self, input_ids: torch.Tensor, pixel_values: torch.Tensor
+    ) -> torch.Tensor:
+        """``generate``'s merge: ``input_embeds[selected] = vit_embeds.reshape(-1, C)``."""
+        vit_embeds = self.extract_feature(pixel_values)
+        input_embeds = self.language_model.get_input_embeddings()(input_ids)
+        b, n, c = input_embeds.shape
+        input_embeds = input_embeds.reshape(b * n, c)
+        selected = input_ids.reshape(b * n) == self.img_context_token_id
+        input_embeds[selected] = vit_embeds.reshape(-1, c).to(input_embeds.device)
+        return input_embeds.reshape(b, n, c)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        image_flags: torch.Tensor | None = None,
+    ) -> Any:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        input_embeds = self.language_model.get_input_embeddings()(input_ids).clone()
+        vit_embeds = self.extract_feature(pixel_values)
+        if image_flags is not None:  # upstream requires it; the tiny batches carry no padding
+            vit_embeds = vit_embeds[image_flags.squeeze(-1) == 1]
+        b, n, c = input_embeds.shape
+        input_embeds = input_embeds.reshape(b * n, c)
+        selected = input_ids.reshape(b * n) == self.img_context_token_id
+        input_embeds[selected] = input_embeds[selected] * 0.0 + vit_embeds.reshape(-1, c)
+        input_embeds = input_embeds.reshape(b, n, c)
+        logits = self.language_model(
+            inputs_embeds=input_embeds, attention_mask=attention_mask
+        ).logits
+        loss = None
+        if labels is not None:
+            shift_logits = logits[..., :-1, :].contiguous().view(-1, logits.shape[-1])
+            shift_labels = labels[..., 1:].contiguous().view(-1).to(shift_logits.device)
+            loss = nn.CrossEntropyLoss()(shift_logits, shift_labels)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+class SigLIPTower(nn.Module):
+    """DeepSeek-VL's ``CLIPVisionTower`` around a timm SigLIP ViT (``select_feature="same"``,
+    ``select_layer=-1``): ``vision_tower`` (here :class:`TinyViT`) returns the patch features
+    as a tensor, which ``feature_select`` hands on unchanged."""
+
+    def __init__(self, image_size: int, patch_size: int, width: int) -> None:
+        super().__init__()
+        self.select_feature, self.select_layer = "same", -1
+        self.vision_tower = TinyViT(image_size=image_size, patch_size=patch_size, width=width)
+        self.image_norm = None
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.vision_tower(images)
+
+
+class MlpProjector(nn.Module):
+    """DeepSeek-VL's ``MlpProjector`` (``projector_type="mlp_gelu"``, depth 2): ``layers`` is
+    Linear, GELU, Linear."""
+
+    def __init__(self, input_dim: int, n_embed: int) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(input_dim, n_embed), nn.GELU(), nn.Linear(n_embed, n_embed)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class DeepSeekVLTiny(RemoteVLM):
+    """DeepSeek-VL, held as ``deepseek-ai/DeepSeek-VL`` holds it (commit
+    d04d289cb8ef9e1e02f7e4eae7e817d572dcb07f, ``deepseek_vl/models/modeling_vlm.py``,
+    ``clip_encoder.py``, ``projector.py``; it runs on transformers 4.x).
+
+    ``MultiModalityCausalLM`` (config ``model_type="multi_modality"``) has ``vision_model``
+    (``CLIPVisionTower``: :class:`SigLIPTower`), ``aligner`` (:class:`MlpProjector`) and
+    ``language_model`` (a ``LlamaForCausalLM``), with no ``model.`` prefix.
+    ``prepare_inputs_embeds`` encodes ``pixel_values`` of shape (b, n_images, 3, H, W), zeroes
+    negative ids in place and writes the aligned features into the text embeddings by index
+    put, ``inputs_embeds[images_seq_mask] = images_embeds[images_emb_mask]``: nothing casts
+    them, so an fp32 aligner beside a bf16 language model fails (``Index put requires the
+    source and destination dtypes match``), and so do bf16 autocast features written into fp32
+    embeddings. Upstream has no training ``forward`` (its scripts call
+    ``language_model(inputs_embeds=prepare_inputs_embeds(...))``); :meth:`forward` does that,
+    building the two masks from the image placeholder ids when they are not given and taking
+    4-D pixels as one image per sample.
+    """
+
+    def __init__(self, dtype: torch.dtype | None = None, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        # 30x30 image, patch 6 -> 25 patch features of width 16, aligned to the LM's 32.
+        self.config = RemoteConfig("multi_modality", image_size=30, num_image_tokens=25)
+        self.vision_model = SigLIPTower(image_size=30, patch_size=6, width=16)
+        self.aligner = MlpProjector(16, 32)
+        self.language_model = _tiny_llama()
+        self.eval()
+        if dtype is not None:
+            self.to(dtype)
+
+    def prepare_inputs_embeds(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor,
+        images_seq_mask: torch.Tensor,
+        images_emb_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        bs, n = pixel_values.shape[0:2]
+        images = pixel_values.flatten(0, 1)  # "b n c h w -> (b n) c h w"
+        images_embeds = self.aligner(self.vision_model(images))  # [b x n, T2, D]
+        images_embeds = images_embeds.reshape(bs, n * images_embeds.shape[1], -1)
+        images_emb_mask = images_emb_mask.reshape(bs, -1)  # "b n t -> b (n t)"
+        input_ids[input_ids < 0] = 0  # ignore the image embeddings
+        inputs_embeds = self.language_model.get_input_embeddings()(input_ids)
+        inputs_embeds[images_seq_mask] = images_embeds[images_emb_mask]
+        return inputs_embeds
+
+    def _masks(
+        self, input_ids: torch.Tensor, pixel_values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if pixel_values.dim() == 4:
+            pixel_values = pixel_values.unsqueeze(1)
+        seq_mask = input_ids == self.config.image_token_id
+        b, n = pixel_values.shape[:2]
+        emb_mask = torch.ones(
+            b, n, self.config.num_image_tokens, dtype=torch.bool, device=input_ids.device
+        )
+        return pixel_values, seq_mask, emb_mask
+
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.aligner(self.vision_model(pixel_values))
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.language_model.get_input_embeddings()
+
+    def lm_logits(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        out = self.language_model(inputs_embeds=inputs_embeds, attention_mask=attention_mask)
+        return out.logits
+
+    def get_vllm_embedding(
+        self, input_ids: torch.Tensor, pixel_values: torch.Tensor
+    ) -> torch.Tensor:
+        pixel_values, seq_mask, emb_mask = self._masks(input_ids, pixel_values)
+        return self.prepare_inputs_embeds(input_ids.clone(), pixel_values, seq_mask, emb_mask)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        images_seq_mask: torch.Tensor | None = None,
+        images_emb_mask: torch.Tensor | None = None,
+    ) -> Any:
+        pixel_values, seq_mask, emb_mask = self._masks(input_ids, pixel_values)
+        inputs_embeds = self.prepare_inputs_embeds(
+            input_ids.clone(),
+            pixel_values,
+            seq_mask if images_seq_mask is None else images_seq_mask,
+            emb_mask if images_emb_mask is None else images_emb_mask,
+        )
+        return self.language_model(
+            inputs_embeds=inputs_embeds, attention_mask=attention_mask, labels=labels
+        )
+
 
 REMOTE_LAYOUTS: dict[str, type[RemoteVLM]] = {
     "minicpmv": MiniCPMV2Tiny,
@@ -586,6 +801,7 @@ REMOTE_LAYOUTS: dict[str, type[RemoteVLM]] = {
     "internlmxcomposer2": XComposerTiny,
     "internvl_chat": InternVLTiny,
     "xtuner_llava": XTunerLLaVATiny,
+    "multi_modality": DeepSeekVLTiny,
 }
 
 
