@@ -39,7 +39,9 @@ from .dtypes import dtype_name, is_castable, zero3_dtype
 from .enforce import Change, EnforceReport
 from .errors import PrecisionError
 from .groups import ModuleGroups, find_module_groups
-from .policy import PrecisionPolicy
+from .plan import group_compute_dtypes
+from .policy import PrecisionPolicy, tensor_role
+from .view import walk_modules
 from .wrappers import (
     WRAPPERS,
     clean_name,
@@ -281,13 +283,23 @@ def check_wrapped(
     compute = wrapper_compute_dtypes(model)
     keep = tuple(getattr(root, "_keep_in_fp32_modules", None) or ())
     out = WrapperCheck(wrapper)
+    walk = list(walk_modules(root, groups))
+    owners = {id(p): (m, k) for _, _, m in walk for k, p in m._parameters.items() if p is not None}
+    group_dtype = group_compute_dtypes(groups, walk)
     for raw, p in root.named_parameters():
         if not is_castable(p):
             continue
         name = clean_name(raw)
         group = groups.group_of(name)
+        mod, key = owners.get(id(p), (None, ""))
         decision = policy.decide(
-            name, group, trainable=p.requires_grad, model_patterns=keep, current=p.dtype
+            name,
+            group,
+            trainable=p.requires_grad,
+            model_patterns=keep,
+            current=zero3_dtype(p) or p.dtype,
+            role=tensor_role(mod, key, p, is_buffer=False) if mod is not None else None,
+            group_dtype=group_dtype.get(group),
         )
         target, reason = decision.dtype, decision.reason
         storage = zero3_dtype(p) or p.dtype

@@ -35,6 +35,7 @@ from .dtypes import (
     zero3_dtype,
 )
 from .groups import OTHER, ModuleGroups, find_module_groups, hidden_module
+from .policy import tensor_role
 from .tables import fmt_bytes, render_table
 from .view import ModelView
 from .wrappers import clean_name, is_sharded, unwrap_model
@@ -496,7 +497,10 @@ def _dtype_map(
             if policy is not None and rec.kept_fp32 is None and b.is_floating_point():
                 full = f"{path}.{bname}" if path else bname
                 rec.kept_fp32 = policy.keep_fp32_reason(
-                    full, is_buffer=True, model_patterns=model_keep
+                    full,
+                    is_buffer=True,
+                    model_patterns=model_keep,
+                    role=tensor_role(mod, bname, b, is_buffer=True),
                 )
         if rec is not None and path not in records:  # registered twice: the first name counts
             records[path] = rec

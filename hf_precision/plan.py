@@ -43,7 +43,15 @@ from .policy import PrecisionPolicy, Role, Rule, tensor_role
 from .view import ModelView
 from .wrappers import is_sharded
 
-__all__ = ["Change", "EnforceReport", "PlannedCast", "TensorKind", "model_device", "plan_policy"]
+__all__ = [
+    "Change",
+    "EnforceReport",
+    "PlannedCast",
+    "TensorKind",
+    "group_compute_dtypes",
+    "model_device",
+    "plan_policy",
+]
 
 TensorKind = Literal["param", "buffer"]
 
@@ -226,6 +234,31 @@ def plan_policy(root: nn.Module, policy: PrecisionPolicy, view: ModelView) -> En
     return report
 
 
+def group_compute_dtypes(
+    groups: ModuleGroups, walk: list[tuple[str, str, nn.Module]]
+) -> dict[str, torch.dtype]:
+    """The dtype each group computes in, as loaded: the majority (by elements) of its weights
+    other than normalization layers and self-casting adapters (LoRA) (the plan adds: a group
+    holding quantized layers computes in their compute dtype). A frozen fp32 norm in a group
+    computing in half was put there on purpose (:meth:`PrecisionPolicy.decide`, rule
+    ``deliberate_fp32``); one in an fp32 group follows its group."""
+    counts: dict[str, dict[torch.dtype, int]] = {}
+    seen: set[int] = set()
+    for path, group, mod in walk:
+        for pname, p in mod._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            full = f"{path}.{pname}" if path else pname
+            if _SELF_CASTING.search(full) or tensor_role(mod, pname, p, is_buffer=False):
+                continue
+            if is_castable(p):
+                dt = zero3_dtype(p) or p.dtype
+                per = counts.setdefault(groups.by_path.get(full, group), {})
+                per[dt] = per.get(dt, 0) + p.numel()
+    return {g: max(c, key=lambda d: c[d]) for g, c in counts.items() if c}
+
+
 def _recomputed_rotary(mod: nn.Module, key: str, t: torch.Tensor) -> torch.Tensor | None:
     """``mod.<key>`` recomputed in float32 by building the rotary module again from its config
     (transformers' rotary modules keep ``config`` and compute their tables in ``__init__``:
@@ -348,24 +381,7 @@ class _Planner:
     def _find_group_dtypes(
         self, groups: ModuleGroups, walk: list[tuple[str, str, nn.Module]]
     ) -> None:
-        """The dtype each group computes in, as loaded: the majority (by elements) of its
-        weights other than normalization layers and self-casting adapters (LoRA); a group
-        holding quantized layers computes in their compute dtype. A frozen fp32 norm in a group computing in half
-        was put there on purpose (:meth:`PrecisionPolicy.decide`, rule ``deliberate_fp32``)."""
-        counts: dict[str, dict[torch.dtype, int]] = {}
-        seen: set[int] = set()
-        for path, group, mod in walk:
-            for pname, p in mod._parameters.items():
-                if p is None or id(p) in seen:
-                    continue
-                seen.add(id(p))
-                full = f"{path}.{pname}" if path else pname
-                if _SELF_CASTING.search(full) or tensor_role(mod, pname, p, is_buffer=False):
-                    continue
-                if is_castable(p):
-                    per = counts.setdefault(groups.by_path.get(full, group), {})
-                    per[p.dtype] = per.get(p.dtype, 0) + p.numel()
-        self.group_dtype = {g: max(c, key=lambda d: c[d]) for g, c in counts.items() if c}
+        self.group_dtype = group_compute_dtypes(groups, walk)
         self.group_dtype.update({g: compute for g, (compute, _) in self.quantized.items()})
 
     def _check_tie(
@@ -491,11 +507,11 @@ class _Planner:
             return value, f"rotary table rounded to {was}: recomputed from the config"
         self.report.warnings.append(
             f"{full} [{group}]: this rotary table was already rounded to {was} "
-            f"({type(mod).__name__}, e.g. by model.to({was})); the guard keeps it in float32 "
-            "from now on, but an upcast cannot restore the lost bits and its module cannot "
-            "recompute it from a config. Fix: load the model with from_pretrained(..., "
-            f"dtype=torch.{t.dtype}) (which keeps rotary tables in float32) instead of "
-            f"casting the whole model with .to({was})."
+            f"({type(mod).__name__}, e.g. by model.to({t.dtype})); the guard keeps it in "
+            "float32 from now on, but an upcast cannot restore the lost bits and its module "
+            "keeps no config to recompute it from. Fix: load the model with "
+            f"from_pretrained(..., dtype={t.dtype}), which keeps rotary tables in float32, "
+            f"instead of casting the whole model with .to({t.dtype})."
         )
         return None, f"rotary table rounded to {was}: upcast, the lost bits cannot be restored"
 

@@ -473,6 +473,7 @@ class PrecisionReporter:
             "drift": snap.drift,
             "changes": report.get("changes", []),
             "wrapper_casts": report.get("wrapper_casts", []),
+            "kept": report.get("kept", []),
             "picture": png_path.name if png_path is not None else None,
         }
         path.write_text(json.dumps(payload, indent=1))

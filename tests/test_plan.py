@@ -3,10 +3,12 @@ what apply_plan carries out without planning again."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
-from hf_precision import PrecisionPolicy
+from hf_precision import PrecisionPolicy, PrecisionWarning, enforce_policy
 from hf_precision.enforce import apply_plan
 from hf_precision.plan import plan_policy
 from hf_precision.tiny import tiny_llava
@@ -60,3 +62,142 @@ def test_an_fp16_overflow_is_planned_as_kept_not_cast() -> None:
     assert model.lm_head.weight.dtype == torch.float32
     assert torch.isfinite(model.lm_head.weight).all()
     assert model.model.language_model.embed_tokens.weight.dtype == torch.float16
+
+
+def _tiny_gemma3() -> torch.nn.Module:
+    """A tiny Gemma3ForConditionalGeneration (hf_precision.tiny has none): per-layer-type
+    rotary tables, as transformers 5 names them."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+    )
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=255,
+        boi_token_index=253,
+        eoi_token_index=254,
+    )
+    return Gemma3ForConditionalGeneration(config)
+
+
+def _rotary(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: b for n, b in model.named_buffers() if "inv_freq" in n}
+
+
+def test_gemma3_per_layer_type_rotary_tables_stay_fp32_under_bf16() -> None:
+    model = _tiny_gemma3()
+    tables = _rotary(model)
+    assert len(tables) == 4 and any("sliding_attention_inv_freq" in n for n in tables)
+    exact = {n: b.clone() for n, b in tables.items()}
+    report = enforce_policy(model, PrecisionPolicy.from_preset("bf16"))
+    assert not [c for c in report.changes if "inv_freq" in c.name]
+    for name, b in _rotary(model).items():
+        assert b.dtype == torch.float32 and torch.equal(b, exact[name]), name
+    kept = {n: (g, rule) for n, g, rule, _ in report.kept}
+    assert {kept[n] for n in tables} == {("language_model", "rotary")}
+    assert {k["rule"] for k in report.to_dict()["kept"]} == {"rotary"}
+
+
+def test_a_rounded_rotary_table_is_recomputed_from_the_config() -> None:
+    model = _tiny_gemma3()
+    exact = {n: b.clone() for n, b in _rotary(model).items()}
+    model.to(torch.bfloat16)  # rounds every floating buffer, the rotary tables included
+    assert {b.dtype for b in _rotary(model).values()} == {torch.bfloat16}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrecisionWarning)
+        report = enforce_policy(model, PrecisionPolicy.from_preset("bf16-true"))
+    for name, b in _rotary(model).items():
+        assert b.dtype == torch.float32 and torch.equal(b, exact[name]), name  # exact, not rounded
+    reasons = {c.name: c.reason for c in report.changes if "inv_freq" in c.name}
+    assert len(reasons) == 4
+    assert all("recomputed from the config" in r for r in reasons.values())
+
+
+class RemoteRotaryEmbedding(torch.nn.Module):
+    """Remote code's rotary module: its table from ``(dim, base)``, no config kept."""
+
+    def __init__(self, dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+
+def test_a_rounded_table_that_cannot_be_recomputed_is_said_so() -> None:
+    model = tiny_llava()
+    model.model.vision_tower.rotary = RemoteRotaryEmbedding(8)
+    name = "model.vision_tower.rotary.inv_freq"
+    exact = model.model.vision_tower.rotary.inv_freq.clone()
+    model.to(torch.bfloat16)
+    with pytest.warns(PrecisionWarning, match="cannot restore the lost bits") as record:
+        report = enforce_policy(model, PrecisionPolicy.from_preset("bf16-true"))
+    said = " ".join(str(w.message) for w in record)
+    assert name in said and "from_pretrained(..., dtype=torch.bfloat16)" in said
+    held = model.model.vision_tower.rotary.inv_freq
+    assert held.dtype == torch.float32 and not torch.equal(held, exact)  # the rounded values
+    assert torch.equal(held, exact.to(torch.bfloat16).float())
+    change = next(c for c in report.changes if c.name == name)
+    assert "cannot be restored" in change.reason and "repaired" not in change.reason
+    # the language model's rotary module keeps its config: recomputed, exact
+    text = next(c for c in report.changes if c.name.endswith("language_model.rotary_emb.inv_freq"))
+    assert "recomputed" in text.reason
+    assert enforce_policy(model, PrecisionPolicy.from_preset("bf16-true")).changes == []
+
+
+def _upcast_layernorm(model: torch.nn.Module) -> list[str]:
+    """LLaMA-Factory's ``upcast_layernorm``: every 1-D parameter whose name holds ``norm`` or
+    ``ln`` -> float32 (vision tower included)."""
+    names = []
+    for name, p in model.named_parameters():
+        if p.ndim == 1 and any(ln in name for ln in ("norm", "ln")):
+            p.data = p.data.to(torch.float32)
+            names.append(name)
+    return names
+
+
+@pytest.mark.parametrize("preset", ["bf16", "bf16-true"])
+def test_fp32_norms_beside_half_weights_are_kept_a_whole_fp32_group_is_cast(preset: str) -> None:
+    from hf_precision.tiny import tiny_qwen2_vl
+
+    model = tiny_qwen2_vl(torch.bfloat16)
+    for p in model.parameters():
+        p.requires_grad = False
+    upcast = _upcast_layernorm(model)
+    assert "model.visual.merger.ln_q.weight" in upcast  # a LayerNorm: kept by type too
+    report = plan_policy(model, PrecisionPolicy.from_preset(preset), ModelView.of(model))
+    kept = {n: rule for n, _, rule, _ in report.kept}
+    norms = [n for n in upcast if kept.get(n) == "deliberate_fp32"]
+    assert "model.visual.merger.ln_q.weight" in norms
+    assert "model.language_model.norm.weight" in norms
+    assert not {c.name for c in report.changes} & set(upcast)
+    named = dict(model.named_parameters())
+    assert all(named[n].dtype == torch.float32 for n in upcast)
+    # the seed: a whole fp32 vision tower in a bf16 model is cast, its norms with it
+    model.model.visual.float()
+    report = plan_policy(model, PrecisionPolicy.from_preset(preset), ModelView.of(model))
+    cast = {c.name: c.after for c in report.changes}
+    assert cast["model.visual.blocks.0.norm1.weight"] == "bfloat16"
+    assert cast["model.visual.blocks.0.attn.qkv.weight"] == "bfloat16"
+    kept = {n: rule for n, _, rule, _ in report.kept}
+    assert kept.get("model.language_model.norm.weight") == "deliberate_fp32"

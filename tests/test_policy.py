@@ -213,3 +213,88 @@ def test_inference_keeps_fp32_trainables_the_same_way_everywhere():
     )
     # only a named *-true preset lowers fp32 trainables
     assert not PrecisionPolicy.from_preset("bf16-true").keep_trainable_fp32
+
+
+def test_tensor_role_by_module_type_not_by_name() -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+    from hf_precision.policy import tensor_role
+    from hf_precision.tiny import tiny_qwen2_vl
+
+    ln, rms = torch.nn.LayerNorm(4), LlamaRMSNorm(4)
+    assert tensor_role(ln, "weight", ln.weight, is_buffer=False) == "norm"
+    assert tensor_role(ln, "bias", ln.bias, is_buffer=False) == "norm"
+    assert tensor_role(rms, "weight", rms.weight, is_buffer=False) == "norm"
+    lin = torch.nn.Linear(4, 4)  # a "norm" in the name does not make a norm
+    assert tensor_role(lin, "weight", lin.weight, is_buffer=False) is None
+    # Qwen2-VL's merger.ln_q: a LayerNorm whose name holds no "norm"
+    merger = tiny_qwen2_vl().model.visual.merger
+    assert tensor_role(merger.ln_q, "weight", merger.ln_q.weight, is_buffer=False) == "norm"
+
+    class RemoteRotaryEmbedding(torch.nn.Module):  # remote code: a cos/sin cache, no inv_freq
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("cos_cached", torch.ones(4))
+            self.register_buffer("positions", torch.arange(4))
+
+    rot = RemoteRotaryEmbedding()
+    assert tensor_role(rot, "cos_cached", rot.cos_cached, is_buffer=True) == "rotary"
+    assert tensor_role(rot, "positions", rot.positions, is_buffer=True) is None  # integer
+    other = torch.nn.Module()
+    other.register_buffer("full_attention_inv_freq", torch.ones(2))  # by name, any module
+    assert tensor_role(other, "full_attention_inv_freq", torch.ones(2), is_buffer=True) == "rotary"
+    from hf_precision.tiny import tiny_config
+
+    llama_rot = LlamaRotaryEmbedding(tiny_config("llama"))
+    assert tensor_role(llama_rot, "inv_freq", llama_rot.inv_freq, is_buffer=True) == "rotary"
+
+
+def test_deliberate_fp32_norm_line() -> None:
+    policy = PrecisionPolicy.from_preset("bf16")
+
+    def decide(pol=policy, **kw):
+        args = dict(trainable=False, current=torch.float32, role="norm")
+        args.update(kw)
+        return pol.decide(
+            "model.language_model.layers.0.input_layernorm.weight", "language_model", **args
+        )
+
+    def got(d):
+        return d.dtype, d.rule
+
+    # an fp32 norm in a group whose other weights are bf16: chosen, kept
+    d = decide(group_dtype=torch.bfloat16)
+    assert (d.dtype, d.rule, d.keeps_fp32) == (torch.float32, "deliberate_fp32", True)
+    assert "bfloat16 group" in d.reason and "keep_fp32_norms=False" in d.reason
+    # a norm whose whole group is fp32 follows the group (the seed's fp32 tower)
+    assert got(decide(group_dtype=torch.float32)) == (torch.bfloat16, "frozen")
+    # not a norm, a half norm, a trainable norm: the usual rules
+    assert decide(role=None, group_dtype=torch.bfloat16).rule == "frozen"
+    assert decide(current=torch.bfloat16, group_dtype=torch.bfloat16).rule == "frozen"
+    assert decide(trainable=True, group_dtype=torch.bfloat16).rule == "trainable"
+    # the user forces the cast: keep_fp32_norms=False, or the group named in group_dtypes
+    off = policy.replace(keep_fp32_norms=False)
+    assert got(decide(off, group_dtype=torch.bfloat16)) == (torch.bfloat16, "frozen")
+    named = policy.replace(group_dtypes={"language_model": "bf16"})
+    assert got(decide(named, group_dtype=torch.bfloat16)) == (torch.bfloat16, "group_dtypes")
+    assert PrecisionPolicy.from_json(off.to_json()) == off
+
+
+def test_rotary_tables_of_every_name_stay_fp32() -> None:
+    policy = PrecisionPolicy.from_preset("bf16")
+    for name in (
+        "model.language_model.rotary_emb.inv_freq",
+        "model.language_model.rotary_emb.original_inv_freq",
+        "model.language_model.rotary_emb.sliding_attention_inv_freq",
+        "model.language_model.rotary_emb.sliding_attention_original_inv_freq",
+        "model.language_model.rotary_emb.full_attention_inv_freq",
+    ):
+        d = policy.decide(name, "language_model", trainable=False, is_buffer=True)
+        assert (d.dtype, d.rule) == (torch.float32, "rotary"), name
+    d = policy.decide(
+        "model.rotary.cos_cached", "language_model", trainable=False, is_buffer=True, role="rotary"
+    )
+    assert (d.dtype, d.rule) == (torch.float32, "rotary")
+    assert policy.decide("x.inv_freq_proj.weight", "language_model", trainable=False).rule == (
+        "frozen"  # a parameter is never a rotary table by name
+    )
