@@ -12,7 +12,13 @@ import torch
 from hf_precision import PrecisionError, find_module_groups
 from hf_precision.group_rules import RULES_FILE, read_rules
 from hf_precision.groups import VLM_GROUPS, architecture_table, group_rules
-from hf_precision.tiny import MiniCPMV2Tiny, XComposerTiny, XTunerLLaVATiny
+from hf_precision.tiny import (
+    DeepSeekVLTiny,
+    InternVLTiny,
+    MiniCPMV2Tiny,
+    XComposerTiny,
+    XTunerLLaVATiny,
+)
 
 
 def _vlm_rules() -> list:
@@ -46,11 +52,31 @@ def test_remote_code_layouts_are_matched_by_their_attributes() -> None:
         MiniCPMV2Tiny: "minicpmv2_omnilmm",  # vpm / resampler / llm
         XComposerTiny: "internlm_xcomposer",
         XTunerLLaVATiny: "xtuner_llava",
+        InternVLTiny: "internvl_chat",
+        DeepSeekVLTiny: "deepseek_vl_remote",  # vision_model / aligner / language_model
     }
     for build, rule in expected.items():
         model = build(torch.float32)
         model.config.model_type = "a_name_no_rule_knows"  # the attributes decide
         assert find_module_groups(model).rule == rule, build.__name__
+
+
+@pytest.mark.parametrize("cls", [InternVLTiny, DeepSeekVLTiny])
+def test_the_lm_head_is_found_after_the_familys_own_lora_on_the_language_model(cls) -> None:
+    """InternVL's ``wrap_llm_lora`` (and DeepSeek-VL fine-tunes doing the same) make
+    ``language_model`` a PeftModel: its head moves to ``language_model.base_model.model``."""
+    from peft import LoraConfig, get_peft_model
+
+    model = cls(torch.float32)
+    if isinstance(model, InternVLTiny):
+        model.wrap_llm_lora()
+    else:
+        lora = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        model.language_model = get_peft_model(model.language_model, lora)
+    groups = find_module_groups(model)
+    assert groups.paths["lm_head"] == ("language_model.base_model.model.lm_head",)
+    assert groups.paths["language_model"] == ("language_model",)
+    assert groups.group_of("language_model.base_model.model.lm_head.weight") == "lm_head"
 
 
 def test_the_built_in_rules_are_read_from_the_packaged_toml_in_its_order() -> None:

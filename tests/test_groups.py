@@ -141,6 +141,16 @@ TINY: dict[str, tuple[str, Paths, Paths]] = {
         },
         {},
     ),
+    "DeepSeekVLTiny": (
+        "deepseek_vl_remote",
+        {
+            "vision_encoder": ("vision_model",),
+            "projector": ("aligner",),
+            "language_model": ("language_model",),
+            "lm_head": ("language_model.lm_head",),
+        },
+        {},
+    ),
 }
 
 

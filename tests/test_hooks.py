@@ -1,7 +1,13 @@
 import pytest
 import torch
 
-from hf_precision import PrecisionError, PrecisionPolicy, enforce_policy, install_guards
+from hf_precision import (
+    PrecisionError,
+    PrecisionPolicy,
+    enforce_policy,
+    find_module_groups,
+    install_guards,
+)
 from hf_precision.hooks import _guard_hook, guard_targets, installed_guards, remove_guards
 from hf_precision.tiny import tiny_batch, tiny_llava
 
@@ -107,3 +113,58 @@ def test_audit_mode_hooks_change_nothing():
     install_guards(model, policy, enforce_policy(model, policy))
     with pytest.raises(RuntimeError, match="same dtype|should be the same"):
         model(**tiny_batch(model))
+
+
+def test_exit_hook_hands_a_fp32_projector_over_in_the_embeddings_dtype():
+    from hf_precision.tiny import INDEX_PUT_DTYPE_ERROR, InternVLTiny
+
+    model = InternVLTiny(torch.bfloat16)
+    model.mlp1.float()  # trained in fp32, as InternVL's finetune recipe keeps it
+    for name, p in model.named_parameters():
+        p.requires_grad = name.startswith("mlp1")
+    batch = model.batch()
+    batch["pixel_values"] = batch["pixel_values"].to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="same dtype"):  # bf16 features into the fp32 mlp1
+        model(**batch)
+    # what the boundary guard alone does (mlp1's input cast): the index put still fails
+    entry = model.mlp1.register_forward_pre_hook(lambda m, a: (a[0].float(),))
+    with pytest.raises(RuntimeError, match=INDEX_PUT_DTYPE_ERROR):
+        model(**batch)
+    entry.remove()
+    policy = PrecisionPolicy.from_model(model)  # no flag: mlp1 stays fp32
+    handle = install_guards(model, policy, enforce_policy(model, policy))
+    assert handle.exit == ["mlp1"] and model.mlp1[1].weight.dtype == torch.float32
+    assert "exit=1" in repr(handle)
+    out = model(**batch)
+    assert torch.isfinite(out.loss)
+    out.loss.backward()
+    assert model.mlp1[1].weight.grad is not None
+    # generate's own merge (``input_embeds[selected] = vit_embeds``) too
+    model.generate(batch["input_ids"], batch["pixel_values"], max_new_tokens=1)
+    # the target follows the embeddings when they are cast later
+    model.language_model.to(torch.float32)
+    assert model.extract_feature(batch["pixel_values"]).dtype == torch.float32
+    model.language_model.to(torch.bfloat16)
+    assert model.extract_feature(batch["pixel_values"]).dtype == torch.bfloat16
+    remove_guards(model)
+    assert not model.mlp1._forward_hooks
+    assert model.mlp1(torch.randn(1, 4, 64)).dtype == torch.float32  # no exit hook left
+
+
+def test_exit_hooks_sit_where_features_leave_the_image_path():
+    from hf_precision.hooks import _handover_roots
+    from hf_precision.tiny import tiny_idefics3, tiny_qwen2_vl
+
+    cases = {
+        tiny_llava: ["model.multi_modal_projector"],
+        # no projector: the resampler hands over, through the vision tower that holds it
+        tiny_qwen2_vl: ["model.visual"],
+        tiny_idefics3: ["model.connector"],  # the projector sits inside the connector
+    }
+    for build, expected in cases.items():
+        model = build()
+        groups = find_module_groups(model)
+        assert [p for p, _ in _handover_roots(model, groups)] == expected, build.__name__
+    model = tiny_llava()
+    audit = PrecisionPolicy.from_preset("bf16-true", mode="audit")
+    assert install_guards(model, audit, enforce_policy(model, audit)).exit == []

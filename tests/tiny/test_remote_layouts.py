@@ -10,8 +10,10 @@ import torch
 
 from hf_precision.tiny.remote_layouts import (
     CONV_DTYPE_ERROR,
+    INDEX_PUT_DTYPE_ERROR,
     MATMUL_DTYPE_ERROR,
     REMOTE_LAYOUTS,
+    DeepSeekVLTiny,
     InternVLTiny,
     MiniCPMV2Tiny,
     OmniLMMTiny,
@@ -36,6 +38,14 @@ LAYOUT: dict[type[RemoteVLM], tuple[str, ...]] = {
     ),
     InternVLTiny: ("vision_model", "mlp1", "language_model", "language_model.lm_head"),
     XTunerLLaVATiny: ("llm", "visual_encoder", "projector", "projector.model", "llm.lm_head"),
+    DeepSeekVLTiny: (
+        "vision_model",
+        "vision_model.vision_tower",
+        "aligner",
+        "aligner.layers",
+        "language_model",
+        "language_model.lm_head",
+    ),
 }
 VISION: dict[type[RemoteVLM], str] = {
     MiniCPMV2Tiny: "vpm",
@@ -43,12 +53,15 @@ VISION: dict[type[RemoteVLM], str] = {
     XComposerTiny: "vit.vision_tower",
     InternVLTiny: "vision_model",
     XTunerLLaVATiny: "visual_encoder",
+    DeepSeekVLTiny: "vision_model",
 }
 
 
 def _patch_embed(model: RemoteVLM, vision: torch.nn.Module) -> torch.nn.Module:
     if isinstance(model, XTunerLLaVATiny):  # an HF CLIPVisionModel (its path differs in 4.x)
         return model.visual_encoder.get_input_embeddings()
+    if isinstance(model, DeepSeekVLTiny):  # CLIPVisionTower around the (timm) ViT
+        return vision.get_submodule("vision_tower.patch_embed")
     return vision.get_submodule("patch_embed")
 
 
@@ -228,3 +241,50 @@ def test_type_dtype_keeps_cpu_device(cls: type[RemoteVLM]) -> None:
     batch = {k: (v.cuda() if k != "pixel_values" else v) for k, v in model.batch().items()}
     with pytest.raises(RuntimeError, match=r"(same device|should be the same)"):
         model(**batch)
+
+
+@pytest.mark.parametrize("cls", [InternVLTiny, DeepSeekVLTiny])
+def test_index_put_of_fp32_features_into_half_embeddings(cls: type[RemoteVLM]) -> None:
+    """InternVL-Chat's ``input_embeds[selected] = ... + vit_embeds`` and DeepSeek-VL's
+    ``inputs_embeds[images_seq_mask] = images_embeds[images_emb_mask]`` cast nothing: a
+    projector kept in fp32 beside a bf16 language model fails there, in forward and generate."""
+    model = cls(torch.bfloat16)
+    projector = model.mlp1 if isinstance(model, InternVLTiny) else model.aligner
+    projector.float()
+    projector.register_forward_pre_hook(lambda m, a: (a[0].float(),))  # its input in its dtype
+    batch = model.batch()
+    batch["pixel_values"] = batch["pixel_values"].to(torch.bfloat16)
+    message = INDEX_PUT_DTYPE_ERROR + ", got BFloat16 for the destination and Float"
+    with pytest.raises(RuntimeError, match=message):
+        model(**batch)
+    with pytest.raises(RuntimeError, match=message):
+        model.generate(batch["input_ids"], batch["pixel_values"], max_new_tokens=1)
+
+
+def test_deepseek_vl_prepare_inputs_embeds_as_upstream() -> None:
+    model = DeepSeekVLTiny()
+    batch = model.batch()
+    ids = batch["input_ids"].clone()
+    ids[:, -1] = -1  # negative ids are zeroed in place, as upstream
+    pixels = batch["pixel_values"].unsqueeze(1)  # (b, n_images, 3, H, W)
+    seq_mask = ids == model.config.image_token_id
+    emb_mask = torch.ones(2, 1, model.config.num_image_tokens, dtype=torch.bool)
+    embeds = model.prepare_inputs_embeds(ids, pixels, seq_mask, emb_mask)
+    assert (ids >= 0).all()
+    feats = model.aligner(model.vision_model(batch["pixel_values"]))
+    assert torch.equal(embeds[seq_mask], feats.reshape(-1, feats.shape[-1]))
+    text = model.language_model.get_input_embeddings()(ids)
+    assert torch.equal(embeds[~seq_mask], text[~seq_mask])
+
+
+def test_internvl_wrap_llm_lora_is_peft_on_the_language_model_only() -> None:
+    from peft import PeftModel
+
+    model = InternVLTiny()
+    model.wrap_llm_lora()
+    assert isinstance(model.language_model, PeftModel)
+    names = dict(model.named_modules())
+    assert "language_model.base_model.model.lm_head" in names
+    lm = [n for n, p in model.language_model.named_parameters() if p.requires_grad]
+    assert lm and all("lora_" in n for n in lm)  # the rest: frozen by the finetune script
+    assert torch.isfinite(model(**model.batch()).loss)
