@@ -310,6 +310,13 @@ class PrecisionGuard:
             fp32 = b.is_floating_point() and b.dtype == torch.float32
             if fp32 and policy.keep_fp32_reason(name, is_buffer=True) is not None:
                 keep[name] = b
+        # what the last plan kept in fp32 (rotary tables by module, _keep_in_fp32_modules,
+        # deliberate fp32 norms): an in-place model.to() rounds those too
+        kept = {k[0] for k in self.last_report.kept} if self.last_report is not None else set()
+        if kept:
+            for name, t in (*self.root.named_parameters(), *self.root.named_buffers()):
+                if name in kept and name not in keep and t.dtype == torch.float32:
+                    keep[name] = t
         if total > limit_bytes:
             warnings.warn(
                 f"{dtype_name(eval_dtype)}_full_eval will round {total / 2**30:.1f} GiB of "
