@@ -277,9 +277,16 @@ def _recomputed_rotary(mod: nn.Module, key: str, t: torch.Tensor) -> torch.Tenso
     if value is None or value.shape != t.shape or not value.is_floating_point():
         return None
     value = value.detach().float()
-    if not torch.equal(value.to(t.dtype), t.detach().to("cpu")):
-        return None
-    return value
+    held = t.detach().to("cpu")
+    # the same table rounded, once or through another half dtype (bf16, then fp16)
+    chains = ((t.dtype,), (torch.bfloat16, t.dtype), (torch.float16, t.dtype))
+    for chain in chains:
+        rounded = value
+        for dt in chain:
+            rounded = rounded.to(dt)
+        if torch.equal(rounded, held):
+            return value
+    return None
 
 
 def _range_checked(src: torch.dtype, dst: torch.dtype, kind: TensorKind) -> bool:
@@ -508,8 +515,9 @@ class _Planner:
         self.report.warnings.append(
             f"{full} [{group}]: this rotary table was already rounded to {was} "
             f"({type(mod).__name__}, e.g. by model.to({t.dtype})); the guard keeps it in "
-            "float32 from now on, but an upcast cannot restore the lost bits and its module "
-            "keeps no config to recompute it from. Fix: load the model with "
+            "float32 from now on, but an upcast cannot restore the lost bits, and the table "
+            "cannot be recomputed (its module keeps no config, or the config's table rounded "
+            "is not what it holds). Fix: load the model with "
             f"from_pretrained(..., dtype={t.dtype}), which keeps rotary tables in float32, "
             f"instead of casting the whole model with .to({t.dtype})."
         )

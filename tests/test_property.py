@@ -83,8 +83,13 @@ def _expected(
     model: torch.nn.Module, policy: PrecisionPolicy, report: Any
 ) -> dict[str, torch.dtype]:
     keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    # a norm the scramble left fp32 among half weights of its group reads as chosen: kept fp32
+    # (the plan decides it with the group's context, rule deliberate_fp32)
+    chosen = {n for n, _, rule, _ in report.kept if rule == "deliberate_fp32"}
     return {
-        name: policy.target_dtype(
+        name: torch.float32
+        if name in chosen
+        else policy.target_dtype(
             name, report.groups.group_of(name), trainable=p.requires_grad, model_patterns=keep
         )[0]
         for name, p in model.named_parameters()
