@@ -317,6 +317,8 @@ class _Planner:
     meta: list[str] = field(default_factory=list)
     #: group -> (dtype its quantized layers compute in, their format), from a first pass
     quantized: dict[str, tuple[torch.dtype, str]] = field(default_factory=dict)
+    #: groups holding quantized storage (compute dtype known or not)
+    quantized_groups: set[str] = field(default_factory=set)
     #: group -> the dtype most of its weights other than norms and adapters are in (first pass)
     group_dtype: dict[str, torch.dtype] = field(default_factory=dict)
 
@@ -367,9 +369,10 @@ class _Planner:
                 if p is None or is_castable(p):
                     continue
                 compute = quantized_compute_dtype(p, mod)
+                full = f"{path}.{pname}" if path else pname
+                self.quantized_groups.add(groups.by_path.get(full, group))
                 if compute is None or group in self.quantized:
                     continue
-                full = f"{path}.{pname}" if path else pname
                 self.quantized[groups.by_path.get(full, group)] = (
                     compute,
                     quantized_format(p, mod),
@@ -389,6 +392,11 @@ class _Planner:
         self, groups: ModuleGroups, walk: list[tuple[str, str, nn.Module]]
     ) -> None:
         self.group_dtype = group_compute_dtypes(groups, walk)
+        # quantized layers compute in half whatever fp32 weights sit beside them
+        # (prepare_model_for_kbit_training casts everything else to fp32): their compute dtype
+        # where the library says it, else the dtype the policy gives the group
+        for g in self.quantized_groups:
+            self.group_dtype[g] = self.policy.group_dtype(g)
         self.group_dtype.update({g: compute for g, (compute, _) in self.quantized.items()})
 
     def _check_tie(

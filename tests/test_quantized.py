@@ -287,6 +287,13 @@ def test_qlora_with_bitsandbytes_trains_evaluates_and_generates(
     _same(model, before)  # the packed weights: same objects, same bytes
     lora = torch.float16 if run == "fp16-true" else torch.float32  # the user named fp16
     assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {lora}
+    # prepare_model_for_kbit_training put the norms in fp32 beside layers computing in half:
+    # chosen, kept (rule deliberate_fp32); the other fp32 weights follow the quantized layers
+    norms = [n for n, p in model.named_parameters() if "language_model" in n and "norm" in n]
+    named = dict(model.named_parameters())
+    assert norms and {named[n].dtype for n in norms} == {torch.float32}
+    if bits == 4:  # the 4-bit layers compute in bf16 (bnb_4bit_compute_dtype)
+        assert model.get_input_embeddings().weight.dtype == torch.bfloat16
     with torch.no_grad():
         ids = model.generate(
             **{k: v for k, v in tiny_batch(source).items() if k != "labels"}, max_new_tokens=2
