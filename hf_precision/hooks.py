@@ -468,20 +468,33 @@ def _embedding_weight(root: nn.Module, groups: ModuleGroups) -> torch.Tensor | N
 
 def _handover_roots(root: nn.Module, groups: ModuleGroups) -> list[tuple[str, nn.Module]]:
     """Where image features leave the image path for the language model: the roots of the
-    projector if the model has one, else the resampler's, else the vision encoder's; a root
-    that sits inside another image-path group's root (Idefics3's projector inside its
-    connector) hands over through that outer root."""
+    projector if the model has one, else the resampler's, else the vision encoder's. When the
+    model has both a resampler and a projector under one module that holds no language model
+    (Idefics2's ``connector``: projection, then perceiver), that module hands over, so the one
+    running first keeps its dtype for the other; a root inside another image-path group's root
+    (Qwen2-VL's merger inside ``visual``) hands over through the outer one."""
     present = [g for g in _IMAGE_PATH if groups.modules(g)]
     if not present:
         return []
-    last = present[-1]
-    outer = {
-        path: mod
-        for g in present
-        for path, mod in zip(groups.paths.get(g, ()), groups.modules(g), strict=True)
-    }
+    roots = {g: list(zip(groups.paths.get(g, ()), groups.modules(g), strict=True)) for g in present}
+    text = [p for g in ("language_model", "lm_head") for p in groups.paths.get(g, ())]
+    modules = dict(root.named_modules())
+    chosen = roots[present[-1]]
+    joint = [path for g in ("resampler", "projector") if g in roots for path, _ in roots[g]]
+    if "resampler" in roots and "projector" in roots:
+        parts = [p.split(".") for p in joint]
+        common = []
+        for items in zip(*parts, strict=False):
+            if len(set(items)) > 1:
+                break
+            common.append(items[0])
+        lca = ".".join(common)
+        holds_text = any(t == lca or t.startswith(lca + ".") for t in text)
+        if lca and not holds_text and lca in modules:
+            chosen = [(lca, modules[lca])]
+    outer = {path: mod for g in present for path, mod in roots[g]}
     out: list[tuple[str, nn.Module]] = []
-    for path, mod in zip(groups.paths.get(last, ()), groups.modules(last), strict=True):
+    for path, mod in chosen:
         holders = [p for p in outer if p and path.startswith(p + ".")]
         if holders:
             path = min(holders, key=len)

@@ -153,13 +153,15 @@ def test_exit_hook_hands_a_fp32_projector_over_in_the_embeddings_dtype():
 
 def test_exit_hooks_sit_where_features_leave_the_image_path():
     from hf_precision.hooks import _handover_roots
-    from hf_precision.tiny import tiny_idefics3, tiny_qwen2_vl
+    from hf_precision.tiny import tiny_blip2, tiny_idefics2, tiny_idefics3, tiny_qwen2_vl
 
     cases = {
         tiny_llava: ["model.multi_modal_projector"],
         # no projector: the resampler hands over, through the vision tower that holds it
         tiny_qwen2_vl: ["model.visual"],
         tiny_idefics3: ["model.connector"],  # the projector sits inside the connector
+        tiny_idefics2: ["model.connector"],  # projection, then perceiver: their common module
+        tiny_blip2: ["language_projection"],  # qformer and projection beside the LM: the last
     }
     for build, expected in cases.items():
         model = build()
