@@ -146,6 +146,11 @@ class EnforceReport:
         verb = "cast" if self.applied else "would cast"
         lines = [f"enforce_policy[{self.policy.describe()}]: {verb} {len(self.changes)} tensor(s)"]
         lines += ["  " + line for line in self.listed_changes()]
+        by_rule: dict[str, list[str]] = {}
+        for name, _, rule, _ in self.kept:
+            by_rule.setdefault(rule, []).append(name)
+        for rule, names in by_rule.items():
+            lines.append(f"  kept {len(names)} in float32 ({rule}), e.g. {', '.join(names[:3])}")
         for name, value in self.overflow:
             lines.append(f"  kept {name}: max |value| {value:g} exceeds fp16 range")
         for name, why in self.skipped[:_MAX_LISTED]:

@@ -118,6 +118,7 @@ def test_gemma3_per_layer_type_rotary_tables_stay_fp32_under_bf16() -> None:
     kept = {n: (g, rule) for n, g, rule, _ in report.kept}
     assert {kept[n] for n in tables} == {("language_model", "rotary")}
     assert {k["rule"] for k in report.to_dict()["kept"]} == {"rotary"}
+    assert "kept 4 in float32 (rotary), e.g. model.language_model.rotary_emb." in report.summary()
 
 
 def test_a_rounded_rotary_table_is_recomputed_from_the_config() -> None:
