@@ -147,8 +147,8 @@ class EnforceReport:
         lines = [f"enforce_policy[{self.policy.describe()}]: {verb} {len(self.changes)} tensor(s)"]
         lines += ["  " + line for line in self.listed_changes()]
         by_rule: dict[str, list[str]] = {}
-        for name, _, rule, _ in self.kept:
-            by_rule.setdefault(rule, []).append(name)
+        for kept in self.kept:
+            by_rule.setdefault(kept[2], []).append(kept[0])
         for rule, names in by_rule.items():
             lines.append(f"  kept {len(names)} in float32 ({rule}), e.g. {', '.join(names[:3])}")
         for name, value in self.overflow:
