@@ -184,6 +184,19 @@ def _full_eval(model: nn.Module, batch: dict[str, torch.Tensor], callbacks: list
     return f"{_LOST} {len(rounded)} trained fp32 weight(s) in bf16" if rounded else ""
 
 
+def _where(err: BaseException) -> str:
+    """`` in Class.method`` of the deepest frame of the model's code (not torch's, not the
+    guard's) the error went through."""
+    tb, where = err.__traceback__, ""
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename.replace("\\", "/")
+        ours = "/hf_precision/" in path and not path.endswith("/tiny/remote_layouts.py")
+        if "/torch/" not in path and not ours:
+            where = tb.tb_frame.f_code.co_qualname
+        tb = tb.tb_next
+    return f" in `{where}`" if where else ""
+
+
 def _first(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return items[0]
 
@@ -219,7 +232,7 @@ def _step(model: nn.Module, setup: Setup, callbacks: list[Any] | None = None) ->
             with torch.no_grad():
                 model.generate(**inputs, max_new_tokens=2)  # type: ignore[operator]
     except Exception as err:  # the cell records it
-        return f"{phase} `{_first_line(err)}`"
+        return f"{phase} `{_first_line(err)}`{_where(err)}"
     return lost or None
 
 
@@ -310,8 +323,8 @@ def cell(family: str, setup: Setup) -> str:
         try:
             bare = _step(_prepare(family, setup), setup)
         except ImportError as err:  # a family (or library) this environment does not have
-            missing = "torchao" if "torchao" in str(err) else "the model class"
-            return f"n/a (no {missing} in this environment)"
+            missing = "torchao not installed" if "torchao" in str(err) else "not in this version"
+            return f"n/a ({missing})"
         guarded, did = _guarded(family, setup)
 
     def said(result: str | None) -> str:
