@@ -5,7 +5,7 @@ the guard does (casts, hooks only, nothing needed).
 Regenerate the installed transformers' column (the other column is kept as it is)::
 
     PYTHONPATH=. python -m hf_precision.tiny.matrix            # writes docs/matrix.md
-    PYTHONPATH=. python -m hf_precision.tiny.matrix --check    # exit 1 when it is stale
+    PYTHONPATH=. python -m hf_precision.tiny.matrix --check    # exit 1 when the column is stale
 
 Run it once per transformers line (``make test`` venv: 5.x; ``.venv-tf4``: 4.57);
 ``tests/tiny/test_matrix.py`` fails while the installed version's column differs from the file.
@@ -476,18 +476,38 @@ def generate(path: Path) -> tuple[str, str]:
     return render(cells, versions), old
 
 
+def stale(new: str, old: str) -> list[str]:
+    """The cells of the installed transformers' column that differ between two documents."""
+    key = column_key()
+    fresh, kept = parse(new)[0][key], parse(old)[0][key]
+    return [
+        f"{family} / {setup}: {kept.get((family, setup))!r} -> now {fresh.get((family, setup))!r}"
+        for family, setup in sorted(fresh.keys() | kept.keys(), key=_order)
+        if fresh.get((family, setup)) != kept.get((family, setup))
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hf_precision.tiny.matrix")
     parser.add_argument("--path", default="docs/matrix.md")
-    parser.add_argument("--check", action="store_true", help="exit 1 when the file is stale")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 when this version's column is stale"
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
     new, old = generate(Path(args.path))
     took = time.perf_counter() - start
     if args.check:
-        if new != old:
-            print(f"{args.path} is stale for {column_key()}: regenerate it", file=sys.stderr)
+        changed = stale(new, old)
+        if changed:
+            print(
+                f"{args.path} is stale for {column_key()} in {len(changed)} cell(s):\n  "
+                + "\n  ".join(changed)
+                + "\nFix: PYTHONPATH=. python -m hf_precision.tiny.matrix (in this venv)",
+                file=sys.stderr,
+            )
             return 1
+        print(f"{args.path}: {column_key()} is current ({took:.0f} s)")
         return 0
     Path(args.path).write_text(new)
     print(f"wrote {args.path} ({column_key()}, {took:.0f} s)")
