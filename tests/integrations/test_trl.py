@@ -170,3 +170,41 @@ def test_dpo_precompute_runs_the_reference_inside_init_guarded(tmp_path: Path):
     assert trainer.ref_model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert torch.isfinite(torch.tensor(trainer.train_dataset["ref_chosen_logps"])).all()
     assert torch.isfinite(torch.tensor(trainer.train().training_loss))
+
+
+def test_a_reference_model_trl_loads_itself_is_guarded_from_train_begin(tmp_path: Path):
+    """No ``ref_model`` and no PEFT: DPOTrainer loads the reference from the policy's path after
+    ``on_init_end``; the guard reaches it at ``on_train_begin``."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from hf_precision.tiny import tiny_llava_processor, tiny_text_llama
+
+    tiny_text_llama().save_pretrained(tmp_path / "policy")
+    pairs = [{"prompt": "a red", "chosen": " circle", "rejected": " square"}] * 2
+    config = trl.DPOConfig(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        max_steps=1,
+        per_device_train_batch_size=2,
+        report_to=[],
+        save_strategy="no",
+        bf16=False,
+        max_length=None,
+    )
+    cb = PrecisionGuardCallback()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trl.DPOTrainer(
+            model=str(tmp_path / "policy"),
+            args=config,
+            train_dataset=Dataset.from_list(pairs),
+            processing_class=tiny_llava_processor().tokenizer,
+            callbacks=[cb],
+        )
+    assert trainer.ref_model is not None and cb.trainer_guards == {}  # not there at init end
+    trainer.train()
+    assert installed_guards(trainer.ref_model) > 0
+    events = [e for e, _ in cb.trainer_guards["ref_model"].events]
+    assert events[0] == "on_train_begin.ref_model"
+    assert (tmp_path / "out" / "precision" / "000000-on_train_begin.ref_model.json").is_file()
