@@ -32,7 +32,8 @@ test: setup
 
 # The transformers 4.x leg: its own venv (.venv-tf4) with the 4.57 line and the peft that goes
 # with it; the core, scenario and seed-layout tests run there (see the README's compatibility
-# table). The 5.x leg is `make test`.
+# table), and tests/tiny/test_matrix.py checks docs/matrix.md's 4.57 column (in tests/tiny). The
+# 5.x leg is `make test`.
 TF4_VENV ?= .venv-tf4
 TF4_PINS ?= "transformers==4.57.6" "peft==0.17.1"
 TF4_TESTS ?= tests/test_enforce.py tests/test_plan.py tests/test_groups.py tests/test_view.py \

@@ -155,6 +155,26 @@ def cast_batch(
     return type(batch)(items)
 
 
+def eager_when_compiled_alone(*fns: Callable[..., Any]) -> None:
+    """Let ``torch.compile`` run these functions eagerly when one is a frame of its own, and
+    trace them as before when a compiled caller calls them.
+
+    ``torch.compile(model)`` calls the model's own hooks outside its graph and compiles each
+    hook's frame as a separate graph: the batch hook's cast became one more graph (one more
+    graph break in ``torch._dynamo.explain``) than a batch cast by hand. A skipped frame runs
+    eagerly (the cast is one kernel either way); inside a compiled region (a compiled
+    ``PeftModel`` calling the guarded base model) the functions are still inlined, with no
+    break. The cast functions of this module are always included. ``skip_code`` is
+    torch-internal: without it nothing changes but the graph count.
+    """
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:  # pragma: no cover - another torch: one more graph, still correct
+        return
+    for fn in (cast_batch, cast_tensor, _all_finite, is_mask_key, is_castable, narrows_range, *fns):
+        skip_code(fn.__code__)
+
+
 def key_dtypes_for(
     policy: PrecisionPolicy, group_dtypes: Mapping[str, torch.dtype] | None = None
 ) -> dict[str, torch.dtype]:

@@ -18,9 +18,13 @@ Lifecycle (docs/architecture.md):
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
 import os
+import sys
 import warnings
+from types import FrameType
 from typing import Any
 
 import torch
@@ -80,6 +84,8 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         self.restored = 0  # tensors given back their exact values after a *_full_eval cast
         self._reporter: Any = None
         self._deepspeed_dtype: torch.dtype | None = None
+        #: one engine per other model the Trainer runs (TRL's ref_model, reward models...)
+        self.trainer_guards: dict[str, PrecisionGuard] = {}
 
     # what the engine knows, under the names this callback always had
     @property
@@ -133,6 +139,7 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
                 args, report_dir=self.report_dir, report_to=self.report_to
             )
         self.guard = self._new_guard(model, deepspeed_dtype=self._deepspeed_dtype)
+        self.trainer_guards = {}
         logger.info(
             "hf-precision: policy %s; groups by rule %r",
             self.policy.describe(),
@@ -215,6 +222,41 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
             step=int(getattr(state, "global_step", 0) or 0),
             check_ranks=check_ranks,  # collective: every rank reaches these events
         )
+        self._verify_trainer_models(
+            event, args, guard, step=int(getattr(state, "global_step", 0) or 0)
+        )
+
+    # ------------------------------------------------------------------ other models
+    def _verify_trainer_models(
+        self, event: str, args: Any, guard: PrecisionGuard, *, step: int
+    ) -> None:
+        """The other models the Trainer runs (TRL's ``ref_model``, reward, value and teacher
+        models) get this callback's policy, guards and report (``<step>-<event>.<name>.json``),
+        each its own engine. They are found by the adapter of the library the Trainer's class
+        comes from (``hf_precision/integrations/<library>.py``, its ``trainer_models``)."""
+        trainer, init_args = _find_trainer(self)
+        if trainer is None:
+            return
+        for name, model in _trainer_models(trainer, init_args).items():
+            root, _ = unwrap_model(model)
+            if root is guard.root:
+                continue
+            other = self.trainer_guards.get(name)
+            if other is None or other.root is not root:
+                other = self._new_guard(model, deepspeed_dtype=self._deepspeed_dtype)
+                if self.report:
+                    from .reporting import PrecisionReporter
+
+                    other.reporter = PrecisionReporter.from_training_args(
+                        args, report_dir=self.report_dir, report_to=self.report_to
+                    )
+                self.trainer_guards[name] = other
+            other.verify(  # not the Trainer's wrapper: TRL prepares these in evaluation mode
+                f"{event}.{name}",
+                model=model,
+                wrapper=None if event == "on_init_end" else "auto",
+                step=step,
+            )
 
     def _stash(self) -> None:
         if self.guard is not None and self.policy is not None:
@@ -245,3 +287,41 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         # they were saved/loaded in: repair and report it like an evaluation
         self._verify("on_train_end", args, state, kwargs)
         self._stash()
+
+
+def _find_trainer(callback: object) -> tuple[Any, dict[str, Any]]:
+    """The Trainer whose event is running with ``callback`` among its callbacks (read from the
+    calling frames: a callback is given the model, not the Trainer), and the arguments of its
+    ``__init__`` while that runs (at ``on_init_end``: models a subclass stores only after
+    ``Trainer.__init__`` returns)."""
+    frame: FrameType | None = sys._getframe(1)
+    trainer: Any = None
+    init_args: dict[str, Any] = {}
+    for _ in range(64):
+        if frame is None:
+            break
+        this = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if trainer is None:
+            handler = getattr(this, "callback_handler", None)
+            if callback in getattr(handler, "callbacks", ()):
+                trainer = this
+        if trainer is not None and this is trainer and frame.f_code.co_name == "__init__":
+            # the outermost __init__ (the subclass's) is read last and wins
+            init_args.update({k: v for k, v in frame.f_locals.items() if k != "self"})
+        frame = frame.f_back
+    return trainer, init_args
+
+
+def _trainer_models(trainer: Any, init_args: dict[str, Any]) -> dict[str, nn.Module]:
+    """Ask the adapter of each library in the Trainer's class hierarchy (a LLaMA-Factory DPO
+    trainer is a TRL DPOTrainer) for the other models it runs."""
+    found: dict[str, nn.Module] = {}
+    for library in dict.fromkeys(c.__module__.split(".")[0] for c in type(trainer).__mro__):
+        name = f"{__package__}.integrations.{library}"
+        if importlib.util.find_spec(name) is None:
+            continue
+        adapter = importlib.import_module(name)
+        models = getattr(adapter, "trainer_models", None)
+        if models is not None:
+            found.update({k: v for k, v in models(trainer, init_args).items() if k not in found})
+    return found

@@ -44,7 +44,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .batch import cast_batch, cast_tensor, key_dtypes_for
+from .batch import cast_batch, cast_tensor, eager_when_compiled_alone, key_dtypes_for
 from .dtype_maps import receiving, receiving_dtypes
 from .dtypes import dtype_name, is_castable, quantized_compute_dtype
 from .errors import PrecisionError
@@ -281,6 +281,17 @@ def _install(module: nn.Module, st: _GuardState) -> bool:
     st.handle = module.register_forward_pre_hook(_guard_hook, with_kwargs=True)
     module.__dict__[_ATTR] = st
     return True
+
+
+_EAGER_ALONE: list[bool] = []  # eager_when_compiled_alone ran (once per process)
+
+
+def _eager_when_compiled_alone() -> None:
+    """The guard's hook frames run eagerly when ``torch.compile(model)`` calls them outside
+    the model's graph (see :func:`~hf_precision.batch.eager_when_compiled_alone`)."""
+    if not _EAGER_ALONE:
+        _EAGER_ALONE.append(True)
+        eager_when_compiled_alone(_guard_hook, _cast_value, _cast_arg)
 
 
 def _uninstall(module: nn.Module) -> None:
@@ -549,6 +560,7 @@ def install_guards(
     """
     root, _ = unwrap_model(model)
     policy = PrecisionPolicy.resolve(policy, root)
+    _eager_when_compiled_alone()
     if groups is None:
         groups = report.groups if report is not None else find_module_groups(root)
     view = ModelView.reuse(view, root, groups)

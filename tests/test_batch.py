@@ -1,5 +1,8 @@
+from typing import Any
+
 import pytest
 import torch
+from torch import nn
 from transformers import BatchFeature, default_data_collator
 
 from hf_precision import PrecisionCollator, PrecisionError, PrecisionPolicy, PrecisionWarning
@@ -93,29 +96,59 @@ def test_collator_audit_mode_changes_nothing():
     assert out["pixel_values"].dtype == torch.float32
 
 
-def test_the_guard_adds_no_graph_break_under_torch_compile():
-    """The batch hook fires every step: it must not read tensor values in Python (no bool() of
-    a tensor, no .item()), which would break the compiled graph. The breaks left are the
-    model's own (transformers'), the same with and without the guard."""
+def _explain(model: Any, inputs: dict[str, Any]) -> tuple[int, int, list[str]]:
+    """(graphs, graph breaks, first line of each break reason) of one compiled forward."""
     import torch._dynamo as dynamo
 
+    dynamo.reset()
+    try:
+        out = dynamo.explain(model)(**inputs)
+    finally:
+        dynamo.reset()
+    reasons = [str(r.reason).splitlines()[0] for r in out.break_reasons]
+    assert not [
+        r for r in out.break_reasons if any("hf_precision" in f.filename for f in r.user_stack)
+    ], "a break in hf-precision's code"
+    return out.graph_count, out.graph_break_count, sorted(reasons)
+
+
+def test_the_guard_adds_no_graph_break_under_torch_compile():
+    """A whole forward of a bf16 model on an fp32 batch: ``torch.compile(model)`` runs the
+    model's hooks outside its graph, and a hook that casts would be compiled as a graph of its
+    own (one more graph break in ``explain`` than the batch cast by hand: 7 against 6 here).
+    The guard's hooks run eagerly there, so the counts match; the breaks left are the model's
+    own (transformers': ``.item()`` in the image-token check), the same with and without it."""
     from hf_precision import enforce_policy, install_guards
     from hf_precision.tiny import tiny_batch, tiny_llava
 
     batch = {k: v for k, v in tiny_batch(tiny_llava()).items() if k != "labels"}
-    assert batch["pixel_values"].dtype == torch.float32  # the hook has a narrowing cast to do
-
-    def reasons(model, inputs):
-        dynamo.reset()
-        found = dynamo.explain(model)(**inputs).break_reasons
-        return [(str(r.reason).splitlines()[0], [f.filename for f in r.user_stack]) for r in found]
-
+    assert batch["pixel_values"].dtype == torch.float32  # the hook has a cast to do
     guarded = tiny_llava()
-    enforce_policy(guarded, "fp16-true")
-    install_guards(guarded, "fp16-true")
-    with_guard = reasons(guarded, batch)
-    bare = tiny_llava().half()
-    without = reasons(bare, {**batch, "pixel_values": batch["pixel_values"].half()})
-    assert not [r for r, files in with_guard if any("hf_precision" in f for f in files)]
-    assert sorted(r for r, _ in with_guard) == sorted(r for r, _ in without)
-    dynamo.reset()
+    enforce_policy(guarded, "bf16-true")
+    install_guards(guarded, "bf16-true")
+    by_hand = {**batch, "pixel_values": batch["pixel_values"].bfloat16()}
+    bare = tiny_llava().to(torch.bfloat16)
+    assert _explain(guarded, batch) == _explain(bare, by_hand)
+
+
+@pytest.mark.filterwarnings("ignore::hf_precision.PrecisionWarning")  # a bare Linear: no groups
+def test_the_guard_is_traced_inside_a_compiled_caller():
+    """When a compiled caller calls the guarded model (a compiled PeftModel calls the base
+    model), the hooks are traced into the caller's graph: one graph, no break, and the
+    fp16 cast's inf check (``torch.compiler.is_compiling()``) branch-free in it."""
+    from hf_precision import install_guards
+
+    class Caller(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x * 2)
+
+    inner = nn.Linear(4, 4).half()
+    inner.weight.data.fill_(1e-4)  # 4 inputs at fp16's max (65504) sum to ~26: finite
+    install_guards(inner, "fp16-true")
+    assert _explain(Caller(inner), {"x": torch.randn(2, 4)}) == (1, 0, [])
+    out = torch.compile(Caller(inner), backend="eager")(torch.full((1, 4), 1e6))
+    assert out.dtype == torch.float16 and bool(torch.isfinite(out).all())  # clamped, not inf

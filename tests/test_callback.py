@@ -54,6 +54,7 @@ def test_bf16_flag_infers_mixed_policy_and_trains(make_trainer):
     data = json.loads(files[0].read_text())
     assert data["event"] == "on_init_end"
     assert data["policy"]["name"] == "bf16"
+    assert cb.trainer_guards == {}  # a plain Trainer runs no other model (TRL's: integrations)
 
 
 def test_no_flag_uses_loaded_dtype_coherently(make_trainer):

@@ -48,9 +48,18 @@ def _split_llava() -> Any:
     return model
 
 
-def _trainer(kind: str, tmp_path: Any, model: Any, data: Any, callbacks: list[Any], **kw: Any):
+def _trainer(
+    kind: str,
+    tmp_path: Any,
+    model: Any,
+    data: Any,
+    callbacks: list[Any],
+    trainer_kw: dict[str, Any] | None = None,
+    **kw: Any,
+):
     """``trl.SFTTrainer`` or ``trl.DPOTrainer`` (``kind``): LoRA on the LM's attention, two
-    steps on CPU, the tiny LLaVA processor."""
+    steps on CPU, the tiny LLaVA processor; ``trainer_kw`` go to the trainer (``ref_model``),
+    ``kw`` to its config."""
     config = getattr(trl, f"{kind}Config")(
         output_dir=str(tmp_path),
         use_cpu=True,
@@ -73,6 +82,7 @@ def _trainer(kind: str, tmp_path: Any, model: Any, data: Any, callbacks: list[An
             processing_class=tiny_llava_processor(),
             peft_config=LoraConfig(r=4, target_modules=LM_ATTN),
             callbacks=callbacks,
+            **(trainer_kw or {}),
         )
 
 
