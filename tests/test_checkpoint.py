@@ -3,7 +3,9 @@ safetensors headers store, a meta model given those dtypes, trainable groups by 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +17,10 @@ from hf_precision.checkpoint import (
     set_trainable,
     stored_dtypes,
 )
-from hf_precision.tiny import tiny_llava
+from hf_precision.cli import main
+from hf_precision.dtype_maps import dtype_map
+from hf_precision.groups import find_module_groups
+from hf_precision.tiny import TINY_CONFIGS, build_tiny, tiny_available, tiny_llava
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +78,41 @@ def test_trainable_groups_by_name(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--trainable: unknown group 'projektor'. Did you mean 'projector'?" in (
         capsys.readouterr().err
     )
+
+
+# ------------------------------------------- every tiny architecture, saved split both ways
+_LM_SIDE = frozenset({"language_model", "lm_head"})
+_TINY_TYPES = sorted(t for t in TINY_CONFIGS if tiny_available(t))
+
+
+def _save_split(model_type: str, lm_dtype: torch.dtype, other: torch.dtype, folder: Path) -> Any:
+    """The tiny model with its language model + lm_head in ``lm_dtype`` and the rest (vision
+    encoder, resampler, projector, ...) in ``other``, saved with save_pretrained."""
+    model = build_tiny(model_type)
+    groups = find_module_groups(model)
+    for name, p in model.named_parameters():
+        p.data = p.data.to(lm_dtype if groups.group_of(name) in _LM_SIDE else other)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("lm_dtype, other", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("model_type", _TINY_TYPES)
+def test_audit_reads_every_tiny_checkpoint_under_its_stored_names(
+    model_type: str,
+    lm_dtype: torch.dtype,
+    other: torch.dtype,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # transformers 5 saves Qwen2-VL as model.layers.* / visual.*: the audit must map them
+    # through transformers' own loading conversion, not read the rest "in the config's dtype"
+    saved = _save_split(model_type, lm_dtype, other, tmp_path)
+    main(["audit", str(tmp_path), "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert data["dtype_from"].startswith("as stored in the safetensors files"), data["dtype_from"]
+    assert "the rest" not in data["dtype_from"], data["dtype_from"]
+    want = {r["group"]: r["dtypes"] for r in dtype_map(saved).group_rows()}
+    got = {r["group"]: r["dtypes"] for r in data["groups"]}
+    assert got == want
+    assert {r["devices"] for r in data["groups"]} == {"not loaded (read from the files)"}
