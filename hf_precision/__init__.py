@@ -20,9 +20,10 @@ def _cli_process() -> bool:
     only when a command needs it, so that ``--help``, ``--version`` and argument errors answer
     at once. Every other import loads it here, as below."""
     argv = list(getattr(sys, "orig_argv", ()))
-    if argv[1:3] == ["-m", "hf_precision"]:
-        return True
-    return len(argv) > 1 and Path(argv[1]).stem in ("hf-precision", "hf-precision-script")
+    if sys.argv[:1] == ["-m"]:  # python [options] -m <module>, while runpy imports <module>
+        return "-m" in argv and argv[argv.index("-m") + 1 :][:1] == ["hf_precision"]
+    script = next((a for a in argv[1:] if not a.startswith("-")), "")
+    return sys.argv[:1] == [script] and Path(script).stem in ("hf-precision", "hf-precision-script")
 
 
 def _load() -> None:

@@ -320,8 +320,9 @@ def _key_map_v4(model: Any, keys: list[str], state: dict[str, Any]) -> dict[str,
 
 
 def apply_stored_dtypes(model: Any, stored: dict[str, Any]) -> tuple[int, int]:
-    """Give the meta model's tensors the dtypes they are stored in (matched by name through
-    :func:`checkpoint_key_map`); returns (matched, stored) counts."""
+    """Give the model's tensors the dtypes they are stored in (matched by name through
+    :func:`checkpoint_key_map`): a meta model gets empty meta tensors, a loaded one its values
+    cast (exact when it was loaded in a wider dtype); returns (matched, stored) counts."""
     import torch
 
     tensors = dict(model.named_parameters(remove_duplicate=False))
@@ -334,7 +335,7 @@ def apply_stored_dtypes(model: Any, stored: dict[str, Any]) -> tuple[int, int]:
             if t is None:
                 continue
             if t.is_floating_point() and t.dtype != dt:
-                t.data = torch.empty_like(t, dtype=dt, device="meta")
+                t.data = torch.empty_like(t, dtype=dt) if t.is_meta else t.data.to(dt)
             matched += 1
     return matched, len(stored)
 

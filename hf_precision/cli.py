@@ -25,8 +25,18 @@ from .checkpoint import DEFAULT_TRAINABLE, fail
 # the registries by tests/test_cli.py; the values themselves are checked after parsing.
 PRESET_NAMES = ("bf16", "bf16-true", "fp16", "fp16-true", "fp32", "fp16-vae32", "bf16-vae32")
 GROUP_NAMES = (
-    "vision_encoder, resampler, projector, audio_encoder, language_model, lm_head, "
-    "text_encoder(_2/_3), unet, transformer, vae"
+    "vision_encoder",
+    "resampler",
+    "projector",
+    "audio_encoder",
+    "language_model",
+    "lm_head",
+    "text_encoder",
+    "text_encoder_2",
+    "text_encoder_3",
+    "unet",
+    "transformer",
+    "vae",
 )
 _DTYPES = ("auto", "fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
 _SOURCES = """PATH_OR_MODEL_TYPE is a checkpoint folder (config.json inside, sharded or not), a
@@ -86,7 +96,8 @@ def _common_options(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--trainable",
         default=DEFAULT_TRAINABLE,
-        help=f"comma-separated groups that are trained ({GROUP_NAMES}), 'other', 'all' or "
+        help=f"comma-separated groups that are trained ({', '.join(GROUP_NAMES)}, or a "
+        "registered one), 'other', 'all' or "
         f"'none' (default: {DEFAULT_TRAINABLE}, what from_pretrained leaves trainable)",
     )
 
@@ -682,6 +693,13 @@ class _Audit:
         )
         for name, value in report.overflow:
             print(f"  {name}: max |value| {value:g} exceeds the fp16 range")
+        up = dtype_name(policy.trainable_dtype) if policy.trainable_dtype is not None else None
+        if self.args.trainable == "all" and any(c.after == up for c in report.changes):
+            print(
+                f"  (--trainable all, the default: every weight is counted as trained, as "
+                f"from_pretrained leaves them, and the policy keeps trained weights in {up}; "
+                "pass the groups your run trains, e.g. --trainable projector, or none for LoRA)"
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -129,10 +129,11 @@ def test_audit_shows_the_split_as_stored(
 def test_audit_of_a_bare_model_type_says_where_its_dtype_comes_from(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["audit", "llava", "--policy", "bf16", "--plain"]) == 0  # no config dtype
+    # no config dtype; nothing trainable: the frozen dtype is the policy's
+    assert main(["audit", "llava", "--policy", "bf16", "--trainable", "none", "--plain"]) == 0
     out = capsys.readouterr().out
     assert "dtypes: the policy's dtype (the config declares none)" in out and "OK:" in out
-    assert main(["audit", "paligemma", "--plain"]) == 0
+    assert main(["audit", "paligemma", "--trainable", "none", "--plain"]) == 0
     out = capsys.readouterr().out
     assert "tied: lm_head.weight -> model.language_model.embed_tokens.weight" in out
     assert "ok (tied)" in out
