@@ -96,7 +96,9 @@ def _save_split(model_type: str, lm_dtype: torch.dtype, other: torch.dtype, fold
     return model
 
 
-@pytest.mark.parametrize("lm_dtype, other", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "lm_dtype, other", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)]
+)
 @pytest.mark.parametrize("model_type", _TINY_TYPES)
 def test_audit_reads_every_tiny_checkpoint_under_its_stored_names(
     model_type: str,

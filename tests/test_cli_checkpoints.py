@@ -4,6 +4,9 @@ other vocab sizes, image token ids and image sizes, stored split (vision fp32, l
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -164,3 +167,153 @@ def test_every_architecture_the_rules_know_audits_without_an_exception(
             assert out.err.splitlines()[-1].startswith("hf-precision: error:"), (mt, out.err)
         slow.append((time.perf_counter() - t0, mt))
     assert max(slow)[0] < 60, max(slow)
+
+
+# ---------------------------------------------------------------------------- Hub ids
+def _hub_cache(root: Path, repo_id: str, folder: Path, files: tuple[str, ...]) -> Path:
+    """The layout huggingface_hub's cache has: blobs, a snapshot of symlinks, refs/main."""
+    repo = root / "hub" / ("models--" + repo_id.replace("/", "--"))
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    snap = repo / "snapshots" / rev
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for i, name in enumerate(files):
+        blob = repo / "blobs" / f"blob{i}"
+        blob.write_bytes((folder / name).read_bytes())
+        (snap / name).symlink_to(Path("../..") / "blobs" / blob.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    return snap
+
+
+@pytest.fixture(scope="module")
+def hf_home(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A local Hugging Face cache with ``tiny/llava-split`` (config + weights) and
+    ``tiny/llava-config`` (the config only, as ``hf download --include '*.json'`` leaves it)."""
+    root = tmp_path_factory.mktemp("hf_home")
+    _hub_cache(root, "tiny/llava-split", checkpoints["llava"], ("config.json", "model.safetensors"))
+    _hub_cache(root, "tiny/llava-config", checkpoints["llava"], ("config.json",))
+    return root
+
+
+def test_audit_of_a_hub_id_reads_the_local_cache_offline(hf_home: Path) -> None:
+    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf_precision", "audit", "tiny/llava-split", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]  # vision fp32 under bf16
+    data = json.loads(proc.stdout)
+    assert "local Hugging Face cache, offline (HF_HUB_OFFLINE=1)" in data["note"]
+    groups = {g["group"]: g["dtypes"] for g in data["groups"]}
+    assert groups["vision_encoder"] == "float32" and groups["language_model"] == "bfloat16"
+    assert data["dtype_from"].startswith("as stored in the safetensors files")
+
+
+def test_a_hub_id_missing_from_the_cache_says_so(
+    hf_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert main(["audit", "Qwen/Qwen2-VL-7B-Instruct"]) == 2
+    err = capsys.readouterr().err
+    assert "Qwen/Qwen2-VL-7B-Instruct: not in the local Hugging Face cache" in err
+    assert "HF_HUB_OFFLINE=1" in err and err.count("\n") == 1
+    # a cached config without weights: the config's dtype (float32), and the note says why
+    assert main(["audit", "tiny/llava-config", "--policy", "fp32", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["dtype_from"].startswith("the config's dtype (no safetensors files")
+    assert "local Hugging Face cache" in data["note"]
+
+
+# ---------------------------------------------------------------------------- PEFT adapters
+@pytest.fixture(scope="module")
+def adapters(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """LoRA adapters of the split LLaVA checkpoint, saved fp32 and bf16."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlavaForConditionalGeneration
+
+    root = tmp_path_factory.mktemp("adapters")
+    base = LlavaForConditionalGeneration.from_pretrained(checkpoints["llava"])
+    config = LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
+    peft_model = get_peft_model(base, config)
+    peft_model.peft_config["default"].base_model_name_or_path = str(checkpoints["llava"])
+    peft_model.save_pretrained(root / "fp32")
+    peft_model.to(torch.bfloat16).save_pretrained(root / "bf16")
+    return root
+
+
+def test_audit_of_a_peft_adapter_folder(
+    adapters: Path, checkpoints: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["audit", str(adapters / "fp32"), "--policy", "bf16", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["kind"] == "adapter" and data["base_model"] == str(checkpoints["llava"])
+    assert data["peft_type"] == "LORA" and data["built"].startswith("nothing")
+    rows = {r["group"]: r for r in data["groups"]}
+    # q_proj/v_proj of the SigLIP tower and of the Qwen2 language model, placed by the base
+    assert set(rows) == {"vision_encoder", "language_model"}
+    assert all(set(r["numel"]) == {"float32"} and r["trainable"] for r in rows.values())
+    # bf16 adapter weights against a policy that trains in fp32
+    assert main(["audit", str(adapters / "bf16"), "--policy", "bf16", "--plain"]) == 1
+    out = capsys.readouterr().out
+    assert "VIOLATES" in out and "bfloat16:" in out and "to cast" in out
+    assert "autocast_adapter_dtype" in out
+
+
+# ---------------------------------------------------------------------------- diffusers
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A diffusers folder: unet and text encoder fp16, vae fp32 (what fp16-vae32 wants)."""
+    from hf_precision.tiny.diffusion import tiny_text_encoder, tiny_unet, tiny_vae
+
+    root = tmp_path_factory.mktemp("pipeline")
+    tiny_unet().to(torch.float16).save_pretrained(root / "unet")
+    tiny_vae().save_pretrained(root / "vae")
+    tiny_text_encoder().to(torch.float16).save_pretrained(root / "text_encoder")
+    (root / "model_index.json").write_text(
+        json.dumps(
+            {
+                "_class_name": "StableDiffusionPipeline",
+                "unet": ["diffusers", "UNet2DConditionModel"],
+                "vae": ["diffusers", "AutoencoderKL"],
+                "text_encoder": ["transformers", "CLIPTextModel"],
+                "tokenizer": ["transformers", "CLIPTokenizer"],
+                "scheduler": ["diffusers", "DDPMScheduler"],
+            }
+        )
+    )
+    return root
+
+
+def test_audit_of_a_diffusers_folder_per_component(
+    pipeline: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["audit", str(pipeline), "--policy", "fp16-vae32", "--trainable", "none", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = {r["component"]: r for r in data["groups"]}
+    assert set(rows) == {"unet", "vae", "text_encoder"}
+    assert {k: set(r["numel"]) for k, r in rows.items()} == {
+        "unet": {"float16"},
+        "vae": {"float32"},
+        "text_encoder": {"float16"},
+    }
+    assert {k: r["policy"] for k, r in rows.items()} == {
+        "unet": "float16",
+        "vae": "float32",
+        "text_encoder": "float16",
+    }
+    # the same folder against fp16 everywhere: the fp32 VAE is what would be cast
+    assert (
+        main(["audit", str(pipeline), "--policy", "fp16-true", "--trainable", "none", "--json"])
+        == 1
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert {r["component"] for r in data["groups"] if r["to_cast"]} == {"vae"}
