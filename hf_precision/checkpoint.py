@@ -81,16 +81,16 @@ def resolve_hub(repo_id: str) -> tuple[Path, str, dict[str, str] | None]:
                 "--include '*.json' '*.safetensors'), or pass a local checkpoint folder"
             )
         return folder, f"the local Hugging Face cache, offline (HF_HUB_OFFLINE=1): {folder}", None
-    folder = None
+    found: Path | None = None
     for marker, _ in MARKERS:  # pragma: no cover - needs the network
         try:
-            folder = Path(hf_hub_download(repo_id, marker)).parent
+            found = Path(hf_hub_download(repo_id, marker)).parent
             break
         except EntryNotFoundError:
             continue
-    if folder is None:  # pragma: no cover - needs the network
+    if found is None:  # pragma: no cover - needs the network
         fail(f"{repo_id}: no config.json, adapter_config.json or model_index.json on the Hub")
-    return folder, f"the Hub ({repo_id})", remote_dtypes(repo_id)  # pragma: no cover
+    return found, f"the Hub ({repo_id})", remote_dtypes(repo_id)  # pragma: no cover
 
 
 def remote_dtypes(repo_id: str) -> dict[str, str]:  # pragma: no cover - needs the network

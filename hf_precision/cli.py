@@ -593,7 +593,10 @@ def _diffusers_audit(args: argparse.Namespace, policy: Any, src: _Source) -> _Fi
                 return policy.trainable_dtype, True
             return policy.group_dtype(group), trainable
 
-        for row in _file_rows(comp["tensors"], lambda _k, n=name: n, want_of, "component"):
+        def component(_: str, name: str = name) -> str:
+            return name
+
+        for row in _file_rows(comp["tensors"], component, want_of, "component"):
             row.update({"group": group, "class": comp["class"], "files": comp["files"]})
             rows.append(row)
     notes = [f"read from {src.via}"] if src.via else []

@@ -199,8 +199,8 @@ def test_help_lists_match_the_registries(capsys: pytest.CaptureFixture[str]) -> 
     from hf_precision.groups import group_names
     from hf_precision.policy import PRESETS
 
-    assert PRESET_NAMES == tuple(PRESETS)
-    assert GROUP_NAMES == group_names()
+    assert tuple(PRESETS) == PRESET_NAMES
+    assert group_names() == GROUP_NAMES
 
 
 def test_audit_and_doctor_share_their_defaults() -> None:
