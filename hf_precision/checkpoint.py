@@ -222,7 +222,7 @@ class _BuildError(Exception):
         self.first = first
 
 
-_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def weight_files(folder: Path, stem: str = "") -> list[Path]:
@@ -251,7 +251,7 @@ def torch_dtypes(stored: dict[str, str]) -> dict[str, Any]:
     """name -> torch dtype of the floating entries of ``{name: "BF16", ...}``."""
     import torch
 
-    names = {k: _SAFETENSORS_DTYPES.get(v) for k, v in stored.items()}
+    names = {k: SAFETENSORS_DTYPES.get(v) for k, v in stored.items()}
     return {k: getattr(torch, v) for k, v in names.items() if v is not None}
 
 

@@ -500,16 +500,13 @@ def _file_rows(
         n = 1
         for d in meta.get("shape", []):
             n *= int(d)
-        dt = _SAFETENSORS_NAMES.get(meta["dtype"], meta["dtype"])
+        dt = checkpoint.SAFETENSORS_DTYPES.get(meta["dtype"], meta["dtype"])
         row["numel"][dt] = row["numel"].get(dt, 0) + n
         row["bytes"] += n * _ITEMSIZE.get(meta["dtype"], 1)
         row["tensors"] += 1
         if name in stored and want is not None and stored[name] != want:
             row["to_cast"] += 1
     return list(rows.values())
-
-
-_SAFETENSORS_NAMES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def _trainable_set(spec: str) -> set[str]:
@@ -660,7 +657,11 @@ class _Audit:
             "violations": len(report.changes),
             "changes_by_group": self.by_group,
             "groups": self.group_rows(),
-            "changes": [c.__dict__ for c in report.changes],
+            # a meta build is on no device: its changes say nothing of devices
+            "changes": [
+                {k: v for k, v in c.__dict__.items() if self.args.weights or "device" not in k}
+                for c in report.changes
+            ],
             "kept_fp32": report.kept_fp32,
             "skipped": report.skipped,
             "overflow": report.overflow,

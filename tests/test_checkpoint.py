@@ -118,3 +118,65 @@ def test_audit_reads_every_tiny_checkpoint_under_its_stored_names(
     got = {r["group"]: r["dtypes"] for r in data["groups"]}
     assert got == want
     assert {r["devices"] for r in data["groups"]} == {"not loaded (read from the files)"}
+    assert "meta" not in json.dumps(data["changes"])
+
+
+def _header_only(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A ``model.safetensors`` holding only its header (what the audit reads): every tensor's
+    dtype and shape, no data (meta tensors have none)."""
+    import struct
+
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+    header = {
+        k: {"dtype": names.get(t.dtype, "I64"), "shape": list(t.shape), "data_offsets": [0, 0]}
+        for k, t in tensors.items()
+    }
+    raw = json.dumps(header).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+
+
+@pytest.mark.slow
+def test_audit_reads_every_meta_built_architecture_under_its_saved_names(
+    tmp_path: Path,
+) -> None:
+    """Every image-text-to-text architecture built at full size on the meta device, split (LM
+    bf16, the rest fp32), its keys named as save_pretrained names them (transformers'
+    revert_weight_conversion), written as a header-only safetensors file: a fresh meta build
+    given the stored dtypes must hold the dtypes of the model that was "saved"."""
+    from transformers import AutoConfig
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as MAPPING,
+    )
+
+    from hf_precision.checkpoint import CONFIG_REPAIRS, fill_subconfigs
+
+    wrong: dict[str, list[str]] = {}
+    checked = 0
+    for arch in sorted(MAPPING):
+        folder = tmp_path / arch
+        folder.mkdir()
+        config = AutoConfig.for_model(arch)
+        fill_subconfigs(config)
+        try:
+            model = build_model(config, meta=True, exit_on_error=False)
+        except Exception:
+            if arch not in CONFIG_REPAIRS:
+                continue  # does not build (tests/test_groups_all_architectures.py says why)
+            CONFIG_REPAIRS[arch](config)
+            model = build_model(config, meta=True, exit_on_error=False)
+        groups = find_module_groups(model)
+        for name, p in model.named_parameters():
+            lm = groups.group_of(name) in _LM_SIDE
+            p.data = torch.empty_like(p, dtype=torch.bfloat16 if lm else torch.float32)
+        want = {n: p.dtype for n, p in model.named_parameters()}
+        _header_only(folder, revert_weight_conversion(model, model.state_dict()))
+        config.save_pretrained(folder)
+        fresh = build_model(AutoConfig.from_pretrained(folder), meta=True, exit_on_error=False)
+        apply_stored_dtypes(fresh, stored_dtypes(folder))
+        got = {n: p.dtype for n, p in fresh.named_parameters()}
+        bad = [n for n in want if got.get(n) != want[n]]
+        if bad:
+            wrong[arch] = bad[:3]
+        checked += 1
+    assert checked > 40 and not wrong, wrong
