@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 from . import checkpoint
 from .checkpoint import DEFAULT_TRAINABLE, fail
+from .errors import did_you_mean
 
 # What --help says needs no engine (torch, the registries): these lists are checked against
 # the registries by tests/test_cli.py; the values themselves are checked after parsing.
@@ -236,7 +237,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def _check_values(args: argparse.Namespace) -> None:
     """The values argparse cannot check without the engine: the preset and the groups, before
     anything is read or built."""
     import hf_precision
@@ -245,14 +246,10 @@ def _check_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     from .policy import PRESETS
 
     if hasattr(args, "policy") and args.policy not in PRESETS:
-        sub = f"{parser.prog} {args.command}"
-        allowed = ", ".join(repr(k) for k in PRESETS)
-        print(
-            f"{sub}: error: argument --policy: invalid choice: {args.policy!r} (choose from "
-            f"{allowed}) (see --help)",
-            file=sys.stderr,
+        fail(
+            f"argument --policy: unknown preset {args.policy!r}."
+            f"{did_you_mean(args.policy, PRESETS)} Allowed: {', '.join(PRESETS)}"
         )
-        raise SystemExit(2)
     if hasattr(args, "trainable"):
         checkpoint.trainable_groups(args.trainable)
 
@@ -713,7 +710,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = _parser()
         args = parser.parse_args(argv)
-        _check_values(parser, args)
+        _check_values(args)
         code: int = args.run(args)
         return code
     except SystemExit as exc:
