@@ -60,13 +60,14 @@ def resolve_source(source: str) -> tuple[str, Any]:
     return "type", source
 
 
-def resolve_hub(repo_id: str) -> tuple[Path, str, dict[str, str] | None]:
-    """A Hub id's files, no weights: ``(folder, where from, stored dtypes or None)``.
+def resolve_hub(repo_id: str) -> tuple[Path, str, dict[str, dict[str, Any]] | None]:
+    """A Hub id's files, no weights: ``(folder, where from, safetensors headers or None)``.
 
     Offline (``HF_HUB_OFFLINE=1``) the folder is the cached snapshot of ``refs/main`` and the
     dtypes come from the safetensors headers there, if cached (``None``: read the folder).
-    Online the JSON files are fetched into the cache and the dtypes read from the Hub's
-    safetensors metadata (the headers only, by HTTP range requests)."""
+    Online the JSON file that says what the repository is (config.json, adapter_config.json,
+    model_index.json) is fetched into the cache and the headers read from the Hub's safetensors
+    metadata (the headers only, by HTTP range requests)."""
     from huggingface_hub import constants, hf_hub_download, snapshot_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
@@ -82,19 +83,20 @@ def resolve_hub(repo_id: str) -> tuple[Path, str, dict[str, str] | None]:
             )
         return folder, f"the local Hugging Face cache, offline (HF_HUB_OFFLINE=1): {folder}", None
     found: Path | None = None
-    for marker, _ in MARKERS:  # pragma: no cover - needs the network
+    for marker, _ in MARKERS:
         try:
             found = Path(hf_hub_download(repo_id, marker)).parent
             break
         except EntryNotFoundError:
             continue
-    if found is None:  # pragma: no cover - needs the network
+    if found is None:
         fail(f"{repo_id}: no config.json, adapter_config.json or model_index.json on the Hub")
-    return found, f"the Hub ({repo_id})", remote_dtypes(repo_id)  # pragma: no cover
+    return found, f"the Hub ({repo_id}: config and safetensors headers)", remote_headers(repo_id)
 
 
-def remote_dtypes(repo_id: str) -> dict[str, str]:  # pragma: no cover - needs the network
-    """name -> safetensors dtype of every tensor of a Hub repository, from its headers."""
+def remote_headers(repo_id: str) -> dict[str, dict[str, Any]]:
+    """name -> ``{"dtype", "shape"}`` of every tensor of a Hub repository's top-level
+    safetensors files (``huggingface_hub.get_safetensors_metadata``: headers only)."""
     from huggingface_hub import get_safetensors_metadata
     from huggingface_hub.errors import NotASafetensorsRepoError
 
@@ -103,7 +105,7 @@ def remote_dtypes(repo_id: str) -> dict[str, str]:  # pragma: no cover - needs t
     except NotASafetensorsRepoError:
         return {}
     return {
-        name: info.dtype
+        name: {"dtype": info.dtype, "shape": list(info.shape)}
         for file in meta.files_metadata.values()
         for name, info in file.tensors.items()
     }
@@ -371,13 +373,15 @@ def set_trainable(model: Any, spec: str) -> None:
 
 
 # ---------------------------------------------------------------------------- adapters
-def read_adapter(folder: Path) -> dict[str, Any]:
+def read_adapter(folder: Path, headers: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """A PEFT adapter folder: its ``adapter_config.json`` and the dtype/shape of each tensor
-    of ``adapter_model.safetensors`` (headers only)."""
+    of ``adapter_model.safetensors`` (its headers, or ``headers`` already read from the Hub)."""
     try:
         config = json.loads((Path(folder) / "adapter_config.json").read_text())
     except (OSError, ValueError) as err:
         fail(f"{folder}: cannot read adapter_config.json ({err})")
+    if headers:
+        return {"config": config, "tensors": headers}
     files = weight_files(folder, "adapter_model")
     if not files:
         fail(f"{folder}: no adapter_model.safetensors next to adapter_config.json")

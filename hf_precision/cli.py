@@ -275,22 +275,27 @@ def _print_table(title: str, columns: list[str], rows: list[list[str]], plain: b
 @dataclass
 class _Source:
     """Where ``hf-precision audit`` reads from: the kind, the local folder/file/model type,
-    where that came from (a Hub id), and dtypes already read (the Hub's headers)."""
+    where that came from (a Hub id), and safetensors headers already read (from the Hub)."""
 
     kind: str
     where: Any
     via: str | None = None
-    stored: dict[str, Any] | None = None
+    headers: dict[str, dict[str, Any]] | None = None
 
 
 def _open_source(text: str) -> _Source:
     kind, where = checkpoint.resolve_source(text)
     if kind != "hub":
         return _Source(kind, where)
-    folder, via, remote = checkpoint.resolve_hub(where)
+    folder, via, headers = checkpoint.resolve_hub(where)
     kind = next((k for m, k in checkpoint.MARKERS if (folder / m).is_file()), "path")
-    stored = checkpoint.torch_dtypes(remote) if remote is not None else None
-    return _Source(kind, folder, via, stored)
+    if kind == "diffusers" and headers is not None:
+        fail(
+            f"{where}: a diffusers repository on the Hub keeps its components' headers in "
+            f"subfolders, which the Hub's metadata does not read: download it (hf download "
+            f"{where}) and audit the folder"
+        )
+    return _Source(kind, folder, via, headers)
 
 
 def _audit_model(
@@ -304,8 +309,8 @@ def _audit_model(
     kind, where = src.kind, src.where
     config = checkpoint.load_config(kind, where)
     dtype = None if args.dtype == "auto" else parse_dtype(args.dtype, call="--dtype")
-    if src.stored is not None:
-        stored = src.stored
+    if src.headers is not None:
+        stored = checkpoint.torch_dtypes({k: v["dtype"] for k, v in src.headers.items()})
     else:
         stored = checkpoint.stored_dtypes(where) if kind == "path" and Path(where).is_dir() else {}
     note = None
@@ -514,7 +519,7 @@ def _adapter_audit(args: argparse.Namespace, policy: Any, src: _Source) -> _File
     """A PEFT adapter folder: the adapter's tensors per group of its base model (when the base
     model's config can be read here: a local folder or the Hub cache), against the dtype the
     policy gives trainable weights."""
-    data = checkpoint.read_adapter(src.where)
+    data = checkpoint.read_adapter(src.where, src.headers)
     config = data["config"]
     base = config.get("base_model_name_or_path")
     groups, note = _base_groups(base)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -317,3 +319,46 @@ def test_audit_of_a_diffusers_folder_per_component(
     )
     data = json.loads(capsys.readouterr().out)
     assert {r["component"] for r in data["groups"] if r["to_cast"]} == {"vae"}
+
+
+def test_audit_of_a_hub_id_online_reads_config_and_headers_only(
+    checkpoints: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Online, through huggingface_hub: the config file fetched, the dtypes from the Hub's
+    safetensors metadata. The Hub is the one thing faked (no network here): its two calls
+    answer from a real saved checkpoint, whose weights are not where the audit looks."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import EntryNotFoundError
+
+    from hf_precision.checkpoint import safetensors_headers
+
+    shutil.copy(checkpoints["llava"] / "config.json", tmp_path / "config.json")  # no weights
+    headers = safetensors_headers(sorted(checkpoints["llava"].glob("*.safetensors")))
+    fetched: list[str] = []
+
+    def hf_hub_download(repo_id: str, filename: str, **_: Any) -> str:
+        fetched.append(filename)
+        if not (tmp_path / filename).is_file():
+            raise EntryNotFoundError(f"{repo_id}/{filename}")
+        return str(tmp_path / filename)
+
+    def get_safetensors_metadata(repo_id: str, **_: Any) -> Any:
+        tensors = {
+            k: SimpleNamespace(dtype=v["dtype"], shape=v["shape"]) for k, v in headers.items()
+        }
+        return SimpleNamespace(
+            files_metadata={"model.safetensors": SimpleNamespace(tensors=tensors)}
+        )
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", get_safetensors_metadata)
+    assert main(["audit", "tiny/llava-online", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert fetched == ["config.json"] and "the Hub (tiny/llava-online" in data["note"]
+    groups = {g["group"]: g["dtypes"] for g in data["groups"]}
+    assert groups["vision_encoder"] == "float32" and groups["language_model"] == "bfloat16"
