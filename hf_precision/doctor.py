@@ -1,11 +1,15 @@
-"""``hf-precision doctor``: build or load the model, enforce the policy (as
-``PrecisionGuardCallback`` does at ``on_init_end``), install the guard in raise mode, run one
-training forward+backward and a ``generate()`` on a synthetic batch, and print the diagnosis.
+"""``hf-precision doctor``: load the model (a checkpoint with each tensor in the dtype it is
+stored in, a config with random weights, or a tiny build of a model type), enforce the policy
+(as ``PrecisionGuardCallback`` does at ``on_init_end``), install the guard in raise mode, run
+one training forward+backward and a ``generate()`` (generative models) on a synthetic batch
+(image+text for vision-language models, text for causal LM / seq2seq / classifiers), and print
+the diagnosis.
 
 Mixed presets (``bf16``, ``fp16``) train under autocast, as ``Trainer`` does; autocast resolves
-dtype differences itself, so there the guard works as in training (mode ``"fix"``) and the
-mismatches autocast hides are listed; ``generate()`` runs without autocast and the guard in
-``--mode`` (``raise`` by default).
+dtype differences itself, so there the guard works as in training (mode ``"fix"``) and what
+autocast handled is counted as information, apart from failures and from mismatches outside
+autocast; ``generate()`` runs without autocast and the guard in ``--mode`` (``raise`` by
+default).
 
 >>> from hf_precision.cli import main
 >>> main(["doctor", "llava", "--policy", "bf16-true"])  # doctest: +SKIP
@@ -32,7 +36,14 @@ def _doctor_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str | 
 
     kind, where = checkpoint.resolve_source(args.source)
     if kind == "hub":
-        where, _, _ = checkpoint.resolve_hub(where)
+        repo = where
+        where, _, headers = checkpoint.resolve_hub(repo)
+        if headers is not None:  # online: only the config was fetched, no weights
+            checkpoint.fail(
+                f"doctor: {repo} runs with its weights, which the doctor does not download: "
+                f"fetch them once (hf download {repo}) and pass the Hub id offline "
+                "(HF_HUB_OFFLINE=1) or the folder"
+            )
         kind = next((k for m, k in checkpoint.MARKERS if (where / m).is_file()), "path")
     if kind in ("adapter", "diffusers"):
         checkpoint.fail(

@@ -16,6 +16,7 @@ from hf_precision.checkpoint import (
     resolve_source,
     set_trainable,
     stored_dtypes,
+    weight_files,
 )
 from hf_precision.cli import main
 from hf_precision.dtype_maps import dtype_map
@@ -183,3 +184,24 @@ def test_audit_reads_every_meta_built_architecture_under_its_saved_names(
             wrong[arch] = bad[:3]
         checked += 1
     assert checked > 40 and not wrong, wrong
+
+
+def test_sources_are_told_apart_by_the_file_that_says_what_they_are(tmp_path: Path) -> None:
+    for marker, kind in (("adapter_config.json", "adapter"), ("model_index.json", "diffusers")):
+        (tmp_path / kind).mkdir()
+        (tmp_path / kind / marker).write_text("{}")
+        assert resolve_source(str(tmp_path / kind)) == (kind, tmp_path / kind)
+    assert resolve_source("Qwen/Qwen2-VL-7B-Instruct") == ("hub", "Qwen/Qwen2-VL-7B-Instruct")
+    assert resolve_source("qwen2_vl") == ("type", "qwen2_vl")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        resolve_source(str(tmp_path / "empty"))
+
+
+def test_weight_files_skip_dtype_variants_next_to_plain_files(tmp_path: Path) -> None:
+    names = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.fp16.safetensors")
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    assert [f.name for f in weight_files(tmp_path)] == [names[0]]
+    (tmp_path / names[0]).unlink()
+    assert [f.name for f in weight_files(tmp_path)] == [names[1]]  # only the variant is there
