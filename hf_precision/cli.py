@@ -623,6 +623,27 @@ class _Audit:
         return not self.report.changes and not self.report.overflow
 
     @property
+    def memory(self) -> dict[str, dict[str, int]]:
+        """group -> bytes ``before`` and ``after`` the casts the policy asks for, for the
+        groups it changes (a policy that upcasts trainable weights grows them)."""
+        import torch
+
+        tensors = dict(self.model.named_parameters(remove_duplicate=False))
+        tensors.update(dict(self.model.named_buffers(remove_duplicate=False)))
+        out: dict[str, dict[str, int]] = {}
+        for g in self.dmap.groups.values():
+            if any(c.group == g.group for c in self.report.changes):
+                total = sum(g.bytes.values())
+                out[g.group] = {"before": total, "after": total}
+        for c in self.report.changes:
+            t = tensors.get(c.name)
+            if t is None or c.group not in out:
+                continue
+            size = {d: getattr(torch, d).itemsize for d in (c.before, c.after)}
+            out[c.group]["after"] += t.numel() * (size[c.after] - size[c.before])
+        return out
+
+    @property
     def by_group(self) -> dict[str, dict[str, int]]:
         """group -> {"before->after": count} of the casts the policy asks for."""
         out: dict[str, dict[str, int]] = {}
@@ -658,6 +679,7 @@ class _Audit:
             "ok": self.ok,
             "violations": len(report.changes),
             "changes_by_group": self.by_group,
+            "memory_by_group": self.memory,
             "groups": self.group_rows(),
             # a meta build is on no device: its changes say nothing of devices
             "changes": [
@@ -691,11 +713,28 @@ class _Audit:
             print(f"OK: the model matches policy {policy.describe()}")
             return
         detail = "; ".join(f"{g} {k} x{n}" for g, d in by_group.items() for k, n in d.items())
+        from .tables import fmt_bytes
+
+        memory = self.memory
+        if memory:
+            print(
+                "memory after the policy's casts: "
+                + ", ".join(
+                    f"{g} {fmt_bytes(m['before'])} -> {fmt_bytes(m['after'])}"
+                    for g, m in memory.items()
+                )
+                + f" (total {fmt_bytes(sum(m['before'] for m in memory.values()))} -> "
+                f"{fmt_bytes(sum(m['after'] for m in memory.values()))})"
+            )
         frozen = dtype_name(policy.frozen_dtype or torch.float32)
+        load = (
+            f"; or load with from_pretrained(..., dtype=torch.{frozen})"
+            if all(c.after == frozen for c in report.changes)
+            else ""
+        )
         print(
             f"VIOLATES policy {policy.describe()}: {len(report.changes)} tensor(s) would be "
-            f"cast ({detail}). PrecisionGuardCallback casts them at on_init_end; or load with "
-            f"from_pretrained(..., dtype=torch.{frozen})."
+            f"cast ({detail}). PrecisionGuardCallback casts them at on_init_end{load}."
         )
         for name, value in report.overflow:
             print(f"  {name}: max |value| {value:g} exceeds the fp16 range")

@@ -135,6 +135,9 @@ def test_audit_weights_and_trainable_groups(
     # frozen groups are bf16 as the policy wants; the trainable projector must become fp32
     assert code == 1 and data["built"] == "weights"
     assert data["changes_by_group"] == {"projector": {"bfloat16->float32": 4}}
+    # the memory line: the projector's bytes double when its bf16 weights go fp32
+    memory = data["memory_by_group"]["projector"]
+    assert set(data["memory_by_group"]) == {"projector"} and memory["after"] == 2 * memory["before"]
 
 
 # ---------------------------------------------------------------------------- a fast CLI
