@@ -264,14 +264,16 @@ def stored_dtypes(folder: Path) -> dict[str, Any]:
     return torch_dtypes({k: v["dtype"] for k, v in headers.items()})
 
 
-def checkpoint_key_map(model: Any, keys: list[str]) -> dict[str, str]:
-    """stored key -> the model's parameter/buffer name, through the key conversion
-    ``from_pretrained`` itself applies when it loads these keys into ``model``.
+def checkpoint_key_map(model: Any, keys: list[str]) -> dict[str, tuple[str, ...]]:
+    """stored key -> the model's parameter/buffer names it loads into, through the key
+    conversion ``from_pretrained`` itself applies when it loads these keys into ``model``.
 
     transformers 5.x: the weight conversions of the model and its sub-models
     (``conversion_mapping.get_model_conversion_mapping``: checkpoint names such as Qwen2-VL's
     ``model.layers.*`` / ``visual.*``, legacy layouts, the ``base_model_prefix`` added or
-    dropped) applied by ``core_model_loading.rename_source_key``; transformers 4.x: the class's
+    dropped) applied by ``core_model_loading.rename_source_key``; a converter that splits one
+    stored tensor (a fused ``qkv``, ``gate_up_proj``) names every target, as transformers does
+    (the first target pattern replaced by each other). transformers 4.x: the class's
     ``_checkpoint_conversion_mapping`` through ``PreTrainedModel._get_key_renaming_mapping``.
     Keys the model has no tensor for are left out."""
     state = model.state_dict()  # meta tensors: names only, no data
@@ -287,19 +289,26 @@ def checkpoint_key_map(model: Any, keys: list[str]) -> dict[str, str]:
     mapping = get_model_conversion_mapping(model)
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    by_source = {p: c for c in converters for p in c.source_patterns}
     prefix = model.base_model_prefix
-    out: dict[str, str] = {}
+    out: dict[str, tuple[str, ...]] = {}
     for key in keys:
         # the same two steps as convert_and_load_state_dict_in_model
-        new, _ = rename_source_key(key, renamings, converters, prefix, state)
+        new, source = rename_source_key(key, renamings, converters, prefix, state)
         if new not in state and key in state:
-            new, _ = rename_source_key(key, [], [], prefix, state)
-        if new in state:
-            out[key] = new
+            new, source = rename_source_key(key, [], [], prefix, state)
+        names = [new]
+        conv = by_source.get(source) if source is not None else None
+        if conv is not None:
+            first = conv.target_patterns[0]
+            names += [new.replace(first, t) for t in conv.target_patterns[1:]]
+        found = tuple(n for n in names if n in state)
+        if found:
+            out[key] = found
     return out
 
 
-def _key_map_v4(model: Any, keys: list[str], state: dict[str, Any]) -> dict[str, str]:
+def _key_map_v4(model: Any, keys: list[str], state: dict[str, Any]) -> dict[str, tuple[str, ...]]:
     """transformers 4.x: ``from_pretrained``'s ``key_mapping`` default (the class's
     ``_checkpoint_conversion_mapping``, for the VLM classes it names) and its prefix rules."""
     import transformers.modeling_utils as mu
@@ -318,7 +327,7 @@ def _key_map_v4(model: Any, keys: list[str], state: dict[str, Any]) -> dict[str,
         loading_base_model_from_task_state_dict=has_prefix and not expects_prefix,
         loading_task_model_from_base_state_dict=not has_prefix and expects_prefix,
     )
-    return {k: v for k, v in renamed.items() if v in state}
+    return {k: (v,) for k, v in renamed.items() if v in state}
 
 
 def apply_stored_dtypes(model: Any, stored: dict[str, Any]) -> tuple[int, int]:
@@ -333,12 +342,11 @@ def apply_stored_dtypes(model: Any, stored: dict[str, Any]) -> tuple[int, int]:
     matched = 0
     with torch.no_grad():
         for key, dt in stored.items():
-            t = tensors.get(names.get(key, ""))
-            if t is None:
-                continue
-            if t.is_floating_point() and t.dtype != dt:
-                t.data = torch.empty_like(t, dtype=dt) if t.is_meta else t.data.to(dt)
-            matched += 1
+            found = [tensors[n] for n in names.get(key, ()) if n in tensors]
+            for t in found:
+                if t.is_floating_point() and t.dtype != dt:
+                    t.data = torch.empty_like(t, dtype=dt) if t.is_meta else t.data.to(dt)
+            matched += bool(found)
     return matched, len(stored)
 
 

@@ -136,6 +136,17 @@ def _header_only(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
 
 
+#: Default configs whose auto-built class is not the one their conversion mapping is written for:
+#: transformers' own loading does not map back what revert_weight_conversion names, so neither
+#: can an audit that follows it. A real checkpoint names its class (``architectures``).
+_NOT_ROUND_TRIPPED = {
+    # AutoModelForImageTextToText builds Gemma3ForConditionalGeneration; the shieldgemma2 mapping
+    # (^language_model.model -> language_model) is ShieldGemma2ForImageClassification's, whose
+    # saved checkpoints read right (model.model.language_model.model.*)
+    "shieldgemma2": "Gemma3ForConditionalGeneration under the shieldgemma2 mapping",
+}
+
+
 @pytest.mark.slow
 def test_audit_reads_every_meta_built_architecture_under_its_saved_names(
     tmp_path: Path,
@@ -157,7 +168,7 @@ def test_audit_reads_every_meta_built_architecture_under_its_saved_names(
 
     wrong: dict[str, list[str]] = {}
     checked = 0
-    for arch in sorted(MAPPING):
+    for arch in sorted(set(MAPPING) - set(_NOT_ROUND_TRIPPED)):
         folder = tmp_path / arch
         folder.mkdir()
         config = AutoConfig.for_model(arch)
