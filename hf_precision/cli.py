@@ -11,6 +11,8 @@ Exit codes: 0 the model matches the policy / the doctor pass ran clean; 1 it vio
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -556,20 +558,24 @@ def _base_groups(base: str | None) -> tuple[Any, str | None]:
 
     if not base:
         return None, "adapter_config.json names no base model: tensors not placed in groups"
+    missing = (
+        f"base model {base} is not readable here (no local folder, not in the Hugging Face "
+        f"cache): tensors not placed in groups; audit the base itself with 'hf-precision "
+        f"audit {base}'"
+    )
+    # every step ends in a one-line CLI error (SystemExit) when it cannot read the base: here
+    # that is a note, not the command's error
     try:
-        kind, where = checkpoint.resolve_source(base)
-        if kind == "hub":
-            where, _, _ = checkpoint.resolve_hub(where)
-            kind = "path"
-        if kind != "path":
-            raise SystemExit(2)
-        model = checkpoint.build_model(checkpoint.load_config(kind, where), meta=True)
+        with contextlib.redirect_stderr(io.StringIO()):
+            kind, where = checkpoint.resolve_source(base)
+            if kind == "hub":
+                where, _, _ = checkpoint.resolve_hub(where)
+                kind = "path" if (Path(where) / "config.json").is_file() else kind
+            if kind != "path":
+                return None, missing
+            model = checkpoint.build_model(checkpoint.load_config(kind, where), meta=True)
     except SystemExit:
-        return None, (
-            f"base model {base} is not readable here (no local folder, not in the Hugging "
-            "Face cache): tensors not placed in groups; audit the base itself with "
-            f"'hf-precision audit {base}'"
-        )
+        return None, missing
     return find_module_groups(model), None
 
 

@@ -362,3 +362,28 @@ def test_audit_of_a_hub_id_online_reads_config_and_headers_only(
     assert fetched == ["config.json"] and "the Hub (tiny/llava-online" in data["note"]
     groups = {g["group"]: g["dtypes"] for g in data["groups"]}
     assert groups["vision_encoder"] == "float32" and groups["language_model"] == "bfloat16"
+
+
+def test_an_adapter_whose_base_is_not_here_still_audits(
+    adapters: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    folder = tmp_path / "adapter"
+    shutil.copytree(adapters / "fp32", folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "tiny/not-cached"
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    assert main(["audit", str(folder), "--json"]) == 0
+    out = capsys.readouterr()
+    data = json.loads(out.out)
+    assert [r["group"] for r in data["groups"]] == ["adapter"] and data["base_model"] == (
+        "tiny/not-cached"
+    )
+    assert "base model tiny/not-cached is not readable here" in data["notes"][0]
+    assert "error" not in out.err  # a note, not the command's error
