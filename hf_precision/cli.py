@@ -199,15 +199,6 @@ def _commands() -> dict[str, Command]:
     }
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("hf-precision")
-    except PackageNotFoundError:  # a source checkout that was never installed
-        return "0.0.0+unknown"
-
-
 def _parser() -> argparse.ArgumentParser:
     """The whole command line; building it and --help import no engine (no torch)."""
     commands = _commands()
@@ -218,7 +209,9 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="run 'hf-precision audit --help' or 'hf-precision doctor --help' for examples",
     )
-    p.add_argument("--version", action="version", version=f"hf-precision {_version()}")
+    from . import __version__  # the package's, read from the installed metadata
+
+    p.add_argument("--version", action="version", version=f"hf-precision {__version__}")
     sub = p.add_subparsers(
         dest="command", parser_class=_Parser, metavar="{" + ",".join(commands) + "}"
     )
