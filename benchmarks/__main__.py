@@ -3,6 +3,7 @@
 python -m benchmarks                      # every CPU figure (~5 min on 2 cores)
 python -m benchmarks --quick              # CI smoke: tiny inputs, a few seconds per family
 python -m benchmarks --only audit,batch   # some families
+python -m benchmarks --only cli           # hf-precision startup and audit, fresh processes
 python -m benchmarks --gpu                # the GPU figures only (on a CUDA machine)
 """
 
@@ -33,8 +34,9 @@ FAMILIES: dict[str, str] = {
     "batch": "benchmarks.batch_cost",
     "reporting": "benchmarks.bench_reporting",
     "gpu": "benchmarks.gpu",
+    "cli": "benchmarks.cli_startup",
 }
-CPU_FAMILIES = ("step", "audit", "enforce", "batch", "reporting")
+CPU_FAMILIES = ("step", "audit", "enforce", "batch", "reporting", "cli")
 
 
 def _as_figure(item: Any) -> Figure:

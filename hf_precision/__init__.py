@@ -9,34 +9,82 @@ Importing this package imports no tracker (wandb) and touches no GPU.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-# The built-in group rules fill the registry of hf_precision.groups (importing any submodule runs
-# this first); then diffusion_rules registers the diffusion groups (text_encoder, unet,
-# transformer, vae), their rules and the fp16-vae32 / bf16-vae32 presets, so policies naming them
-# load anywhere (no diffusers import).
-# isort: off
-from . import group_rules as _group_rules  # noqa: F401
-from . import diffusion_rules as _diffusion_rules  # noqa: F401
 
-# isort: on
-from .batch import PrecisionCollator, cast_batch
-from .dtype_maps import DtypeMap, dtype_map
-from .enforce import EnforceReport, check_policy, enforce_policy
-from .errors import PrecisionError, PrecisionWarning
-from .groups import (
-    GroupRule,
-    ModuleGroups,
-    find_module_groups,
-    register_group,
-    register_group_rule,
-)
-from .hooks import install_guards, remove_guards
-from .policy import PrecisionPolicy
+def _cli_process() -> bool:
+    """Whether this interpreter was started as the ``hf-precision`` command (the console script
+    or ``python -m hf_precision``): then the package loads its engine (torch, the registries)
+    only when a command needs it, so that ``--help``, ``--version`` and argument errors answer
+    at once. Every other import loads it here, as below."""
+    argv = list(getattr(sys, "orig_argv", ()))
+    if sys.argv[:1] == ["-m"]:  # python [options] -m <module>, while runpy imports <module>
+        return "-m" in argv and argv[argv.index("-m") + 1 :][:1] == ["hf_precision"]
+    script = next((a for a in argv[1:] if not a.startswith("-")), "")
+    return sys.argv[:1] == [script] and Path(script).stem in ("hf-precision", "hf-precision-script")
+
+
+def _load() -> None:
+    """The engine: the built-in group rules fill the registry of hf_precision.groups; then
+    diffusion_rules registers the diffusion groups (text_encoder, unet, transformer, vae), their
+    rules and the fp16-vae32 / bf16-vae32 presets, so policies naming them load anywhere (no
+    diffusers import); the public names below. Importing the package runs this (the CLI: before
+    its first command)."""
+    # isort: off
+    from . import group_rules as _group_rules  # noqa: F401
+    from . import diffusion_rules as _diffusion_rules  # noqa: F401
+
+    # isort: on
+
+    g = globals()
+    for name, module in _EAGER.items():
+        if name not in g:
+            g[name] = getattr(__import__(f"{__name__}.{module}", fromlist=[name]), name)
+
+
+#: public name -> module, loaded by :func:`_load` (the registries first: group_rules imports
+#: groups, and diffusion_rules policy, in this order)
+_EAGER = {
+    "PrecisionCollator": "batch",
+    "cast_batch": "batch",
+    "DtypeMap": "dtype_maps",
+    "dtype_map": "dtype_maps",
+    "EnforceReport": "enforce",
+    "check_policy": "enforce",
+    "enforce_policy": "enforce",
+    "PrecisionError": "errors",
+    "PrecisionWarning": "errors",
+    "GroupRule": "groups",
+    "ModuleGroups": "groups",
+    "find_module_groups": "groups",
+    "register_group": "groups",
+    "register_group_rule": "groups",
+    "install_guards": "hooks",
+    "remove_guards": "hooks",
+    "PrecisionPolicy": "policy",
+}
+
+if not _cli_process():
+    _load()
 
 if TYPE_CHECKING:
+    from .batch import PrecisionCollator, cast_batch
     from .callback import PrecisionGuardCallback
     from .diagnostics import diagnose
+    from .dtype_maps import DtypeMap, dtype_map
+    from .enforce import EnforceReport, check_policy, enforce_policy
+    from .errors import PrecisionError, PrecisionWarning
+    from .groups import (
+        GroupRule,
+        ModuleGroups,
+        find_module_groups,
+        register_group,
+        register_group_rule,
+    )
+    from .hooks import install_guards, remove_guards
+    from .policy import PrecisionPolicy
 
 
 def _version() -> str:
@@ -82,6 +130,9 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    if name in _EAGER:  # the CLI process, before its first command
+        _load()
+        return globals()[name]
     if name in _LAZY:
         import importlib
 

@@ -1,5 +1,7 @@
-"""Reading a checkpoint without its weights: where a source points, its config, the model
-classes it names, a bare model on the meta device, the dtypes its safetensors store.
+"""Reading a checkpoint without its weights: where a source points (a folder, a config.json, a
+model type, a Hub id through the local cache or the Hub, a PEFT adapter folder, a diffusers
+folder), its config, the model classes it names, a bare model on the meta device, the dtypes
+its safetensors headers store.
 
 Shared by the CLI's ``audit`` (:mod:`hf_precision.cli`) and ``doctor``
 (:mod:`hf_precision.doctor`); nothing here parses arguments.
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -23,23 +26,89 @@ def fail(message: str) -> NoReturn:
 
 
 # ---------------------------------------------------------------------------- sources
+#: the file that says what a folder is, and the source kind it makes
+MARKERS = (
+    ("config.json", "path"),
+    ("adapter_config.json", "adapter"),
+    ("model_index.json", "diffusers"),
+)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
 def resolve_source(source: str) -> tuple[str, Any]:
-    """``("path", config_path)`` for folders/files, ``("type", model_type)`` otherwise."""
+    """``("path", folder or config.json)``, ``("adapter", folder)`` (PEFT: adapter_config.json),
+    ``("diffusers", folder)`` (model_index.json), ``("hub", repo_id)`` (``org/name`` that is no
+    local path) or ``("type", model_type)``."""
     path = Path(source)
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            fail(
-                f"{source}: no config.json in this folder (expected a checkpoint folder, "
-                "a config.json or a model type)"
-            )
-        return "path", path
+        for marker, kind in MARKERS:
+            if (path / marker).is_file():
+                return kind, path
+        fail(
+            f"{source}: no config.json, adapter_config.json or model_index.json in this folder "
+            "(expected a checkpoint, PEFT adapter or diffusers folder, a config.json, a Hub id "
+            "or a model type)"
+        )
     if path.is_file():
         if path.suffix != ".json":
             fail(f"{source}: expected a config.json, a checkpoint folder or a model type")
         return "path", path
+    if _HUB_ID.match(source) and not source.endswith(".json"):
+        return "hub", source
     if os.sep in source or source.endswith(".json"):
         fail(f"{source}: no such file or folder")
     return "type", source
+
+
+def resolve_hub(repo_id: str) -> tuple[Path, str, dict[str, dict[str, Any]] | None]:
+    """A Hub id's files, no weights: ``(folder, where from, safetensors headers or None)``.
+
+    Offline (``HF_HUB_OFFLINE=1``) the folder is the cached snapshot of ``refs/main`` and the
+    dtypes come from the safetensors headers there, if cached (``None``: read the folder).
+    Online the JSON file that says what the repository is (config.json, adapter_config.json,
+    model_index.json) is fetched into the cache and the headers read from the Hub's safetensors
+    metadata (the headers only, by HTTP range requests)."""
+    from huggingface_hub import constants, hf_hub_download, snapshot_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    if constants.HF_HUB_OFFLINE:
+        try:
+            folder = Path(snapshot_download(repo_id, local_files_only=True))
+        except (LocalEntryNotFoundError, OSError, ValueError) as err:
+            fail(
+                f"{repo_id}: not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                f"the Hub is offline (HF_HUB_OFFLINE=1): {type(err).__name__}. Fix: unset "
+                f"HF_HUB_OFFLINE, or fetch its config and headers once (hf download {repo_id} "
+                "--include '*.json' '*.safetensors'), or pass a local checkpoint folder"
+            )
+        return folder, f"the local Hugging Face cache, offline (HF_HUB_OFFLINE=1): {folder}", None
+    found: Path | None = None
+    for marker, _ in MARKERS:
+        try:
+            found = Path(hf_hub_download(repo_id, marker)).parent
+            break
+        except EntryNotFoundError:
+            continue
+    if found is None:
+        fail(f"{repo_id}: no config.json, adapter_config.json or model_index.json on the Hub")
+    return found, f"the Hub ({repo_id}: config and safetensors headers)", remote_headers(repo_id)
+
+
+def remote_headers(repo_id: str) -> dict[str, dict[str, Any]]:
+    """name -> ``{"dtype", "shape"}`` of every tensor of a Hub repository's top-level
+    safetensors files (``huggingface_hub.get_safetensors_metadata``: headers only)."""
+    from huggingface_hub import get_safetensors_metadata
+    from huggingface_hub.errors import NotASafetensorsRepoError
+
+    try:
+        meta = get_safetensors_metadata(repo_id)
+    except NotASafetensorsRepoError:
+        return {}
+    return {
+        name: {"dtype": info.dtype, "shape": list(info.shape)}
+        for file in meta.files_metadata.values()
+        for name, info in file.tensors.items()
+    }
 
 
 def load_config(kind: str, where: Any) -> Any:
@@ -155,83 +224,208 @@ class _BuildError(Exception):
         self.first = first
 
 
-_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def weight_files(folder: Path, stem: str = "") -> list[Path]:
+    """The folder's ``*.safetensors`` files (every shard), without diffusers' dtype variants
+    (``*.fp16.safetensors``) when plain files are there too."""
+    files = sorted(Path(folder).glob(f"{stem}*.safetensors"))
+    plain = [f for f in files if len(f.name.split(".")) == 2]
+    return plain or files
+
+
+def safetensors_headers(files: list[Path]) -> dict[str, dict[str, Any]]:
+    """name -> header entry (``dtype``, ``shape``) of every tensor in ``files``: the 8-byte
+    length and the JSON header of each, no tensor data."""
+    import struct
+
+    out: dict[str, dict[str, Any]] = {}
+    for path in files:
+        with open(path, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        out.update({k: v for k, v in header.items() if isinstance(v, dict) and "dtype" in v})
+    return out
+
+
+def torch_dtypes(stored: dict[str, str]) -> dict[str, Any]:
+    """name -> torch dtype of the floating entries of ``{name: "BF16", ...}``."""
+    import torch
+
+    names = {k: SAFETENSORS_DTYPES.get(v) for k, v in stored.items()}
+    return {k: getattr(torch, v) for k, v in names.items() if v is not None}
 
 
 def stored_dtypes(folder: Path) -> dict[str, Any]:
     """name -> dtype of every floating tensor in the folder's ``*.safetensors`` files, read
     from their headers (metadata only: no tensor data is read)."""
-    import struct
+    headers = safetensors_headers(weight_files(folder))
+    return torch_dtypes({k: v["dtype"] for k, v in headers.items()})
 
-    import torch
 
-    out: dict[str, Any] = {}
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        with open(path, "rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(size))
-        for name, meta in header.items():
-            dt = _SAFETENSORS_DTYPES.get(meta.get("dtype", "")) if isinstance(meta, dict) else None
-            if dt is not None:
-                out[name] = getattr(torch, dt)
+def checkpoint_key_map(model: Any, keys: list[str]) -> dict[str, tuple[str, ...]]:
+    """stored key -> the model's parameter/buffer names it loads into, through the key
+    conversion ``from_pretrained`` itself applies when it loads these keys into ``model``.
+
+    transformers 5.x: the weight conversions of the model and its sub-models
+    (``conversion_mapping.get_model_conversion_mapping``: checkpoint names such as Qwen2-VL's
+    ``model.layers.*`` / ``visual.*``, legacy layouts, the ``base_model_prefix`` added or
+    dropped) applied by ``core_model_loading.rename_source_key``; a converter that splits one
+    stored tensor (a fused ``qkv``, ``gate_up_proj``) names every target, as transformers does
+    (the first target pattern replaced by each other). transformers 4.x: the class's
+    ``_checkpoint_conversion_mapping`` through ``PreTrainedModel._get_key_renaming_mapping``.
+    Keys the model has no tensor for are left out."""
+    state = model.state_dict()  # meta tensors: names only, no data
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            rename_source_key,
+        )
+    except ImportError:  # transformers 4.x
+        return _key_map_v4(model, keys, state)
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    by_source = {p: c for c in converters for p in c.source_patterns}
+    prefix = model.base_model_prefix
+    out: dict[str, tuple[str, ...]] = {}
+    for key in keys:
+        # the same two steps as convert_and_load_state_dict_in_model
+        new, source = rename_source_key(key, renamings, converters, prefix, state)
+        if new not in state and key in state:
+            new, source = rename_source_key(key, [], [], prefix, state)
+        names = [new]
+        conv = by_source.get(source) if source is not None else None
+        if conv is not None:
+            first = conv.target_patterns[0]
+            names += [new.replace(first, t) for t in conv.target_patterns[1:]]
+        found = tuple(n for n in names if n in state)
+        if found:
+            out[key] = found
     return out
 
 
-def _model_keys(model: Any, key: str, renamings: list[Any]) -> list[str]:
-    """Names a stored key may have in the model: itself, after transformers' checkpoint
-    renamings (legacy layouts such as ``language_model.model.*``), with one ``model.`` segment
-    dropped or added."""
-    out = [key]
-    for r in renamings:
-        try:
-            new, _ = r.rename_source_key(out[-1])
-        except Exception:  # renaming objects differ between transformers versions
-            continue
-        if new and new != out[-1]:
-            out.append(new)
-    for k in list(out):
-        parts = k.split(".")
-        out += [".".join(parts[:i] + parts[i + 1 :]) for i, p in enumerate(parts) if p == "model"]
-        out.append("model." + k)
-    return out
+def _key_map_v4(model: Any, keys: list[str], state: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    """transformers 4.x: ``from_pretrained``'s ``key_mapping`` default (the class's
+    ``_checkpoint_conversion_mapping``, for the VLM classes it names) and its prefix rules."""
+    import transformers.modeling_utils as mu
+
+    key_mapping = getattr(model, "_checkpoint_conversion_mapping", None) or None
+    vlms = getattr(mu, "VLMS", None)
+    if key_mapping and vlms is not None:
+        name = type(model).__name__.lower()
+        key_mapping = key_mapping if any(v in name for v in vlms) else None
+    prefix = model.base_model_prefix
+    has_prefix = bool(prefix) and any(k.startswith(prefix) for k in keys)
+    expects_prefix = bool(prefix) and hasattr(model, prefix)
+    renamed = model._get_key_renaming_mapping(
+        list(keys),
+        key_mapping,
+        loading_base_model_from_task_state_dict=has_prefix and not expects_prefix,
+        loading_task_model_from_base_state_dict=not has_prefix and expects_prefix,
+    )
+    return {k: (v,) for k, v in renamed.items() if v in state}
 
 
 def apply_stored_dtypes(model: Any, stored: dict[str, Any]) -> tuple[int, int]:
-    """Give the meta model's tensors the dtypes they are stored in (matched by name, through
-    transformers' checkpoint renamings); returns (matched, stored) counts."""
+    """Give the model's tensors the dtypes they are stored in (matched by name through
+    :func:`checkpoint_key_map`): a meta model gets empty meta tensors, a loaded one its values
+    cast (exact when it was loaded in a wider dtype); returns (matched, stored) counts."""
     import torch
 
-    try:  # transformers 5.x: how legacy checkpoint keys map to module names
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-        renamings = list(get_checkpoint_conversion_mapping(model.config.model_type) or ())
-    except (ImportError, AttributeError, KeyError):
-        renamings = []
-    tensors = dict(model.named_parameters())
-    tensors.update(dict(model.named_buffers()))
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(dict(model.named_buffers(remove_duplicate=False)))
+    names = checkpoint_key_map(model, list(stored))
     matched = 0
     with torch.no_grad():
         for key, dt in stored.items():
-            name = next((k for k in _model_keys(model, key, renamings) if k in tensors), None)
-            if name is None:
-                continue
-            t = tensors[name]
-            if t.is_floating_point() and t.dtype != dt:
-                t.data = torch.empty_like(t, dtype=dt, device="meta")
-            matched += 1
+            found = [tensors[n] for n in names.get(key, ()) if n in tensors]
+            for t in found:
+                if t.is_floating_point() and t.dtype != dt:
+                    t.data = torch.empty_like(t, dtype=dt) if t.is_meta else t.data.to(dt)
+            matched += bool(found)
     return matched, len(stored)
 
 
-def set_trainable(model: Any, spec: str) -> None:
-    from .groups import find_module_groups, group_names
+#: --trainable words besides group names
+TRAINABLE_WORDS = ("all", "none", "other")
+#: the one default of every command: what from_pretrained leaves trainable (everything)
+DEFAULT_TRAINABLE = "all"
+
+
+def trainable_groups(spec: str) -> list[str]:
+    """The groups ``--trainable`` names, checked against the registry (a typo is an argument
+    error before anything is built)."""
+    from .groups import group_names
 
     want = [s.strip() for s in spec.split(",") if s.strip()]
     for w in want:
-        if w not in (*group_names(), "all", "none", "other"):
+        if w not in (*group_names(), *TRAINABLE_WORDS):
             fail(
                 f"--trainable: unknown group {w!r}.{did_you_mean(w, group_names())} "
-                f"Allowed: {', '.join(group_names())}, other, all, none"
+                f"Allowed: {', '.join(group_names())}, {', '.join(TRAINABLE_WORDS)}"
             )
+    return want
+
+
+def set_trainable(model: Any, spec: str) -> None:
+    from .groups import find_module_groups
+
+    want = trainable_groups(spec)
     groups = find_module_groups(model)
     for name, p in model.named_parameters():
         p.requires_grad_("all" in want or groups.group_of(name) in want)
+
+
+# ---------------------------------------------------------------------------- adapters
+def read_adapter(folder: Path, headers: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A PEFT adapter folder: its ``adapter_config.json`` and the dtype/shape of each tensor
+    of ``adapter_model.safetensors`` (its headers, or ``headers`` already read from the Hub)."""
+    try:
+        config = json.loads((Path(folder) / "adapter_config.json").read_text())
+    except (OSError, ValueError) as err:
+        fail(f"{folder}: cannot read adapter_config.json ({err})")
+    if headers:
+        return {"config": config, "tensors": headers}
+    files = weight_files(folder, "adapter_model")
+    if not files:
+        fail(f"{folder}: no adapter_model.safetensors next to adapter_config.json")
+    return {"config": config, "tensors": safetensors_headers(files)}
+
+
+def adapter_module_path(key: str) -> str:
+    """The base model's module path of an adapter tensor: PEFT saves
+    ``base_model.model.<module>.lora_A.weight``."""
+    key = key.removeprefix("base_model.model.")
+    return re.sub(
+        r"\.(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector|modules_to_save)\b.*$", "", key
+    )
+
+
+# ---------------------------------------------------------------------------- diffusers
+def read_diffusers(folder: Path) -> dict[str, dict[str, Any]]:
+    """A diffusers folder: component -> {"class": ..., "tensors": headers} for each component
+    of ``model_index.json`` that stores safetensors (schedulers, tokenizers store none)."""
+    try:
+        index = json.loads((Path(folder) / "model_index.json").read_text())
+    except (OSError, ValueError) as err:
+        fail(f"{folder}: cannot read model_index.json ({err})")
+    out: dict[str, dict[str, Any]] = {}
+    for name, spec in index.items():
+        if (
+            name.startswith("_")
+            or not isinstance(spec, list)
+            or (Path(folder) / name).is_dir() is False
+        ):
+            continue
+        files = weight_files(Path(folder) / name)
+        if files:
+            out[name] = {
+                "class": ".".join(str(x) for x in spec if x),
+                "files": [f.name for f in files],
+                "tensors": safetensors_headers(files),
+            }
+    return out

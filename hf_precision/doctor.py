@@ -1,11 +1,15 @@
-"""``hf-precision doctor``: build or load the model, enforce the policy (as
-``PrecisionGuardCallback`` does at ``on_init_end``), install the guard in raise mode, run one
-training forward+backward and a ``generate()`` on a synthetic batch, and print the diagnosis.
+"""``hf-precision doctor``: load the model (a checkpoint with each tensor in the dtype it is
+stored in, a config with random weights, or a tiny build of a model type), enforce the policy
+(as ``PrecisionGuardCallback`` does at ``on_init_end``), install the guard in raise mode, run
+one training forward+backward and a ``generate()`` (generative models) on a synthetic batch
+(image+text for vision-language models, text for causal LM / seq2seq / classifiers), and print
+the diagnosis.
 
 Mixed presets (``bf16``, ``fp16``) train under autocast, as ``Trainer`` does; autocast resolves
-dtype differences itself, so there the guard works as in training (mode ``"fix"``) and the
-mismatches autocast hides are listed; ``generate()`` runs without autocast and the guard in
-``--mode`` (``raise`` by default).
+dtype differences itself, so there the guard works as in training (mode ``"fix"``) and what
+autocast handled is counted as information, apart from failures and from mismatches outside
+autocast; ``generate()`` runs without autocast and the guard in ``--mode`` (``raise`` by
+default).
 
 >>> from hf_precision.cli import main
 >>> main(["doctor", "llava", "--policy", "bf16-true"])  # doctest: +SKIP
@@ -22,15 +26,37 @@ from typing import Any
 from . import checkpoint
 
 
-def _doctor_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+def _is_vision(config: Any) -> bool:
+    return getattr(config, "vision_config", None) is not None or hasattr(config, "image_size")
+
+
+def _doctor_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str | None]:
+    """The model, its synthetic batch, and how it was loaded (``None`` for a tiny build)."""
     from .tiny import REMOTE_LAYOUTS, TINY_CONFIGS, build_tiny, tiny_batch
 
     kind, where = checkpoint.resolve_source(args.source)
+    if kind == "hub":
+        repo = where
+        where, _, headers = checkpoint.resolve_hub(repo)
+        if headers is not None:  # online: only the config was fetched, no weights
+            checkpoint.fail(
+                f"doctor: {repo} runs with its weights, which the doctor does not download: "
+                f"fetch them once (hf download {repo}) and pass the Hub id offline "
+                "(HF_HUB_OFFLINE=1) or the folder"
+            )
+        kind = next((k for m, k in checkpoint.MARKERS if (where / m).is_file()), "path")
+    if kind in ("adapter", "diffusers"):
+        checkpoint.fail(
+            f"doctor: {args.source} is a {kind} folder; the doctor runs a transformers model "
+            f"(a checkpoint folder, a config.json or a model type). 'hf-precision audit "
+            f"{args.source}' reads its dtypes."
+        )
     model: Any
+    loaded = None
     if kind == "type":
         if where in REMOTE_LAYOUTS:
             model = REMOTE_LAYOUTS[where]()
-            return model, model.batch()
+            return model, model.batch(), None
         try:
             model = build_tiny(where)
         except KeyError:
@@ -40,37 +66,91 @@ def _doctor_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
                 f"{', '.join(allowed)} (or a local checkpoint folder / config.json)"
             )
     else:
-        config = checkpoint.load_config(kind, where)
-        if Path(where).is_dir() and any(Path(where).glob("*.safetensors")):
-            model = checkpoint.model_classes(config)[0].from_pretrained(
-                str(where), local_files_only=True
-            )
-        else:
-            n = sum(p.numel() for p in checkpoint.build_model(config, meta=True).parameters())
-            if n > args.max_params:
-                checkpoint.fail(
-                    f"doctor: {where} describes {n:,} parameters (> --max-params "
-                    f"{args.max_params:,}); use 'hf-precision audit' or a tiny checkpoint"
-                )
-            model = checkpoint.build_model(config, meta=False)
+        model, loaded = _load_checkpoint(args, where)
     try:
-        return model, tiny_batch(
-            model,
-            image_size=args.image_size,
-            text_len=args.text_len,
-            image_token_id=args.image_token_id,
-        )
+        if kind == "type" or _is_vision(model.config):
+            return (
+                model,
+                tiny_batch(
+                    model,
+                    image_size=args.image_size,
+                    text_len=args.text_len,
+                    image_token_id=args.image_token_id,
+                ),
+                loaded,
+            )
+        return model, text_batch(model, text_len=args.text_len), loaded
     except (KeyError, ValueError) as err:
         checkpoint.fail(
             f"doctor: cannot build a synthetic batch for {type(model).__name__}: {err}. "
-            f"{_BATCH_FIX}"
+            f"{_batch_fix(model)}"
         )
+
+
+def _load_checkpoint(args: argparse.Namespace, where: Any) -> tuple[Any, str]:
+    """A local checkpoint with its weights, each tensor in the dtype it is stored in (loaded in
+    float32, then every tensor cast back to its stored dtype: exact, bf16/fp16 values widen to
+    float32 without loss), or a config built with random weights."""
+    import torch
+
+    config = checkpoint.load_config("path", where)
+    stored = checkpoint.stored_dtypes(where) if Path(where).is_dir() else {}
+    if stored:
+        key = "dtype" if "dtype" in dir(config) else "torch_dtype"  # 4.56+ / before
+        model = checkpoint.model_classes(config)[0].from_pretrained(
+            str(where), local_files_only=True, **{key: torch.float32}
+        )
+        matched, total = checkpoint.apply_stored_dtypes(model, stored)
+        kinds = sorted({str(d).removeprefix("torch.") for d in stored.values()})
+        return model, (
+            f"from_pretrained in float32, then each tensor back to its stored dtype "
+            f"({matched} of {total} tensors; stored: {', '.join(kinds)})"
+        )
+    n = sum(p.numel() for p in checkpoint.build_model(config, meta=True).parameters())
+    if n > args.max_params:
+        checkpoint.fail(
+            f"doctor: {where} describes {n:,} parameters (> --max-params "
+            f"{args.max_params:,}); use 'hf-precision audit' or a tiny checkpoint"
+        )
+    return checkpoint.build_model(config, meta=False), "built from the config, random weights"
+
+
+def text_batch(model: Any, batch_size: int = 2, text_len: int | None = None) -> dict[str, Any]:
+    """A synthetic batch for a text-only model: ``input_ids``/``attention_mask`` and the labels
+    its head takes (next tokens for causal/masked LMs, decoder labels for seq2seq, one class
+    per row for classifiers)."""
+    import torch
+
+    cfg = model.config
+    vocab = int(getattr(cfg.get_text_config(), "vocab_size", 0) or 0)
+    if vocab < 8:
+        raise ValueError(f"vocab_size {vocab} is too small for a text batch")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, min(vocab, 200), (batch_size, text_len or 6), generator=g)
+    batch: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    name = type(model).__name__
+    if "ForSequenceClassification" in name:
+        batch["labels"] = torch.zeros(batch_size, dtype=torch.long)
+    elif "ForTokenClassification" in name:
+        batch["labels"] = torch.zeros_like(ids)
+    elif name.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForConditionalGeneration")):
+        batch["labels"] = ids.clone()
+    return batch
 
 
 _BATCH_FIX = (
     "The batch is built from the config (vocab size, image token id, image size); pass the "
     "values your processor uses: --image-size N, --text-len N, --image-token-id N"
 )
+
+
+def _batch_fix(model: Any) -> str:
+    if _is_vision(model.config):
+        return _BATCH_FIX
+    return (
+        "The text batch is built from the config (vocab size); pass the length your data uses: "
+        "--text-len N"
+    )
 
 
 def _run(diagnose: Any, model: Any, batch: dict[str, Any], **kwargs: Any) -> Any:
@@ -86,7 +166,7 @@ def _run(diagnose: Any, model: Any, batch: dict[str, Any], **kwargs: Any) -> Any
         shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in batch.items() if hasattr(v, "shape"))
         checkpoint.fail(
             f"doctor: the synthetic batch ({shapes}) does not fit {type(model).__name__}: "
-            f"{type(err).__name__}: {str(err).splitlines()[0][:200]}. {_BATCH_FIX}"
+            f"{type(err).__name__}: {str(err).splitlines()[0][:200]}. {_batch_fix(model)}"
         )
 
 
@@ -98,11 +178,14 @@ def doctor(args: argparse.Namespace) -> int:
     from .policy import PrecisionPolicy
 
     policy = PrecisionPolicy.from_preset(args.policy)
-    model, batch = _doctor_model(args)
+    model, batch, loaded = _doctor_model(args)
     checkpoint.set_trainable(model, args.trainable)
     model.train()
+    steps = {"load": loaded} if loaded else {}
     report = enforce_policy(model, policy, mode="fix")
-    steps = {"enforce": f"cast {len(report.changes)} tensor(s) to the policy"}
+    steps["enforce"] = f"cast {len(report.changes)} tensor(s) to the policy" + (
+        f" ({_casts(report)})" if report.changes else ""
+    )
     if args.batch == "fixed":  # what PrecisionCollator does; "raw" leaves it to the batch guard
         keyed = key_dtypes_for(policy, receiving_dtypes(model, report.groups))
         batch = cast_batch(
@@ -136,11 +219,26 @@ def doctor(args: argparse.Namespace) -> int:
         print(f"  {k}: {v}")
     for k, d in results.items():
         print(f"\n[{k}] " + str(d))
-    print(
-        f"\n{'OK' if ok else 'FAILED'}: "
-        + ", ".join(f"{k} {'ok' if d.ok else 'failed'}" for k, d in results.items())
-    )
+    print(f"\n{'OK' if ok else 'FAILED'}: " + ", ".join(_summary(k, d) for k, d in results.items()))
     return 0 if ok else 1
+
+
+def _casts(report: Any) -> str:
+    """``group before->after xN`` of the casts enforce_policy made."""
+    counts: dict[str, int] = {}
+    for c in report.changes:
+        key = f"{c.group} {c.before}->{c.after}"
+        counts[key] = counts.get(key, 0) + 1
+    return "; ".join(f"{k} x{n}" for k, n in counts.items())
+
+
+def _summary(step: str, d: Any) -> str:
+    """``train ok (autocast handled 9 dtype differences)``: failures apart from what autocast
+    handled (information: that is autocast doing its work)."""
+    if not d.ok:
+        return f"{step} failed"
+    handled = len(d.autocast_handled)
+    return f"{step} ok" + (f" (autocast handled {handled} dtype difference(s))" if handled else "")
 
 
 def _diagnose_steps(
@@ -181,7 +279,7 @@ def _diagnose_steps(
             autocast=policy.compute_dtype if mixed else None,
             raise_on_error=False,
         )
-        if not args.no_generate:
+        if not args.no_generate and getattr(model, "can_generate", lambda: False)():
             model.eval()
             handle = guard(args.mode)
             steps["generate"] = f"generate(), guard mode {args.mode!r}, no autocast"

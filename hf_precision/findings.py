@@ -98,6 +98,18 @@ class Diagnosis:
         return self.error is None
 
     @property
+    def autocast_handled(self) -> list[Mismatch]:
+        """Mismatches that did not fail because autocast ran the op in its dtype: autocast
+        doing its work (information, not a problem)."""
+        return [m for m in self.silent if m.autocast]
+
+    @property
+    def unhandled(self) -> list[Mismatch]:
+        """Mismatches that did not fail outside autocast (an op's own upcasting, a guard): the
+        ones to look at when a later pass (generate, evaluation) fails."""
+        return [m for m in self.silent if not m.autocast]
+
+    @property
     def silent(self) -> list[Mismatch]:
         """Mismatches that did not fail (autocast, the op's own upcast, or a guard hid them)."""
         stack = set(self.failing_stack)
@@ -124,6 +136,8 @@ class Diagnosis:
             "fix": self.fix,
             "violations": dict(self.violations),
             "mismatches": [m.to_dict() for m in self.mismatches],
+            "autocast_handled": len(self.autocast_handled),
+            "silent_outside_autocast": len(self.unhandled),
             "calls": self.calls,
         }
 
@@ -160,17 +174,21 @@ class Diagnosis:
                 lines.append(f"root cause: {self.root_cause} ({CLASS_NAMES[self.root_cause]})")
             if self.fix:
                 lines.append(f"fix: {self.fix}")
-        silent = self.silent
-        if silent:
-            n_ac = sum(1 for m in silent if m.autocast)
+        handled, silent = self.autocast_handled, self.unhandled
+        if handled:
             lines.append(
-                f"{len(silent)} other input/weight mismatch(es) did not fail "
-                f"({n_ac} under autocast):"
+                f"info: autocast handled {len(handled)} input/weight dtype difference(s) "
+                "(autocast runs those ops in its dtype, as in training: not a problem)"
+            )
+        if silent:
+            lines.append(
+                f"{len(silent)} other input/weight mismatch(es) did not fail outside "
+                "autocast (an op upcast or a guard cast them):"
             )
             lines += ["  " + m.describe() for m in silent[:_LISTED]]
             if len(silent) > _LISTED:
                 lines.append(f"  ... and {len(silent) - _LISTED} more (see .to_dict())")
-        elif self.ok:
+        elif self.ok and not handled:
             lines.append("no module received inputs in another dtype/device than its weights")
         return "\n".join(lines)
 

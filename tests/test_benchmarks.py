@@ -106,7 +106,7 @@ def test_cli_writes_json_and_prints_table(tmp_path: Any, capsys: Any) -> None:
         main(["--only", "nonsense"])
 
 
-@pytest.mark.parametrize("name", ["common", "models", "audit"])
+@pytest.mark.parametrize("name", ["common", "models", "audit", "cli_startup"])
 def test_module_examples_run(name: str) -> None:
     result = doctest.testmod(importlib.import_module(f"benchmarks.{name}"))
     assert result.attempted > 0 and result.failed == 0

@@ -40,7 +40,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 # ---------------------------------------------------------------------------- subprocess
 def test_audit_checkpoint_folder_violates_bf16(checkpoints: dict[str, Path]) -> None:
-    proc = _run("audit", str(checkpoints["fp32"]), "--policy", "bf16", "--json")
+    proc = _run(
+        "audit", str(checkpoints["fp32"]), "--policy", "bf16", "--trainable", "none", "--json"
+    )
     assert proc.returncode == 1, proc.stderr
     data = json.loads(proc.stdout)
     assert data["built"] == "meta" and data["model_type"] == "llava" and not data["ok"]
@@ -52,14 +54,14 @@ def test_audit_checkpoint_folder_violates_bf16(checkpoints: dict[str, Path]) -> 
 def test_audit_config_json_alone(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     shutil.copy(checkpoints["bf16"] / "config.json", config)  # no weights next to it
-    proc = _run("audit", str(config), "--policy", "bf16", "--plain")
+    proc = _run("audit", str(config), "--policy", "bf16", "--trainable", "none", "--plain")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK: the model matches policy bf16" in proc.stdout
     assert "language_model" in proc.stdout and "built on the meta device" in proc.stdout
 
 
 def test_audit_model_type_full_size_on_meta() -> None:
-    proc = _run("audit", "llava", "--dtype", "bf16")
+    proc = _run("audit", "llava", "--dtype", "bf16", "--trainable", "none")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "6,607,343,616" in proc.stdout  # the default LLaVA config: a 7B language model
     assert "OK: the model matches policy bf16" in proc.stdout
@@ -68,7 +70,8 @@ def test_audit_model_type_full_size_on_meta() -> None:
 def test_audit_model_type_violation(capsys: pytest.CaptureFixture[str]) -> None:
     # an explicit fp32 load against the bf16 policy (a bare type with --dtype auto audits in
     # the policy's dtype when the config declares none: tests/test_cli_checkpoints.py)
-    assert main(["audit", "llava", "--policy", "bf16", "--dtype", "fp32", "--plain"]) == 1
+    argv = ["audit", "llava", "--policy", "bf16", "--dtype", "fp32", "--trainable", "none"]
+    assert main([*argv, "--plain"]) == 1
     out = capsys.readouterr().out
     assert "VIOLATES policy bf16" in out and "language_model float32->bfloat16" in out
 
@@ -93,7 +96,7 @@ def test_help_has_examples(command: str, capsys: pytest.CaptureFixture[str]) -> 
 @pytest.mark.parametrize(
     "argv, allowed",
     [
-        (["audit", "llava", "--policy", "bf61"], "choose from 'bf16', 'bf16-true'"),
+        (["audit", "llava", "--policy", "bf61"], "unknown preset 'bf61'. Did you mean 'bf16'?"),
         (["audit", "llava", "--dtype", "bf61"], "choose from 'auto'"),
         (["audit", "lava"], "Did you mean 'llava'"),
         (["audit", "llava", "--trainable", "projecter"], "Did you mean 'projector'"),
@@ -132,3 +135,89 @@ def test_audit_weights_and_trainable_groups(
     # frozen groups are bf16 as the policy wants; the trainable projector must become fp32
     assert code == 1 and data["built"] == "weights"
     assert data["changes_by_group"] == {"projector": {"bfloat16->float32": 4}}
+    # the memory line: the projector's bytes double when its bf16 weights go fp32
+    memory = data["memory_by_group"]["projector"]
+    assert set(data["memory_by_group"]) == {"projector"} and memory["after"] == 2 * memory["before"]
+
+
+# ---------------------------------------------------------------------------- a fast CLI
+def _imported(*args: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """``python -X importtime -m hf_precision ARGS``: the run, and every module it imported."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "hf_precision", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    names = {
+        line.rsplit("|", 1)[-1].strip()
+        for line in proc.stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+    return proc, names
+
+
+@pytest.mark.parametrize(
+    "args, code, says",
+    [
+        (["--help"], 0, "{architectures,audit,doctor}"),
+        (["--version"], 0, "hf-precision "),
+        (["audit", "--help"], 0, "examples:"),
+        (["doctor", "--help"], 0, "--text-len"),
+        (["audit"], 2, "the following arguments are required: PATH_OR_MODEL_TYPE"),
+        (["audit", "llava", "--dtype", "bf61"], 2, "choose from 'auto'"),
+        (["lint"], 2, "invalid choice: 'lint'"),
+    ],
+)
+def test_help_version_and_argument_errors_import_neither_torch_nor_transformers(
+    args: list[str], code: int, says: str
+) -> None:
+    proc, names = _imported(*args)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert says in proc.stdout + proc.stderr
+    assert not {"torch", "transformers"} & names, sorted({"torch", "transformers"} & names)
+
+
+def test_a_trainable_typo_is_reported_before_the_model_is_built() -> None:
+    proc, names = _imported("audit", "llava", "--trainable", "projecter")
+    assert proc.returncode == 2 and "Did you mean 'projector'" in proc.stderr
+    assert "transformers" not in names  # no config read, no model class imported
+
+
+def test_python_m_hf_precision_runs_the_command(checkpoints: dict[str, Path]) -> None:
+    from hf_precision import __version__
+
+    proc, _ = _imported("--version")
+    assert proc.stdout.strip() == f"hf-precision {__version__}"
+    proc, names = _imported("audit", str(checkpoints["bf16"]), "--trainable", "none", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["ok"] and "torch" in names
+
+
+def test_help_lists_match_the_registries(capsys: pytest.CaptureFixture[str]) -> None:
+    from hf_precision.cli import GROUP_NAMES, PRESET_NAMES
+    from hf_precision.groups import group_names
+    from hf_precision.policy import PRESETS
+
+    assert tuple(PRESETS) == PRESET_NAMES
+    assert group_names() == GROUP_NAMES
+
+
+def test_audit_and_doctor_share_their_defaults() -> None:
+    from hf_precision.cli import _parser
+
+    audit = vars(_parser().parse_args(["audit", "llava"]))
+    doctor = vars(_parser().parse_args(["doctor", "llava"]))
+    shared = {"policy", "trainable", "json", "plain"}
+    assert {k: audit[k] for k in shared} == {k: doctor[k] for k in shared}
+    assert audit["trainable"] == "all"
+
+
+def test_a_policy_typo_names_the_presets(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "llava", "--policy", "bf61"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown preset 'bf61'. Did you mean 'bf16'?" in err
+    assert "fp16-vae32" in err  # the allowed names, registered presets included

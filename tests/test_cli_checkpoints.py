@@ -4,9 +4,14 @@ other vocab sizes, image token ids and image sizes, stored split (vision fp32, l
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -129,10 +134,11 @@ def test_audit_shows_the_split_as_stored(
 def test_audit_of_a_bare_model_type_says_where_its_dtype_comes_from(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["audit", "llava", "--policy", "bf16", "--plain"]) == 0  # no config dtype
+    # no config dtype; nothing trainable: the frozen dtype is the policy's
+    assert main(["audit", "llava", "--policy", "bf16", "--trainable", "none", "--plain"]) == 0
     out = capsys.readouterr().out
     assert "dtypes: the policy's dtype (the config declares none)" in out and "OK:" in out
-    assert main(["audit", "paligemma", "--plain"]) == 0
+    assert main(["audit", "paligemma", "--trainable", "none", "--plain"]) == 0
     out = capsys.readouterr().out
     assert "tied: lm_head.weight -> model.language_model.embed_tokens.weight" in out
     assert "ok (tied)" in out
@@ -163,3 +169,221 @@ def test_every_architecture_the_rules_know_audits_without_an_exception(
             assert out.err.splitlines()[-1].startswith("hf-precision: error:"), (mt, out.err)
         slow.append((time.perf_counter() - t0, mt))
     assert max(slow)[0] < 60, max(slow)
+
+
+# ---------------------------------------------------------------------------- Hub ids
+def _hub_cache(root: Path, repo_id: str, folder: Path, files: tuple[str, ...]) -> Path:
+    """The layout huggingface_hub's cache has: blobs, a snapshot of symlinks, refs/main."""
+    repo = root / "hub" / ("models--" + repo_id.replace("/", "--"))
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    snap = repo / "snapshots" / rev
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for i, name in enumerate(files):
+        blob = repo / "blobs" / f"blob{i}"
+        blob.write_bytes((folder / name).read_bytes())
+        (snap / name).symlink_to(Path("../..") / "blobs" / blob.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    return snap
+
+
+@pytest.fixture(scope="module")
+def hf_home(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A local Hugging Face cache with ``tiny/llava-split`` (config + weights) and
+    ``tiny/llava-config`` (the config only, as ``hf download --include '*.json'`` leaves it)."""
+    root = tmp_path_factory.mktemp("hf_home")
+    _hub_cache(root, "tiny/llava-split", checkpoints["llava"], ("config.json", "model.safetensors"))
+    _hub_cache(root, "tiny/llava-config", checkpoints["llava"], ("config.json",))
+    return root
+
+
+def test_audit_of_a_hub_id_reads_the_local_cache_offline(hf_home: Path) -> None:
+    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf_precision", "audit", "tiny/llava-split", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]  # vision fp32 under bf16
+    data = json.loads(proc.stdout)
+    assert "local Hugging Face cache, offline (HF_HUB_OFFLINE=1)" in data["note"]
+    groups = {g["group"]: g["dtypes"] for g in data["groups"]}
+    assert groups["vision_encoder"] == "float32" and groups["language_model"] == "bfloat16"
+    assert data["dtype_from"].startswith("as stored in the safetensors files")
+
+
+def test_a_hub_id_missing_from_the_cache_says_so(
+    hf_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert main(["audit", "Qwen/Qwen2-VL-7B-Instruct"]) == 2
+    err = capsys.readouterr().err
+    assert "Qwen/Qwen2-VL-7B-Instruct: not in the local Hugging Face cache" in err
+    assert "HF_HUB_OFFLINE=1" in err and err.count("\n") == 1
+    # a cached config without weights: the config's dtype (float32), and the note says why
+    assert main(["audit", "tiny/llava-config", "--policy", "fp32", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["dtype_from"].startswith("the config's dtype (no safetensors files")
+    assert "local Hugging Face cache" in data["note"]
+
+
+# ---------------------------------------------------------------------------- PEFT adapters
+@pytest.fixture(scope="module")
+def adapters(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """LoRA adapters of the split LLaVA checkpoint, saved fp32 and bf16."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlavaForConditionalGeneration
+
+    root = tmp_path_factory.mktemp("adapters")
+    base = LlavaForConditionalGeneration.from_pretrained(checkpoints["llava"])
+    config = LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
+    peft_model = get_peft_model(base, config)
+    peft_model.peft_config["default"].base_model_name_or_path = str(checkpoints["llava"])
+    peft_model.save_pretrained(root / "fp32")
+    peft_model.to(torch.bfloat16).save_pretrained(root / "bf16")
+    return root
+
+
+def test_audit_of_a_peft_adapter_folder(
+    adapters: Path, checkpoints: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["audit", str(adapters / "fp32"), "--policy", "bf16", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["kind"] == "adapter" and data["base_model"] == str(checkpoints["llava"])
+    assert data["peft_type"] == "LORA" and data["built"].startswith("nothing")
+    rows = {r["group"]: r for r in data["groups"]}
+    # q_proj/v_proj of the SigLIP tower and of the Qwen2 language model, placed by the base
+    assert set(rows) == {"vision_encoder", "language_model"}
+    assert all(set(r["numel"]) == {"float32"} and r["trainable"] for r in rows.values())
+    # bf16 adapter weights against a policy that trains in fp32
+    assert main(["audit", str(adapters / "bf16"), "--policy", "bf16", "--plain"]) == 1
+    out = capsys.readouterr().out
+    assert "VIOLATES" in out and "bfloat16:" in out and "to cast" in out
+    assert "autocast_adapter_dtype" in out
+
+
+# ---------------------------------------------------------------------------- diffusers
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A diffusers folder: unet and text encoder fp16, vae fp32 (what fp16-vae32 wants)."""
+    from hf_precision.tiny.diffusion import tiny_text_encoder, tiny_unet, tiny_vae
+
+    root = tmp_path_factory.mktemp("pipeline")
+    tiny_unet().to(torch.float16).save_pretrained(root / "unet")
+    tiny_vae().save_pretrained(root / "vae")
+    tiny_text_encoder().to(torch.float16).save_pretrained(root / "text_encoder")
+    (root / "model_index.json").write_text(
+        json.dumps(
+            {
+                "_class_name": "StableDiffusionPipeline",
+                "unet": ["diffusers", "UNet2DConditionModel"],
+                "vae": ["diffusers", "AutoencoderKL"],
+                "text_encoder": ["transformers", "CLIPTextModel"],
+                "tokenizer": ["transformers", "CLIPTokenizer"],
+                "scheduler": ["diffusers", "DDPMScheduler"],
+            }
+        )
+    )
+    return root
+
+
+def test_audit_of_a_diffusers_folder_per_component(
+    pipeline: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["audit", str(pipeline), "--policy", "fp16-vae32", "--trainable", "none", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = {r["component"]: r for r in data["groups"]}
+    assert set(rows) == {"unet", "vae", "text_encoder"}
+    assert {k: set(r["numel"]) for k, r in rows.items()} == {
+        "unet": {"float16"},
+        "vae": {"float32"},
+        "text_encoder": {"float16"},
+    }
+    assert {k: r["policy"] for k, r in rows.items()} == {
+        "unet": "float16",
+        "vae": "float32",
+        "text_encoder": "float16",
+    }
+    # the same folder against fp16 everywhere: the fp32 VAE is what would be cast
+    assert (
+        main(["audit", str(pipeline), "--policy", "fp16-true", "--trainable", "none", "--json"])
+        == 1
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert {r["component"] for r in data["groups"] if r["to_cast"]} == {"vae"}
+
+
+def test_audit_of_a_hub_id_online_reads_config_and_headers_only(
+    checkpoints: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Online, through huggingface_hub: the config file fetched, the dtypes from the Hub's
+    safetensors metadata. The Hub is the one thing faked (no network here): its two calls
+    answer from a real saved checkpoint, whose weights are not where the audit looks."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import EntryNotFoundError
+
+    from hf_precision.checkpoint import safetensors_headers
+
+    shutil.copy(checkpoints["llava"] / "config.json", tmp_path / "config.json")  # no weights
+    headers = safetensors_headers(sorted(checkpoints["llava"].glob("*.safetensors")))
+    fetched: list[str] = []
+
+    def hf_hub_download(repo_id: str, filename: str, **_: Any) -> str:
+        fetched.append(filename)
+        if not (tmp_path / filename).is_file():
+            raise EntryNotFoundError(f"{repo_id}/{filename}")
+        return str(tmp_path / filename)
+
+    def get_safetensors_metadata(repo_id: str, **_: Any) -> Any:
+        tensors = {
+            k: SimpleNamespace(dtype=v["dtype"], shape=v["shape"]) for k, v in headers.items()
+        }
+        return SimpleNamespace(
+            files_metadata={"model.safetensors": SimpleNamespace(tensors=tensors)}
+        )
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", get_safetensors_metadata)
+    assert main(["audit", "tiny/llava-online", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert fetched == ["config.json"] and "the Hub (tiny/llava-online" in data["note"]
+    groups = {g["group"]: g["dtypes"] for g in data["groups"]}
+    assert groups["vision_encoder"] == "float32" and groups["language_model"] == "bfloat16"
+
+
+def test_an_adapter_whose_base_is_not_here_still_audits(
+    adapters: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    folder = tmp_path / "adapter"
+    shutil.copytree(adapters / "fp32", folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "tiny/not-cached"
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    assert main(["audit", str(folder), "--json"]) == 0
+    out = capsys.readouterr()
+    data = json.loads(out.out)
+    assert [r["group"] for r in data["groups"]] == ["adapter"] and data["base_model"] == (
+        "tiny/not-cached"
+    )
+    assert "base model tiny/not-cached is not readable here" in data["notes"][0]
+    assert "error" not in out.err  # a note, not the command's error
