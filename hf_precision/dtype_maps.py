@@ -87,6 +87,8 @@ class GroupSummary:
     trainable: int = 0
     quantized: int = 0
     modules: int = 0
+    #: dtype -> numel of the trainable parameters (the rest of :attr:`numel` is frozen)
+    trainable_numel: dict[str, int] = field(default_factory=dict)
 
     @property
     def dtypes(self) -> tuple[str, ...]:
@@ -433,6 +435,8 @@ class _Tally:
         if p.requires_grad:
             rec.trainable += n
             summary.trainable += n
+            st = summary.trainable_numel
+            st[dt] = st.get(dt, 0) + n
         if quant:
             rec.quantized += n
             summary.quantized += n
