@@ -108,6 +108,17 @@ def _doctor_options(s: argparse.ArgumentParser) -> None:
     )
 
 
+def _preset(value: str) -> str:
+    """``--policy``: the preset names of ``PrecisionPolicy.from_preset``, refused alike (with
+    the preset meant: ``bfloat16`` -> ``bf16`` or ``bf16-true``)."""
+    from .policy import preset_name
+
+    try:
+        return preset_name(value, call="--policy")
+    except PrecisionError as err:
+        raise argparse.ArgumentTypeError(str(err).split(": ", 1)[1].split("\n")[0]) from None
+
+
 def _parser() -> argparse.ArgumentParser:
     from .groups import group_names
     from .policy import PRESETS
@@ -145,7 +156,11 @@ def _parser() -> argparse.ArgumentParser:
         )
         s.add_argument("source", metavar="PATH_OR_MODEL_TYPE")
         s.add_argument(
-            "--policy", default="bf16", choices=list(PRESETS), help="policy preset (default: bf16)"
+            "--policy",
+            default="bf16",
+            type=_preset,
+            metavar="{" + ",".join(PRESETS) + "}",
+            help="policy preset (default: bf16)",
         )
         s.add_argument("--json", action="store_true", help="print JSON instead of tables")
         s.add_argument("--plain", action="store_true", help="plain text tables even with rich")

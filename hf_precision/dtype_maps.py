@@ -34,6 +34,7 @@ from .dtypes import (
     storage_bytes,
     zero3_dtype,
 )
+from .errors import check_model
 from .groups import OTHER, ModuleGroups, find_module_groups, hidden_module
 from .tables import fmt_bytes, render_table
 from .view import ModelView
@@ -351,6 +352,7 @@ def dtype_map(
     # Every container built here is kept (records, per-dtype counts): cyclic-GC passes during
     # the walk would only rescan them, a cost that grows faster than the model (measured on
     # LLaVA-1.5-7B: 4x the layers took up to 3.9x as long with the collector on, 3.1x off).
+    check_model(model, "dtype_map(model)")
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -119,3 +119,10 @@ def test_the_guard_adds_no_graph_break_under_torch_compile():
     assert not [r for r, files in with_guard if any("hf_precision" in f for f in files)]
     assert sorted(r for r, _ in with_guard) == sorted(r for r, _ in without)
     dynamo.reset()
+
+
+def test_collator_arguments_of_the_wrong_type_say_so():
+    with pytest.raises(PrecisionError, match=r"(?s)the collator must be callable.*type str"):
+        PrecisionCollator("bf16")  # the policy where the collator goes
+    with pytest.raises(PrecisionError, match=r"model=model\): expected a torch.nn.Module"):
+        PrecisionCollator(default_data_collator, "bf16", model={"a": 1})

@@ -107,3 +107,8 @@ def test_audit_mode_hooks_change_nothing():
     install_guards(model, policy, enforce_policy(model, policy))
     with pytest.raises(RuntimeError, match="same dtype|should be the same"):
         model(**tiny_batch(model))
+
+
+def test_install_guards_on_what_is_not_a_model_says_so():
+    with pytest.raises(PrecisionError, match=r"^install_guards\(model, policy\): expected a torch"):
+        install_guards({"a": 1}, PrecisionPolicy.from_preset("bf16"))
