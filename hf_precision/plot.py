@@ -96,8 +96,10 @@ class PictureRow:
     target: str | None = None
     #: (before dtype, after dtype, tensors) cast at this event
     casts: tuple[tuple[str, str, int], ...] = ()
-    open: int = 0  # tensors of the row still off the policy after this event
+    open: int = 0  # tensors of the row still off the policy after this event (from a report)
     kept_fp32: int = 0  # numel the policy keeps in float32 (keep_fp32 patterns, the model's own)
+    #: without a report: parameters in a floating dtype the policy does not want for the row
+    off_params: int = 0
 
     @property
     def numel(self) -> int:
@@ -109,6 +111,8 @@ class PictureRow:
         a policy."""
         if self.open:
             return f"✗ {self.open} off"
+        if self.off_params:
+            return f"✗ {_count(self.off_params)} params off"
         return "✓" if self.target is not None else ""
 
 
@@ -122,6 +126,23 @@ def _role_numel(dmap: DtypeMap, group: str) -> dict[str, dict[str, int]]:
         "frozen": {d: n for d, n in frozen.items() if n > 0},
         "trainable": {d: n for d, n in trainable.items() if n > 0},
     }
+
+
+def _off_params(policy: Any, group: str, role: str, now: dict[str, int], kept: int) -> int:
+    """Parameters of a row in a floating dtype the policy does not want there (read from the
+    map alone: quantized formats and fp8 storage are left to their library)."""
+    from .dtypes import dtype_name
+
+    want = dtype_name(policy.group_dtype(group))
+    if role == "trainable" and policy.trainable_dtype is not None:
+        want = dtype_name(policy.trainable_dtype)
+    ok = {want, "float32"} if role == "trainable" and policy.keep_trainable_fp32 else {want}
+    off = 0
+    for d, n in now.items():
+        if d in ok or ":" in d or d.startswith("float8") or not d.startswith(("float", "bfloat")):
+            continue
+        off += max(n - kept, 0) if d == "float32" else n
+    return off
 
 
 def _target(policy: Any, group: str, role: str, kept: int) -> str | None:
@@ -217,6 +238,11 @@ def picture_rows(
                     casts=tuple((src, dst, t) for (src, dst), (_, t) in sorted(casts.items())),
                     open=off.get(key, 0),
                     kept_fp32=kept.get(key, 0),
+                    off_params=(
+                        _off_params(policy, group, role, now, kept.get(key, 0))
+                        if policy is not None and report is None
+                        else 0
+                    ),
                 )
             )
     return rows
@@ -347,7 +373,7 @@ def precision_figure(
             fontsize=font,
             va="center",
             ha="left",
-            color=_BAD if row.open else _OK if verdict else _TEXT,
+            color=_BAD if verdict.startswith("✗") else _OK if verdict else _TEXT,
             weight="bold",
             clip_on=False,
         )
@@ -375,15 +401,20 @@ def precision_figure(
         ax.text(0.5, 0, "no parameters", ha="center", va="center", fontsize=9)
     if any(r.target is not None for r in rows):
         off = sum(r.open for r in rows)
+        off_params = sum(r.off_params for r in rows)
         fig.text(
             0.99,
             0.975,
-            f"✗ {off} tensor(s) off the policy" if off else "✓ matches the policy",
+            f"✗ {off} tensor(s) off the policy"
+            if off
+            else f"✗ {_count(off_params)} params off the policy"
+            if off_params
+            else "✓ matches the policy",
             fontsize=10,
             weight="bold",
             va="top",
             ha="right",
-            color=_BAD if off else _OK,
+            color=_BAD if off or off_params else _OK,
         )
     handles = [Patch(color=c, label=d) for d, c in dtypes.items()]
     if any(r.before for r in rows):

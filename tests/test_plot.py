@@ -155,3 +155,25 @@ def test_the_picture_is_deterministic_and_follows_its_title() -> None:
     assert plot_precision(rows, title="llava: on_init_end, step 0") == a
     assert plot_precision(rows, title="llava: on_train_end, step 3") != a
     assert png_size(a) == PICTURE_SIZE
+
+
+def test_without_a_report_the_verdict_reads_the_map_against_the_policy() -> None:
+    """A standalone picture (no EnforceReport): parameters in a dtype the policy does not want
+    for their row are counted off; what the policy keeps in fp32 is not."""
+    from hf_precision import PrecisionPolicy
+
+    model = tiny_llava()
+    model.model.vision_tower.requires_grad_(False)
+    policy = PrecisionPolicy.from_preset("bf16")  # frozen tower: bf16 wanted, fp32 found
+    rows = {(r.group, r.role): r for r in picture_rows(dtype_map(model), policy=policy)}
+    tower = rows["vision_encoder", "frozen"]
+    assert (
+        tower.off_params == tower.numel
+        and tower.verdict == f"✗ {tower.numel / 1000:.3g}K params off"
+    )
+    assert rows["projector", "trainable"].verdict == "✓"
+    model.model.vision_tower.to(torch.bfloat16)
+    kept = policy.replace(keep_fp32=("model.vision_tower.post_layernorm",))
+    model.model.vision_tower.post_layernorm.float()
+    rows = picture_rows(dtype_map(model, policy=kept), policy=kept)
+    assert all(r.verdict == "✓" for r in rows), rows
