@@ -320,7 +320,7 @@ class PrecisionReporter:
         self.events: list[tuple[str, int]] = []
         self.wandb: Any = None
         self._png_cache: tuple[Any, bytes] | None = None
-        self._stems: set[str] = set()  # file stems this reporter wrote
+        self._stems: dict[str, int] = {}  # <step>-<event> -> the next number to try
         self._table: tuple[str, int, DtypeMap] | None = None  # the last event logged in full
         self._warned: set[str] = set()  # kinds of report failure already warned about
         if wandb and is_main_process:
@@ -409,14 +409,14 @@ class PrecisionReporter:
         evaluation at the step where another one ran, an earlier run in the same folder): no
         event overwrites another's files."""
         base = f"{step:06d}-{event}"
-        stem, n = base, 1
-        while stem in self._stems or (
-            self.report_dir is not None
-            and any((self.report_dir / f"{stem}{ext}").exists() for ext in (".json", ".png"))
+        n = self._stems.get(base, 1)
+        stem = base if n == 1 else f"{base}-{n}"
+        while self.report_dir is not None and any(
+            (self.report_dir / f"{stem}{ext}").exists() for ext in (".json", ".png")
         ):
             n += 1
             stem = f"{base}-{n}"
-        self._stems.add(stem)
+        self._stems[base] = n + 1  # the next event of this name starts after this one
         return stem
 
     # ------------------------------------------------------------------ event
