@@ -107,10 +107,10 @@ class PictureRow:
 
     @property
     def verdict(self) -> str:
-        """``"✓"`` when nothing is off the policy, ``"✗ N off"`` otherwise, ``""`` without
-        a policy."""
+        """``"✓"`` when nothing is off the policy; ``"✗ N tensor(s) off"`` (from a report) or
+        ``"✗ N params off"`` (read from the map) otherwise; ``""`` without a policy."""
         if self.open:
-            return f"✗ {self.open} off"
+            return f"✗ {self.open} tensor(s) off"
         if self.off_params:
             return f"✗ {_count(self.off_params)} params off"
         return "✓" if self.target is not None else ""

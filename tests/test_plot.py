@@ -108,7 +108,7 @@ def test_picture_rows_count_what_an_audit_leaves_off_the_policy() -> None:
     }
     tower = rows["vision_encoder", "frozen"]
     assert tower.open == len(list(model.model.vision_tower.parameters())) > 0
-    assert tower.verdict == f"✗ {tower.open} off" and tower.before is None
+    assert tower.verdict == f"✗ {tower.open} tensor(s) off" and tower.before is None
     assert rows["projector", "trainable"].verdict == "✓"
     # without a policy: the dtypes, no verdict
     bare = picture_rows(dtype_map(model))
