@@ -183,7 +183,10 @@ def picture_rows(
     a wrapper cast). ``trainable_names``: the trainable parameters, to place those off-policy
     tensors the report does not hold (a wrapper's)."""
     applied = bool(getattr(report, "applied", False))
-    planned = list(getattr(report, "planned", None) or ())
+    # the plan behind the report's changes only (a wrapper's report keeps its audit's plan but
+    # lists only what it may not hold)
+    listed = {id(c) for c in getattr(report, "changes", None) or ()}
+    planned = [c for c in getattr(report, "planned", None) or () if id(c.change) in listed]
     trainable_set = set(trainable_names)
     # what this event cast, per (group, role): dtype moves of numel and tensors
     moved: dict[tuple[str, str], dict[tuple[str, str], list[int]]] = {}

@@ -177,3 +177,29 @@ def test_without_a_report_the_verdict_reads_the_map_against_the_policy() -> None
     model.model.vision_tower.post_layernorm.float()
     rows = picture_rows(dtype_map(model, policy=kept), policy=kept)
     assert all(r.verdict == "✓" for r in rows), rows
+
+
+def test_a_wrappers_report_counts_what_it_lists_once() -> None:
+    """A held wrapper's report (DeepSpeed) keeps its audit's plan but lists only the casts the
+    policy does not allow: those, once each, are what is off."""
+    import copy
+
+    from hf_precision import PrecisionPolicy, enforce_policy
+    from hf_precision.plan import Change
+
+    model = tiny_llava()
+    model.model.vision_tower.requires_grad_(False)
+    policy = PrecisionPolicy.from_preset("bf16", group_dtypes={"vision_encoder": "fp32"})
+    model.to(torch.bfloat16)  # as DeepSpeed bf16 holds every parameter
+    audit = enforce_policy(model, policy, mode="audit")
+    tower = [c for c in audit.changes if c.group == "vision_encoder"]
+    assert len(audit.changes) > len(tower) > 0
+    held = copy.copy(audit)
+    held.changes = []
+    held.wrapper_casts = [
+        Change(c.name, "param", c.group, c.before, c.after, "cast by DeepSpeed") for c in tower
+    ]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    rows = picture_rows(dtype_map(model), policy=policy, report=held, trainable_names=names)
+    assert sum(r.open for r in rows) == len(tower)
+    assert {(r.group, r.role) for r in rows if r.open} == {("vision_encoder", "frozen")}
