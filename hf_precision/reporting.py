@@ -382,7 +382,10 @@ class PrecisionReporter:
         trainable: list[str] = []
         if getattr(report, "wrapper_casts", None):  # to place what a wrapper cast by role
             trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-        rows = picture_rows(dmap, policy=policy, report=report, trainable_names=trainable)
+        # no report: the event's audit found the model on the policy (log_event's contract)
+        rows = picture_rows(
+            dmap, policy=policy, report=report, trainable_names=trainable, checked=True
+        )
         title = f"{dmap.model_type or 'model'}: {event}, step {step}"
         subtitle = f"policy {policy.describe()}" if policy is not None else ""
         # The key is everything the picture draws: the same key, the same picture.

@@ -194,7 +194,7 @@ def test_every_event_has_its_own_files_picture_and_log_line(make_trainer: Any) -
     assert [e for e, _ in cb.events] == [s.split("-", 1)[1].split("-")[0] for s in stems]
     policy = cb.policy
     assert policy is not None
-    rows = picture_rows(dtype_map(model, policy=policy), policy=policy)
+    rows = picture_rows(dtype_map(model, policy=policy), policy=policy, checked=True)
     for stem in stems:
         data = json.loads((out / f"{stem}.json").read_text())
         assert data["picture"] == f"{stem}.png"
@@ -304,3 +304,22 @@ def test_a_reporter_from_an_accelerator_writes_under_its_project_dir(tmp_path: P
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+def test_a_clean_event_is_drawn_as_the_guard_found_it(tmp_path: Path) -> None:
+    """No report: the event's audit found nothing off. Trainable weights a wrapper holds in
+    bf16 (DeepSpeed keeps fp32 masters) are not drawn as off the bf16 policy."""
+    from hf_precision import PrecisionPolicy
+    from hf_precision.plot import picture_rows, plot_precision
+
+    model = tiny_llava().to(torch.bfloat16)  # as DeepSpeed bf16 holds every parameter
+    policy = PrecisionPolicy.from_preset("bf16")
+    reporter = PrecisionReporter(tmp_path, console=False)
+    dmap = reporter.log_event("on_train_begin", model, step=0, policy=policy)
+    checked = picture_rows(dmap, policy=policy, checked=True)
+    assert all(r.verdict == "✓" for r in checked)
+    assert any(r.verdict.startswith("✗") for r in picture_rows(dmap, policy=policy))
+    want = plot_precision(
+        checked, title="llava: on_train_begin, step 0", subtitle=f"policy {policy.describe()}"
+    )
+    assert (tmp_path / "000000-on_train_begin.png").read_bytes() == want
