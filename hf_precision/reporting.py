@@ -375,10 +375,8 @@ class PrecisionReporter:
     ) -> bytes | None:
         if not self.picture:
             return None
-        try:
-            from .plot import PICTURE_SIZE, picture_rows, plot_precision
-        except ImportError:  # pragma: no cover - plot imports matplotlib lazily
-            return None
+        from .plot import PICTURE_SIZE, picture_rows, plot_precision  # matplotlib: lazily, below
+
         trainable: list[str] = []
         if getattr(report, "wrapper_casts", None):  # to place what a wrapper cast by role
             trainable = [n for n, p in model.named_parameters() if p.requires_grad]
