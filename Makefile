@@ -7,7 +7,7 @@ export WANDB_SILENT ?= true
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast test-tf4 lint typecheck bench gpu-test nightly clean
+.PHONY: setup demo test test-fast test-tf4 lint typecheck bench gpu-test nightly clean notebooks
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/python
 	touch $@
 
 setup: $(VENV)/.installed
+
+# Execute the demo notebooks and store them with their outputs (tests/test_notebooks.py fails
+# when the stored outputs are stale).
+notebooks: setup
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python notebooks/_build.py
 
 demo: setup
 	$(BIN)/python recipes/lora_llava.py --config recipes/configs/llava/tiny.yaml --report_to wandb

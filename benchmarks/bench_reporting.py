@@ -2,8 +2,8 @@
 
 * ``report_event_s`` — seconds for one :meth:`PrecisionReporter.log_event` with a fresh picture
   (dtype map + module/group tables + text table + PNG + JSON file), target ≤ 0.5 s;
-* ``report_event_cached_s`` — the same when the bytes per group did not change (the picture is
-  reused, which is what most events of a run see);
+* ``report_event_cached_s`` — the same when the picture would not change (same event, step and
+  rows: it is reused);
 * ``report_wandb_s`` — building the ``wandb.Table``/``wandb.Image`` payload and logging it to an
   offline run (only with ``--wandb`` when run as a script: a W&B run costs seconds to start);
 * ``report_audit_ratio`` — ``dtype_map(model, groups, policy=...)`` (what an event computes) ÷
@@ -79,7 +79,7 @@ def event_figures(model: Any, reps: int, out_dir: Path) -> list[Figure]:
     def cached() -> None:
         reporter.log_event("on_evaluate", model, step=1, policy=policy, groups=groups)
 
-    from hf_precision.plot import plot_group_bytes
+    from hf_precision.plot import picture_rows, plot_precision
 
     dmap = dtype_map(model, groups, policy=policy)
     rows, folded = module_table_rows(dmap)
@@ -87,7 +87,9 @@ def event_figures(model: Any, reps: int, out_dir: Path) -> list[Figure]:
         "dtype_map_s": _time(lambda: dtype_map(model, groups, policy=policy), reps)[0],
         "table_rows_s": _time(lambda: module_table_rows(dmap), reps)[0],
         "text_table_s": _time(lambda: dmap.table(use_rich=None), reps)[0],
-        "picture_s": _time(lambda: plot_group_bytes(dmap), reps)[0],
+        "picture_s": _time(
+            lambda: plot_precision(picture_rows(dmap, policy=policy), title="bench"), reps
+        )[0],
     }
     fresh_cpu, fresh_wall = _time(fresh, reps)
     cached_cpu, cached_wall = _time(cached, reps)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .dtypes import dtype_name, is_castable, narrows_range
-from .errors import PrecisionError, PrecisionWarning
+from .errors import PrecisionError, PrecisionWarning, check_model
 from .policy import Mode, PrecisionPolicy
 
 _MASK_HINTS = ("mask", "bias")
@@ -203,10 +203,20 @@ class PrecisionCollator:
         model: nn.Module | None = None,
         device: torch.device | str | None = None,
     ) -> None:
+        call = "PrecisionCollator(collator, policy)"
         if collator is None:
             from transformers import default_data_collator
 
             collator = default_data_collator
+        elif not callable(collator):
+            raise PrecisionError(
+                f"{call}: the collator must be callable (features -> batch), got a value of type "
+                f"{type(collator).__name__}. Fix: pass your data collator first, "
+                "PrecisionCollator(DataCollatorWithPadding(tokenizer), 'bf16', model=model), or "
+                "None for transformers' default_data_collator; the policy comes second."
+            )
+        if model is not None:
+            check_model(model, f"{call[:-1]}, model=model)")
         self.collator = collator
         self.policy = PrecisionPolicy.resolve(policy, model)
         group_dtypes = None

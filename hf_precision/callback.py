@@ -43,8 +43,9 @@ from .wrappers import unwrap_model
 
 logger = logging.getLogger("hf_precision")
 
-#: Above this size the fp32 copy of trainable weights kept across a full-precision eval is
-#: skipped with a warning (a full fine-tune of a large model would double its memory).
+#: The most the CPU copies kept across a ``*_full_eval`` evaluation may hold (trainable weights
+#: first, then what the policy keeps in float32, then other frozen tensors the in-place cast
+#: rounds); what does not fit comes back rounded, said in one warning when the copies are made.
 STASH_LIMIT_BYTES = 2 * 1024**3
 
 

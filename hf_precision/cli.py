@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 
 from . import checkpoint
 from .checkpoint import DEFAULT_TRAINABLE, fail
-from .errors import did_you_mean
+from .errors import PrecisionError
 
 # What --help says needs no engine (torch, the registries): these lists are checked against
 # the registries by tests/test_cli.py; the values themselves are checked after parsing.
@@ -238,13 +238,13 @@ def _check_values(args: argparse.Namespace) -> None:
     import hf_precision
 
     hf_precision._load()  # the registries: presets and groups, registered ones included
-    from .policy import PRESETS
+    from .policy import preset_name
 
-    if hasattr(args, "policy") and args.policy not in PRESETS:
-        fail(
-            f"argument --policy: unknown preset {args.policy!r}."
-            f"{did_you_mean(args.policy, PRESETS)} Allowed: {', '.join(PRESETS)}"
-        )
+    if hasattr(args, "policy"):
+        try:
+            preset_name(args.policy, call="--policy")
+        except PrecisionError as err:  # the one vocabulary of preset names, said as argparse does
+            fail("argument --policy: " + str(err).split(": ", 1)[1].split("\n")[0])
     if hasattr(args, "trainable"):
         checkpoint.trainable_groups(args.trainable)
 

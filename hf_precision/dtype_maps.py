@@ -34,6 +34,7 @@ from .dtypes import (
     storage_bytes,
     zero3_dtype,
 )
+from .errors import check_model
 from .groups import OTHER, ModuleGroups, find_module_groups, hidden_module
 from .policy import tensor_role
 from .tables import fmt_bytes, render_table
@@ -88,6 +89,8 @@ class GroupSummary:
     trainable: int = 0
     quantized: int = 0
     modules: int = 0
+    #: dtype -> numel of the trainable parameters (the rest of :attr:`numel` is frozen)
+    trainable_numel: dict[str, int] = field(default_factory=dict)
 
     @property
     def dtypes(self) -> tuple[str, ...]:
@@ -350,6 +353,7 @@ def dtype_map(
     # Every container built here is kept (records, per-dtype counts): cyclic-GC passes during
     # the walk would only rescan them, a cost that grows faster than the model (measured on
     # LLaVA-1.5-7B: 4x the layers took up to 3.9x as long with the collector on, 3.1x off).
+    check_model(model, "dtype_map(model)")
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -434,6 +438,8 @@ class _Tally:
         if p.requires_grad:
             rec.trainable += n
             summary.trainable += n
+            st = summary.trainable_numel
+            st[dt] = st.get(dt, 0) + n
         if quant:
             rec.quantized += n
             summary.quantized += n

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import PrecisionError, PrecisionWarning
+from .errors import PrecisionError, PrecisionWarning, check_model
 from .groups import ModuleGroups
 from .plan import (
     Change,
@@ -130,6 +130,7 @@ def enforce_policy(
     this event's walk of the model (:class:`~hf_precision.view.ModelView`), when the caller
     has one.
     """
+    check_model(model, "enforce_policy(model, policy)")
     root, _ = unwrap_model(model)
     policy = PrecisionPolicy.resolve(policy, root)
     mode = policy.mode if mode is None else mode
@@ -223,4 +224,5 @@ def check_policy(
     groups: ModuleGroups | None = None,
 ) -> EnforceReport:
     """What :func:`enforce_policy` would change; changes nothing (``mode="audit"``)."""
+    check_model(model, "check_policy(model, policy)")
     return enforce_policy(model, policy, groups=groups, mode="audit")

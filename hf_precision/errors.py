@@ -47,3 +47,33 @@ def did_you_mean(value: object, choices: Iterable[str], n: int = 1) -> str:
         return ""
     listed = f"{', '.join(close[:-1])} or {close[-1]}" if len(close) > 1 else close[0]
     return f" Did you mean {listed}?"
+
+
+def check_model(model: object, call: str) -> None:
+    """Raise a :class:`PrecisionError` that repeats ``call`` when ``model`` is not a
+    ``torch.nn.Module`` (a dict of weights, a pipeline, a path), instead of an
+    ``AttributeError`` from deep inside.
+
+    >>> check_model({"a": 1}, "dtype_map(model)")
+    Traceback (most recent call last):
+    ...
+    hf_precision.errors.PrecisionError: dtype_map(model): expected a torch.nn.Module (a ...
+    """
+    from torch import nn
+
+    if isinstance(model, nn.Module):
+        return
+    shown = repr(model)
+    shown = shown if len(shown) <= 40 else shown[:36] + "..."
+    hint = (
+        " For a diffusers pipeline use hf_precision.diffusion.guard_diffusion(pipe, ...)."
+        if hasattr(model, "components")
+        else " For a checkpoint folder or a state dict, load the model first "
+        "(AutoModel...from_pretrained(path)) or use the CLI: hf-precision audit PATH."
+        if isinstance(model, str | dict)
+        else ""
+    )
+    raise PrecisionError(
+        f"{call}: expected a torch.nn.Module (a transformers or PEFT model), got a value of type "
+        f"{type(model).__name__}: {shown}. Fix: pass the model itself.{hint}"
+    )

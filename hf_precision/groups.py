@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import nn
 
-from .errors import PrecisionError, PrecisionWarning
+from .errors import PrecisionError, PrecisionWarning, check_model
 from .wrappers import clean_name, unwrap_model
 
 #: The groups every VLM rule speaks of, in forward order.
@@ -525,6 +525,7 @@ def find_module_groups(model: nn.Module, *, strict: bool = False) -> ModuleGroup
     >>> g.rule, g.group_of("model.visual.merger.mlp.0.weight"), g.group_of("model.visual.blocks.0")
     ('qwen2_vl', 'resampler', 'vision_encoder')
     """
+    check_model(model, "find_module_groups(model)")
     root, prefix = unwrap_model(model)
     mt = model_type_of(root)
     for rule in _RULES:

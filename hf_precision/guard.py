@@ -295,41 +295,73 @@ class PrecisionGuard:
 
     # ------------------------------------------------------------------ full-precision eval
     def stash(self, eval_dtype: torch.dtype | None, limit_bytes: int) -> None:
-        """Keep CPU copies of what an in-place ``model.to(eval_dtype)`` would round (trainable
-        weights, fp32 buffers kept by the policy), to give their exact values back after."""
+        """Keep CPU copies of what an in-place ``model.to(eval_dtype)`` (``*_full_eval``) would
+        round, to give their exact values back after: every floating parameter and buffer not
+        already in ``eval_dtype``, most precious first (trainable weights, then what the policy
+        keeps in float32, then the other frozen tensors), as many as ``limit_bytes`` holds. What
+        does not fit is said in one warning: those tensors come back in their dtype with
+        rounded values."""
         if eval_dtype is None:
             return
-        policy = self.policy
-        keep: dict[str, torch.Tensor] = {}
-        total = 0
-        for name, p in self.root.named_parameters():
-            if p.requires_grad and p.dtype != eval_dtype and p.is_floating_point():
-                keep[name] = p
-                total += p.numel() * p.element_size()
-        for name, b in self.root.named_buffers():
-            fp32 = b.is_floating_point() and b.dtype == torch.float32
-            if fp32 and policy.keep_fp32_reason(name, is_buffer=True) is not None:
-                keep[name] = b
-        # what the last plan kept in fp32 (rotary tables by module, _keep_in_fp32_modules,
-        # deliberate fp32 norms): an in-place model.to() rounds those too
+        model_keep = tuple(getattr(self.root, "_keep_in_fp32_modules", None) or ())
+        # what the last plan kept in fp32 (rotary tables by module, deliberate fp32 norms)
         kept = {k[0] for k in self.last_report.kept} if self.last_report is not None else set()
-        if kept:
-            for name, t in (*self.root.named_parameters(), *self.root.named_buffers()):
-                if name in kept and name not in keep and t.dtype == torch.float32:
-                    keep[name] = t
-        if total > limit_bytes:
+        tiers: tuple[list[tuple[str, torch.Tensor]], ...] = ([], [], [])
+        for kind, named in (
+            ("param", self.root.named_parameters()),
+            ("buffer", self.root.named_buffers()),
+        ):
+            for name, t in named:
+                if not t.is_floating_point() or t.dtype == eval_dtype or t.device.type == "meta":
+                    continue
+                if kind == "param" and t.requires_grad:
+                    tiers[0].append((name, t))
+                elif name in kept or self.policy.keep_fp32_reason(
+                    name, is_buffer=kind == "buffer", model_patterns=model_keep
+                ):
+                    tiers[1].append((name, t))
+                else:
+                    tiers[2].append((name, t))
+        keep: dict[str, torch.Tensor] = {}
+        left: list[tuple[str, int]] = [("", 0)] * 3  # per tier: (first name, bytes) left out
+        counts = [0, 0, 0]
+        total = 0
+        for k, tier in enumerate(tiers):
+            for name, t in tier:
+                size = t.numel() * t.element_size()
+                if total + size > limit_bytes:
+                    counts[k] += 1
+                    left[k] = (left[k][0] or name, left[k][1] + size)
+                    continue
+                keep[name] = t
+                total += size
+        self._stash = {k: v.detach().to("cpu", copy=True) for k, v in keep.items()}
+        if any(counts):
+            what = (
+                "trainable weight(s)",
+                "tensor(s) the policy keeps in float32",
+                "frozen tensor(s)",
+            )
+            lost = "; ".join(
+                f"{n} {what[k]} ({left[k][1] / 2**20:.0f} MiB, e.g. {left[k][0]})"
+                for k, n in enumerate(counts)
+                if n
+            )
+            ev = dtype_name(eval_dtype)
             warnings.warn(
-                f"{dtype_name(eval_dtype)}_full_eval will round {total / 2**30:.1f} GiB of "
-                f"trainable weights in place and the guard keeps no copy above "
-                f"{limit_bytes / 2**30:.0f} GiB. Fix: drop *_full_eval, or train LoRA.",
+                f"{ev}_full_eval casts the model to {ev} in place. The guard keeps exact copies "
+                f"of {len(self._stash)} tensor(s) ({total / 2**20:.0f} MiB) to give their values "
+                f"back after the evaluation, up to its {limit_bytes / 2**30:.1f} GiB limit; "
+                f"these do not fit and come back in their dtype with {ev}-rounded values: "
+                f"{lost}. Fix: drop {ev}_full_eval (evaluation then runs under autocast), "
+                f"load the frozen weights in {ev}, or train LoRA.",
                 PrecisionWarning,
                 stacklevel=3,
             )
-            return
-        self._stash = {k: v.detach().to("cpu", copy=True) for k, v in keep.items()}
 
     def restore(self) -> int:
-        """Give stashed tensors their exact values back where their dtype changed."""
+        """Give stashed tensors their exact values (and dtypes) back where their dtype changed:
+        after a ``*_full_eval`` evaluation, what :meth:`stash` kept is bit for bit as before."""
         return restore_values(self.root, self._stash) if self._stash else 0
 
     # ------------------------------------------------------------------ teardown

@@ -47,7 +47,7 @@ from torch import nn
 from .batch import cast_batch, cast_tensor, eager_when_compiled_alone, key_dtypes_for
 from .dtype_maps import receiving, receiving_dtypes
 from .dtypes import dtype_name, is_castable, quantized_compute_dtype
-from .errors import PrecisionError
+from .errors import PrecisionError, check_model
 from .groups import LEAF_GUARDED_GROUPS, OTHER, ModuleGroups, find_module_groups
 from .policy import Mode, PrecisionPolicy
 from .view import ModelView
@@ -558,6 +558,7 @@ def install_guards(
     leaf guards go there when ``policy.leaf_guards == "auto"``. ``view`` is this event's walk
     of the model (:class:`~hf_precision.view.ModelView`), when the caller has one.
     """
+    check_model(model, "install_guards(model, policy)")
     root, _ = unwrap_model(model)
     policy = PrecisionPolicy.resolve(policy, root)
     _eager_when_compiled_alone()

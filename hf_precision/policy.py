@@ -98,15 +98,58 @@ PRESET_HELP = {
 }
 #: preset -> PrecisionPolicy fields it sets beyond the three dtypes (see :func:`register_preset`)
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {}
-_PRESET_ALIASES = {
-    "bf16-mixed": "bf16",
-    "fp16-mixed": "fp16",
-    "float32": "fp32",
-    "bfloat16": "bf16-true",
-    "float16": "fp16-true",
-    "16-mixed": "fp16",
-    "bf16-mixed-fp32": "bf16",
+_BF16 = "'bf16' (frozen bf16, trainable fp32) or 'bf16-true' (all bf16)"
+_FP16 = "'fp16' (frozen fp16, trainable fp32) or 'fp16-true' (all fp16)"
+#: Names other tools use that are not preset names, with the preset(s) they may mean. They are
+#: refused everywhere (Python and the CLI): ``bfloat16`` alone does not say whether trainable
+#: weights stay fp32, so no name is silently read as one preset.
+PRESET_MISNAMES: dict[str, str] = {
+    "bfloat16": _BF16,
+    "bf16-mixed": "'bf16' (Lightning's bf16-mixed: frozen bf16, trainable fp32)",
+    "bf16-mixed-fp32": "'bf16'",
+    "float16": _FP16,
+    "half": _FP16,
+    "fp16-mixed": "'fp16' (frozen fp16, trainable fp32)",
+    "16-mixed": "'fp16' (Lightning's 16-mixed: frozen fp16, trainable fp32)",
+    "16-true": "'fp16-true'",
+    "bf16-true-mixed": _BF16,
+    "float32": "'fp32'",
+    "fp32-true": "'fp32'",
+    "32": "'fp32'",
+    "32-true": "'fp32'",
+    "no": "'fp32' (accelerate's mixed_precision='no')",
 }
+
+def preset_name(name: object, *, call: str = "PrecisionPolicy.from_preset") -> str:
+    """``name`` when it is a preset name, else a :class:`PrecisionError` that says which
+    preset was probably meant: one vocabulary for Python and the ``hf-precision`` CLI (names
+    are exact and lower case; :data:`PRESET_MISNAMES` lists what other tools call them).
+
+    >>> preset_name("bf16-true")
+    'bf16-true'
+    >>> try:
+    ...     preset_name("bfloat16")
+    ... except PrecisionError as err:
+    ...     print(str(err).splitlines()[0].split(". ", 1)[1])
+    Did you mean 'bf16' (frozen bf16, trainable fp32) or 'bf16-true' (all bf16)?
+    """
+    if isinstance(name, str) and name in PRESETS:
+        return name
+    key = str(name).strip().lower()
+    if key in PRESET_MISNAMES:
+        hint = f" Did you mean {PRESET_MISNAMES[key]}?"
+    elif key in PRESETS:
+        hint = f" Did you mean {key!r}? (preset names are lower case)"
+    else:
+        hint = did_you_mean(key, PRESETS)
+    listing = "\n".join(f"  {k:<10} {v}" for k, v in PRESET_HELP.items())
+    raise PrecisionError(
+        f"{call}({name!r}): unknown preset {name!r}.{hint}\n"
+        f"Allowed:\n{listing}\nFix: pass one of these names, or build "
+        "PrecisionPolicy(compute_dtype=..., frozen_dtype=..., trainable_dtype=...)."
+    )
+
+
 
 #: Buffers that always stay fp32 by name (rotary frequencies lose positions when rounded): any
 #: ``*inv_freq*`` (``inv_freq``, ``original_inv_freq``, Gemma 3's per-layer-type
@@ -363,17 +406,11 @@ class PrecisionPolicy:
         """A named preset, optionally with field overrides.
 
         Presets: ``bf16``, ``bf16-true``, ``fp16``, ``fp16-true``, ``fp32``
-        (see :data:`PRESET_HELP`).
+        (see :data:`PRESET_HELP`), and those :func:`register_preset` adds. Names are exact:
+        what other tools call them (``bfloat16``, ``bf16-mixed``, ``BF16``) is refused with
+        the preset meant (:func:`preset_name`).
         """
-        key = _PRESET_ALIASES.get(str(name).lower(), str(name).lower())
-        if key not in PRESETS:
-            hint = did_you_mean(name, PRESETS)
-            listing = "\n".join(f"  {k:<10} {v}" for k, v in PRESET_HELP.items())
-            raise PrecisionError(
-                f"PrecisionPolicy.from_preset({name!r}): unknown preset {name!r}.{hint}\n"
-                f"Allowed:\n{listing}\nFix: pass one of these names, or build "
-                "PrecisionPolicy(compute_dtype=..., frozen_dtype=..., trainable_dtype=...)."
-            )
+        key = preset_name(name)
         compute, frozen, trainable = PRESETS[key]
         _reject_unknown_fields(
             overrides,
@@ -598,6 +635,13 @@ class PrecisionPolicy:
         ...     PrecisionPolicy.from_dict(data).name
         'bf16'
         """
+        if not isinstance(data, Mapping):
+            raise PrecisionError(
+                f"PrecisionPolicy.from_dict({_shorten(data)}): expected a dict of policy fields "
+                f"(PrecisionPolicy.to_dict()), got a value of type {type(data).__name__}. "
+                "Fix: pass that dict, or use PrecisionPolicy.from_json(text) / "
+                "PrecisionPolicy.from_preset(name)."
+            )
         data = dict(data)
         saved = "version" in data
         version = data.pop("version", POLICY_VERSION)
@@ -627,8 +671,32 @@ class PrecisionPolicy:
         return json.dumps(self.to_dict(), indent=kwargs.pop("indent", 2), **kwargs)
 
     @classmethod
-    def from_json(cls, text: str) -> PrecisionPolicy:
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str | bytes) -> PrecisionPolicy:
+        """A policy from :meth:`to_json`'s text; text that is not a JSON object raises a
+        :class:`PrecisionError` that says where it broke."""
+        shown = _shorten(text)
+        if not isinstance(text, str | bytes | bytearray):
+            raise PrecisionError(
+                f"PrecisionPolicy.from_json({shown}): expected the JSON text of a policy, got a "
+                f"value of type {type(text).__name__}. Fix: pass policy.to_json() output; for a "
+                "dict use PrecisionPolicy.from_dict(...), for a file PrecisionPolicy.from_json("
+                "Path(...).read_text())."
+            )
+        try:
+            data = json.loads(text)
+        except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+            raise PrecisionError(
+                f"PrecisionPolicy.from_json({shown}): not valid JSON ({err}). Fix: pass the text "
+                "PrecisionPolicy.to_json() wrote (a saved policy.json), not a preset name or a "
+                "path: PrecisionPolicy.from_preset('bf16'), PrecisionPolicy.from_json("
+                "Path(...).read_text())."
+            ) from None
+        if not isinstance(data, dict):
+            raise PrecisionError(
+                f"PrecisionPolicy.from_json({shown}): the JSON is a {type(data).__name__}, not "
+                "an object of policy fields. Fix: pass the text PrecisionPolicy.to_json() wrote."
+            )
+        return cls.from_dict(data)
 
     def describe(self) -> str:
         """One line for logs: ``bf16 (frozen bfloat16, trainable float32, compute bfloat16)``."""
@@ -644,6 +712,12 @@ class PrecisionPolicy:
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(PrecisionPolicy))
+
+
+def _shorten(value: object, limit: int = 40) -> str:
+    """``repr(value)``, cut to ``limit`` characters for a message that repeats a call."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 4] + "...'"
 
 
 def _as_kwargs(names: Iterable[str]) -> str:
@@ -739,7 +813,7 @@ def register_preset(
         raise PrecisionError(
             f"{call}: preset names are lowercase ([a-z0-9][a-z0-9.-]*). Fix: e.g. 'fp16-vae32'."
         )
-    if name in PRESETS or name in _PRESET_ALIASES:
+    if name in PRESETS or name in PRESET_MISNAMES:
         raise PrecisionError(
             f"{call}: a preset of that name exists ({', '.join(PRESETS)}). "
             "Fix: choose another name."

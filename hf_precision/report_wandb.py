@@ -12,9 +12,11 @@ What one event logs (``<event>`` is ``on_train_begin``, ``on_evaluate`` …)::
 
     precision/<event>/modules   wandb.Table, one row per module that owns tensors
     precision/<event>/groups    wandb.Table, one row per group
-    precision/<event>/bytes     wandb.Image, stacked bytes per dtype per group
+    precision/<event>/picture   wandb.Image, the report's picture (hf_precision.plot.plot_precision)
     precision/drift             wandb.Table, only when something did not match (event column)
-    precision/bytes/<dtype>, precision/mismatches, precision/modules_aggregated   numbers
+    precision/bytes/<dtype>, precision/modules_aggregated   numbers
+    precision/mismatches/found, .../repaired, .../open      tensors off the policy at the event:
+                                found, cast back by the guard, still off
     summary: precision/policy and the numbers above
 """
 
@@ -179,7 +181,7 @@ class WandbSink:
         if p.drift_rows:
             data["precision/drift"] = wandb.Table(columns=p.drift_columns, data=p.drift_rows)
         if p.png_path is not None and p.png_path.exists():
-            data[f"precision/{p.event}/bytes"] = wandb.Image(
+            data[f"precision/{p.event}/picture"] = wandb.Image(
                 str(p.png_path), caption=f"{p.event} step {p.step}"
             )
         elif p.png is not None:
@@ -187,7 +189,7 @@ class WandbSink:
 
             from PIL import Image
 
-            data[f"precision/{p.event}/bytes"] = wandb.Image(
+            data[f"precision/{p.event}/picture"] = wandb.Image(
                 Image.open(io.BytesIO(p.png)), caption=f"{p.event} step {p.step}"
             )
         data.update(p.scalars)

@@ -13,9 +13,14 @@ alone:
 >>> sorted(p.suffix for p in reporter.written)
 ['.json', '.png']
 
-Files per event in ``<output_dir>/precision/``: ``<step>-<event>.json`` (the full map, the drift
-and the policy), ``<step>-<event>.png`` (bytes per dtype per group) and one line block per event
-appended to ``precision.log`` (the text table).
+Files per event in ``<output_dir>/precision/``: ``<step>-<event>.json`` (the full map, the drift,
+the policy and the mismatch counts: ``found``, ``repaired``, ``open``), ``<step>-<event>.png``
+(the picture of :func:`hf_precision.plot.plot_precision`: per group, frozen and trainable
+weights apart, the dtypes now and before this event's casts against the policy's target) and one
+block per event appended to ``precision.log``: the group table, or one line ``unchanged since
+<event>`` when the map is the one the last table showed. A name already taken (a second
+evaluation at the same step, an earlier run in the same folder) gets ``-2``, ``-3``, ...: no
+event overwrites another's files.
 """
 
 from __future__ import annotations
@@ -205,6 +210,20 @@ def drift_rows(
     return rows
 
 
+def mismatch_counts(report: Any) -> dict[str, int]:
+    """``{"found", "repaired", "open"}``: the tensors an event's
+    :class:`~hf_precision.enforce.EnforceReport` found off the policy, those it cast back
+    (an applied report's changes) and those still off (an audit's changes, a wrapper's casts).
+
+    >>> mismatch_counts(None)
+    {'found': 0, 'repaired': 0, 'open': 0}
+    """
+    changes = len(getattr(report, "changes", None) or ())
+    held = len(getattr(report, "wrapper_casts", None) or ())
+    repaired = changes if getattr(report, "applied", False) else 0
+    return {"found": changes + held, "repaired": repaired, "open": changes + held - repaired}
+
+
 # ---------------------------------------------------------------------------- reporter
 @dataclass
 class _Snapshot:
@@ -219,23 +238,38 @@ class _Snapshot:
     rows: list[dict[str, Any]]  # the module table (repeated layers aggregated)
     aggregated: int  # module rows folded into repeated-layer rows
     first: bool  # the reporter's first event
+    stem: str  # the event's file names, without suffix: unique in the report folder
+    #: ``(event, step)`` of the last event that logged the table, when the map is the same
+    unchanged_since: tuple[str, int] | None = None
     png: bytes | None = None
 
     @property
-    def stem(self) -> str:
-        return f"{self.step:06d}-{self.event}"
-
-    @property
-    def mismatches(self) -> int:
-        report = self.report
-        return len(getattr(report, "changes", None) or ()) + len(
-            getattr(report, "wrapper_casts", None) or ()
-        )
+    def mismatches(self) -> dict[str, int]:
+        """Tensors off the policy at this event: ``found``, ``repaired`` (cast back by this
+        event) and ``open`` (still off: an audit, or what a wrapper cast and the guard may not
+        undo)."""
+        return mismatch_counts(self.report)
 
     def text(self) -> str:
-        """What the event writes to the log: the group table, the drift, where the rest is."""
+        """What the event writes to the log: the group table (or one line when the map is the
+        one the last table showed), the mismatches, the drift, where the rest is."""
         dmap, drift, stem = self.dmap, self.drift, self.stem
-        text = dmap.table(title=f"hf-precision {self.event} (step {self.step})", use_rich=None)
+        head = f"hf-precision {self.event} (step {self.step})"
+        counts = self.mismatches
+        found = (
+            f"{counts['found']} tensor(s) off the policy: {counts['repaired']} repaired, "
+            f"{counts['open']} open"
+            if counts["found"]
+            else ""
+        )
+        if self.unchanged_since is not None:
+            event, step = self.unchanged_since
+            text = f"{head}: dtypes/devices unchanged since {event} (step {step})"
+            text += f"; {found}" if found else ""
+            text += f"; {stem}.json"
+        else:
+            text = dmap.table(title=head, use_rich=None)
+            text += f"\n{found}" if found else ""
         if drift:
             text += (
                 f"\ndrift ({len(drift)} row(s)): "
@@ -286,6 +320,8 @@ class PrecisionReporter:
         self.events: list[tuple[str, int]] = []
         self.wandb: Any = None
         self._png_cache: tuple[Any, bytes] | None = None
+        self._stems: dict[str, int] = {}  # <step>-<event> -> the next number to try
+        self._table: tuple[str, int, DtypeMap] | None = None  # the last event logged in full
         self._warned: set[str] = set()  # kinds of report failure already warned about
         if wandb and is_main_process:
             from .report_wandb import WandbSink
@@ -334,21 +370,28 @@ class PrecisionReporter:
         )
 
     # ------------------------------------------------------------------ picture
-    def _render_png(self, dmap: DtypeMap, event: str, step: int) -> bytes | None:
+    def _render_png(
+        self, dmap: DtypeMap, event: str, step: int, policy: Any, report: Any, model: nn.Module
+    ) -> bytes | None:
         if not self.picture:
             return None
-        # Same bytes per group -> same bars: reuse the last picture (rendering dominates time).
-        key = tuple((g.group, tuple(sorted(g.bytes.items()))) for g in dmap.groups.values())
+        from .plot import PICTURE_SIZE, picture_rows, plot_precision  # matplotlib: lazily, below
+
+        trainable: list[str] = []
+        if getattr(report, "wrapper_casts", None):  # to place what a wrapper cast by role
+            trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        # no report: the event's audit found the model on the policy (log_event's contract)
+        rows = picture_rows(
+            dmap, policy=policy, report=report, trainable_names=trainable, checked=True
+        )
+        title = f"{dmap.model_type or 'model'}: {event}, step {step}"
+        subtitle = f"policy {policy.describe()}" if policy is not None else ""
+        # The key is everything the picture draws: the same key, the same picture.
+        key = (tuple(rows), title, subtitle, PICTURE_SIZE)
         if self._png_cache is not None and self._png_cache[0] == key:
             return self._png_cache[1]
         try:
-            from .plot import plot_group_bytes
-
-            png = plot_group_bytes(
-                dmap,
-                title=f"{dmap.model_type or 'model'}: bytes per dtype "
-                f"per group ({event}, step {step})",
-            )
+            png = plot_precision(rows, title=title, subtitle=subtitle)
         except ImportError:
             self.picture = False
             warnings.warn(
@@ -361,6 +404,21 @@ class PrecisionReporter:
             return None
         self._png_cache = (key, png)
         return png
+
+    def _stem(self, event: str, step: int) -> str:
+        """``<step>-<event>``, or ``<step>-<event>-<n>`` when that name was taken (an
+        evaluation at the step where another one ran, an earlier run in the same folder): no
+        event overwrites another's files."""
+        base = f"{step:06d}-{event}"
+        n = self._stems.get(base, 1)
+        stem = base if n == 1 else f"{base}-{n}"
+        while self.report_dir is not None and any(
+            (self.report_dir / f"{stem}{ext}").exists() for ext in (".json", ".png")
+        ):
+            n += 1
+            stem = f"{base}-{n}"
+        self._stems[base] = n + 1  # the next event of this name starts after this one
+        return stem
 
     # ------------------------------------------------------------------ event
     def log_event(
@@ -388,6 +446,11 @@ class PrecisionReporter:
             return dmap
         self.events.append((event, step))
         rows, aggregated = module_table_rows(dmap, self.max_table_rows)
+        unchanged = None
+        if self._table is not None and not self._table[2].diff(dmap):
+            unchanged = self._table[:2]
+        else:
+            self._table = (event, step, dmap)
         snap = _Snapshot(
             event,
             step,
@@ -398,8 +461,10 @@ class PrecisionReporter:
             rows,
             aggregated,
             first,
+            stem=self._stem(event, step),
+            unchanged_since=unchanged,
         )
-        snap.png = self._render_png(dmap, event, step)
+        snap.png = self._render_png(dmap, event, step, policy, report, model)
         png_path = None
         if self.report_dir is not None:
             try:
@@ -468,6 +533,11 @@ class PrecisionReporter:
             "step": snap.step,
             "policy": snap.policy.to_dict() if snap.policy is not None else None,
             "mismatches": snap.mismatches,
+            "unchanged_since": (
+                dict(zip(("event", "step"), snap.unchanged_since))
+                if snap.unchanged_since is not None
+                else None
+            ),
             "bytes_by_dtype": snap.dmap.bytes_by_dtype,
             "dtype_map": snap.dmap.to_dict(),
             "drift": snap.drift,
@@ -486,7 +556,8 @@ class PrecisionReporter:
         scalars: dict[str, float | int] = {
             f"precision/bytes/{d}": b for d, b in sorted(snap.dmap.bytes_by_dtype.items())
         }
-        scalars["precision/mismatches"] = snap.mismatches
+        for kind, n in snap.mismatches.items():
+            scalars[f"precision/mismatches/{kind}"] = n
         scalars["precision/modules_aggregated"] = snap.aggregated
         group_rows = snap.dmap.group_rows()
         self.wandb.submit(

@@ -1,21 +1,55 @@
-"""Build the demo notebooks from the cells below (stored without outputs).
+"""Build the demo notebooks from the cells below, execute them and store them with their outputs.
 
-Edit the cells here, then regenerate::
+Edit the cells here, then regenerate (from the repository root, with the project's venv)::
 
-    python notebooks/_build.py
+    python notebooks/_build.py          # or: make notebooks
 
-``tests/test_notebooks.py`` checks the ``.ipynb`` files match this script and executes them.
+Every notebook is executed the way ``tests/test_notebooks.py`` executes it (:func:`execute`:
+nbclient, the ``python3`` kernel, from the repository root, outputs under a temporary folder,
+W&B offline, fixed seeds), and its outputs are stored cleaned (:func:`clean`: no timings,
+temporary paths, memory addresses or environment noise). The tests execute them again and
+compare (:func:`comparable`): a notebook whose stored outputs are stale fails. ``--no-execute``
+writes the cells only (outputs empty), e.g. to review an edit before running it.
 """
 
 from __future__ import annotations
 
+import copy
+import os
+import re
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+#: The environment every execution runs in (the tests' conftest sets the same).
+ENV = {
+    "WANDB_MODE": "offline",
+    "WANDB_SILENT": "true",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONHASHSEED": "0",
+    "PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning",
+}
+
+#: Tag of the cells whose output a training run decides (losses, accuracies, generated answers):
+#: bf16 kernels round differently across CPUs, so :func:`comparable` keeps only what the
+#: precision guard says in them (dtypes, casts, hooks), not the numbers training gives.
+TRAINED = "trained"
+
+
+def trained(source: str) -> nbformat.NotebookNode:
+    """A code cell tagged :data:`TRAINED`."""
+    return new_code_cell(source, metadata={"tags": [TRAINED]})
+
 
 # Every notebook starts here: find the repository root (notebooks run from notebooks/ or the
 # root) and an output folder (NOTEBOOK_OUTPUT_DIR overrides it; the tests use a temporary one).
@@ -98,16 +132,23 @@ out = model(**batch)
 print("loss", float(out.loss), "logits", out.logits.dtype, handle)
 ids = model.generate(**{k: v for k, v in batch.items() if k != "labels"}, max_new_tokens=3)
 print("generated", ids.shape)"""),
-    new_markdown_cell("## 4. The dtype map: per group, and as a picture"),
+    new_markdown_cell("""\
+## 4. The dtype map: per group, and as a picture
+
+The picture answers "is my precision right?": per group, frozen and trainable weights apart,
+the dtypes now (the thin bar: before the casts), the policy's target and a verdict. The
+`PrecisionGuardCallback` writes one per event under `<output_dir>/precision/`."""),
     new_code_cell("""\
 from IPython.display import Image, display
 
-from hf_precision.plot import plot_group_bytes
+from hf_precision.plot import picture_rows, plot_precision
 
-dmap = dtype_map(model)
+dmap = dtype_map(model, policy=policy)
 print(dmap.table())
 assert all(g.dtypes == ("bfloat16",) for g in dmap.groups.values())
-display(Image(plot_group_bytes(dmap, title="tiny LLaVA after the guard")))"""),
+rows = picture_rows(dmap, policy=policy, report=report)
+display(Image(plot_precision(rows, title="tiny LLaVA after enforce_policy",
+                             subtitle=f"policy {policy.describe()}")))"""),
 ]
 
 LORA_LLAVA = [
@@ -121,7 +162,7 @@ frozen weight on the bf16 policy. The model learns to name the colour and shape 
 pictures. For a real checkpoint, use `recipes/configs/llava/llava-1.5-7b-bf16.yaml` on a GPU."""),
     new_code_cell(SETUP),
     new_code_cell(LOAD_RECIPE),
-    new_code_cell("""\
+    trained("""\
 recipe = load_recipe("lora_llava")
 report = recipe.main([
     "--config", str(ROOT / "recipes/configs/llava/tiny.yaml"),
@@ -131,17 +172,20 @@ report = recipe.main([
     new_code_cell("""\
 from IPython.display import Image, display
 
-from hf_precision import DtypeMap
-from hf_precision.plot import plot_group_bytes
+from hf_precision import DtypeMap, PrecisionPolicy
+from hf_precision.plot import picture_rows, plot_precision
 
+policy = PrecisionPolicy.from_dict(report["policy"])
 before = DtypeMap.from_dict(report["dtype_map_before"])
 after = DtypeMap.from_dict(report["dtype_map_after"])
-display(Image(plot_group_bytes(before, title="as loaded (+ LoRA weights)")))
-display(Image(plot_group_bytes(after, title="after PrecisionGuardCallback")))
+display(Image(plot_precision(picture_rows(before), title="as loaded (+ LoRA weights)")))
+display(Image(plot_precision(picture_rows(after, policy=policy),
+                             title="after PrecisionGuardCallback",
+                             subtitle=f"policy {policy.describe()}")))
 assert before.groups["vision_encoder"].dtypes == ("float32",)
 assert after.groups["vision_encoder"].dtypes == ("bfloat16",)"""),
     new_markdown_cell("## Loss curve, and the held-out answers before and after training"),
-    new_code_cell("""\
+    trained("""\
 import io
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -188,7 +232,7 @@ The tiny copy of that layout in `hf_precision.tiny` keeps the bug; the recipe sh
 `--no_guard` and trains with the guard."""),
     new_code_cell(SETUP),
     new_code_cell(LOAD_RECIPE),
-    new_code_cell("""\
+    trained("""\
 recipe = load_recipe("lora_minicpmv")
 args = ["--config", str(ROOT / "recipes/configs/minicpmv/tiny.yaml"), "--logging_steps", "2",
         "--num_synthetic_train", "32", "--disable_tqdm", "true"]
@@ -199,7 +243,7 @@ except RuntimeError as err:
     error = err
     print(f"without the guard: {type(err).__name__}: {err}")
 assert "must have the same dtype" in str(error)"""),
-    new_code_cell("""\
+    trained("""\
 report = recipe.main([*args, "--max_steps", "10", "--eval_steps", "10",
                       "--output_dir", str(OUT / "minicpmv")])
 print(report["guard_hooks"])"""),
@@ -207,13 +251,16 @@ print(report["guard_hooks"])"""),
     new_code_cell("""\
 from IPython.display import Image, display
 
-from hf_precision import DtypeMap
-from hf_precision.plot import plot_group_bytes
+from hf_precision import DtypeMap, PrecisionPolicy
+from hf_precision.plot import picture_rows, plot_precision
 
+policy = PrecisionPolicy.from_dict(report["policy"])
 after = DtypeMap.from_dict(report["dtype_map_after"])
-display(Image(plot_group_bytes(after, title="tiny MiniCPM-V 2.x after the guard")))
-print("answers:", report["generations"][-1]["answers"])
+display(Image(plot_precision(picture_rows(after, policy=policy),
+                             title="tiny MiniCPM-V 2.x after the guard",
+                             subtitle=f"policy {policy.describe()}")))
 assert report["loss"]["last"] < report["loss"]["first"]"""),
+    trained('print("answers:", report["generations"][-1]["answers"])'),
 ]
 
 NOTEBOOKS = {
@@ -225,7 +272,7 @@ NOTEBOOKS = {
 
 def build(name: str) -> nbformat.NotebookNode:
     """The notebook ``name`` as a node, without outputs."""
-    nb = new_notebook(cells=NOTEBOOKS[name])
+    nb = new_notebook(cells=copy.deepcopy(NOTEBOOKS[name]))
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
                                  "language": "python"}
     nb.metadata["language_info"] = {"name": "python"}
@@ -234,15 +281,166 @@ def build(name: str) -> nbformat.NotebookNode:
     return nb
 
 
-def main(out_dir: Path = HERE) -> list[Path]:
+# ---------------------------------------------------------------------------- execution
+@contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def execute(name: str, out_dir: Path, kernel: str = "python3") -> nbformat.NotebookNode:
+    """Run the notebook ``name`` as built by :func:`build` (the tests and the regeneration
+    run this same function): the ``kernel`` kernel from the repository root, its outputs under
+    ``out_dir``, in :data:`ENV`. Raises ``CellExecutionError`` on any error."""
+    from nbclient import NotebookClient
+
+    nb = build(name)
+    env = {**ENV, "NOTEBOOK_OUTPUT_DIR": str(out_dir)}
+    with _environ(env):  # the kernel inherits it
+        client = NotebookClient(
+            nb, kernel_name=kernel, timeout=600, resources={"metadata": {"path": str(ROOT)}}
+        )
+        client.execute()
+    return nb
+
+
+_ADDRESS = re.compile(r"\b0x[0-9a-f]{6,}\b")
+_TIMING = re.compile(
+    r"(['\"]?\w*(?:runtime|per_second|preparation_time)['\"]?:\s*)'?[0-9.e+-]+'?"
+)
+_FILE_LINE = re.compile(r"^\S*?([\w.-]+\.py):\d+: ", re.M)
+#: a library's own timestamped log line on stdout (DeepSpeed's "Setting accelerator to CPU")
+_LIBRARY_LOG = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[,.]\d+\] ")
+#: stderr lines kept in the stored notebooks: the package's own warnings, not the environment's
+_OURS = re.compile(r"hf-precision|hf_precision|Precision(Warning|Error)|PrecisionGuard")
+
+
+def _clean_text(text: str, out_dir: Path) -> str:
+    text = text.replace(str(out_dir), "<OUT>").replace(str(ROOT), "<ROOT>")
+    text = text.replace(sys.prefix, "<VENV>")
+    text = _ADDRESS.sub("0x...", text)
+    text = _TIMING.sub(lambda m: m.group(1) + "'...'", text)
+    return _FILE_LINE.sub(lambda m: f"{m.group(1)}: ", text)
+
+
+def clean(nb: nbformat.NotebookNode, out_dir: Path) -> nbformat.NotebookNode:
+    """``nb`` as it is stored: execution counts from 1, no execution timestamps, paths under
+    ``out_dir`` and the repository as ``<OUT>``/``<ROOT>``, no memory addresses or timings,
+    stderr only for what hf-precision says (the environment's own warnings vary by machine)."""
+    nb = copy.deepcopy(nb)
+    nb.metadata.pop("widgets", None)
+    nb.metadata["language_info"] = {"name": "python"}  # the kernel's adds its Python version
+    count = 0
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)
+        if cell.cell_type != "code":
+            continue
+        count += 1
+        cell.execution_count = count
+        kept = []
+        for out in cell.outputs:
+            if "execution_count" in out:
+                out["execution_count"] = count
+            if out.output_type == "stream":
+                text = out.text
+                lines = text.splitlines(keepends=True)
+                if out.name == "stderr":
+                    lines = [ln for ln in lines if _OURS.search(ln)]
+                text = "".join(ln for ln in lines if not _LIBRARY_LOG.match(ln))
+                if not text:
+                    continue
+                out.text = _clean_text(text, out_dir)
+            elif out.output_type == "error":
+                out.traceback = []
+            elif "text/plain" in out.get("data", {}):
+                out.data["text/plain"] = _clean_text(out.data["text/plain"], out_dir)
+            if (
+                out.output_type == "stream"
+                and kept
+                and kept[-1].output_type == "stream"
+                and kept[-1].name == out.name
+            ):  # one print may arrive in pieces: how it is split depends on timing
+                kept[-1].text += out.text
+                continue
+            kept.append(out)
+        cell.outputs = kept
+    return nb
+
+
+#: in a :data:`TRAINED` cell, the lines compared: what the guard and the dtype maps say
+_PRECISION_LINE = re.compile(r"float|hf-precision|GuardHandle|Precision|Fix:|policy", re.I)
+_FLOAT = re.compile(r"-?\d+\.\d+(?:e[+-]?\d+)?")
+
+
+def comparable(nb: nbformat.NotebookNode) -> list[list[Any]]:
+    """What must not change between the stored and a fresh execution, per code cell: the text
+    (floats to two significant digits: a loss may differ in its last digits across CPUs) and
+    each picture's pixel size (not its bytes: font rendering differs across machines)."""
+    import base64
+
+    from hf_precision.plot import png_size
+
+    def num(m: re.Match[str]) -> str:
+        return f"{float(m.group(0)):.2g}"
+
+    cells = []
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        trained = TRAINED in cell.metadata.get("tags", ())
+        outs: list[Any] = []
+        for out in cell.outputs:
+            if out.output_type == "stream":
+                text = out.text
+                if trained:
+                    text = "".join(
+                        ln for ln in text.splitlines(keepends=True) if _PRECISION_LINE.search(ln)
+                    )
+                outs.append((out.name, _FLOAT.sub(num, text)))
+            elif out.output_type == "error":
+                outs.append(("error", out.ename, out.evalue))
+            else:
+                data = out.get("data", {})
+                for mime in sorted(data):
+                    if mime == "image/png":
+                        outs.append((mime, png_size(base64.b64decode(data[mime]))))
+                    elif mime == "text/plain":
+                        outs.append((mime, _FLOAT.sub(num, data[mime])))
+                    else:
+                        outs.append((mime,))
+        cells.append(outs)
+    return cells
+
+
+def main(out_dir: Path = HERE, *, run: bool = True, names: list[str] | None = None) -> list[Path]:
+    """Write the notebooks (``names``, default all) to ``out_dir``, executed and cleaned
+    unless ``run`` is false."""
     paths = []
-    for name in NOTEBOOKS:
+    for name in names or NOTEBOOKS:
+        if run:
+            with tempfile.TemporaryDirectory(prefix="hf-precision-notebook-") as tmp:
+                nb = clean(execute(name, Path(tmp)), Path(tmp))
+        else:
+            nb = build(name)
         path = out_dir / name
-        nbformat.write(build(name), path)
+        nbformat.write(nb, path)
         paths.append(path)
     return paths
 
 
 if __name__ == "__main__":
-    for p in main(Path(sys.argv[1]) if len(sys.argv) > 1 else HERE):
+    argv = sys.argv[1:]
+    run = "--no-execute" not in argv
+    args = [a for a in argv if a != "--no-execute"]
+    wanted = [a for a in args if a.endswith(".ipynb")]
+    folders = [a for a in args if not a.endswith(".ipynb")]
+    for p in main(Path(folders[0]) if folders else HERE, run=run, names=wanted or None):
         print(p)

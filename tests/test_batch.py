@@ -152,3 +152,10 @@ def test_the_guard_is_traced_inside_a_compiled_caller():
     assert _explain(Caller(inner), {"x": torch.randn(2, 4)}) == (1, 0, [])
     out = torch.compile(Caller(inner), backend="eager")(torch.full((1, 4), 1e6))
     assert out.dtype == torch.float16 and bool(torch.isfinite(out).all())  # clamped, not inf
+
+
+def test_collator_arguments_of_the_wrong_type_say_so():
+    with pytest.raises(PrecisionError, match=r"(?s)the collator must be callable.*type str"):
+        PrecisionCollator("bf16")  # the policy where the collator goes
+    with pytest.raises(PrecisionError, match=r"model=model\): expected a torch.nn.Module"):
+        PrecisionCollator(default_data_collator, "bf16", model={"a": 1})

@@ -1,11 +1,12 @@
 import json
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from hf_precision import PrecisionError, PrecisionGuardCallback
+from hf_precision import PrecisionError, PrecisionGuardCallback, PrecisionWarning
 from hf_precision.hooks import installed_guards
 from hf_precision.tiny import tiny_batch, tiny_llava, tower_body
 
@@ -173,6 +174,64 @@ def test_full_eval_on_fp32_policy_evaluates_and_generates(make_trainer):
     assert _dtypes(model.parameters()) == {torch.float32}
     out = model.generate(**{k: v for k, v in batch.items() if k != "labels"}, max_new_tokens=2)
     assert out.shape[1] == batch["input_ids"].shape[1] + 2
+
+
+def _state(model):
+    return {
+        **{n: p.detach().clone() for n, p in model.named_parameters()},
+        **{n: b.clone() for n, b in model.named_buffers()},
+    }
+
+
+def test_full_eval_gives_frozen_fp32_tensors_back_bit_for_bit(make_trainer):
+    """bf16_full_eval on an fp32 model whose towers are frozen: every tensor, frozen ones
+    included, is bit for bit what it was before the standalone evaluate()."""
+    model = tiny_llava()
+    model.model.vision_tower.requires_grad_(False)
+    model.model.language_model.requires_grad_(False)
+    cb = PrecisionGuardCallback(report=False)
+    trainer = make_trainer(model, tiny_batch(model), callbacks=[cb], bf16_full_eval=True)
+    assert cb.policy is not None and cb.policy.frozen_dtype == torch.float32
+    before = _state(model)
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    rounded = [n for n in frozen if not torch.equal(before[n], before[n].bfloat16().float())]
+    assert len(rounded) > len(frozen) // 2  # what a bf16 round trip would change
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.evaluate()  # transformers casts the whole model to bf16 in place
+    assert not [w for w in seen if "_full_eval" in str(w.message)]  # all fitted the stash
+    after = _state(model)
+    assert cb.restored >= len(before) - 1  # every floating tensor (not the int position ids)
+    for name, value in before.items():
+        assert after[name].dtype == value.dtype and torch.equal(after[name], value), name
+
+
+def test_full_eval_says_in_words_what_the_stash_cannot_hold(make_trainer, monkeypatch):
+    """Above the stash's memory limit the most precious tensors are kept (trainable first);
+    the warning names what comes back rounded, and those are the only ones that do."""
+    from hf_precision import callback
+
+    model = tiny_llava()
+    model.model.vision_tower.requires_grad_(False)
+    trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    monkeypatch.setattr(callback, "STASH_LIMIT_BYTES", trainable + 1024)
+    cb = PrecisionGuardCallback(report=False)
+    with pytest.warns(PrecisionWarning) as seen:
+        trainer = make_trainer(model, tiny_batch(model), callbacks=[cb], bf16_full_eval=True)
+    msg = next(str(w.message) for w in seen if "_full_eval" in str(w.message))
+    assert msg.startswith("bfloat16_full_eval casts the model to bfloat16 in place.")
+    assert "come back in their dtype with bfloat16-rounded values" in msg
+    assert "frozen tensor(s)" in msg and "trainable weight(s)" not in msg
+    assert "Fix: drop bfloat16_full_eval" in msg
+    before = _state(model)
+    trainer.evaluate()
+    after = _state(model)
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.float32
+        if p.requires_grad:
+            assert torch.equal(after[n], before[n]), n
+    tower = [n for n, p in model.named_parameters() if n.startswith("model.vision_tower")]
+    assert any(not torch.equal(after[n], before[n]) for n in tower)  # as the warning said
 
 
 def test_raise_mode_lets_autocast_handle_its_ops(make_trainer):

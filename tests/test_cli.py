@@ -97,6 +97,10 @@ def test_help_has_examples(command: str, capsys: pytest.CaptureFixture[str]) -> 
     "argv, allowed",
     [
         (["audit", "llava", "--policy", "bf61"], "unknown preset 'bf61'. Did you mean 'bf16'?"),
+        # the names PrecisionPolicy.from_preset refuses, refused alike (tests/test_policy.py)
+        (["audit", "llava", "--policy", "bfloat16"], "Did you mean 'bf16' (frozen bf16, trainable"),
+        (["doctor", "llava", "--policy", "BF16"], "Did you mean 'bf16'? (preset names are lower"),
+        (["audit", "llava", "--policy", "bf16-mixed"], "Did you mean 'bf16' (Lightning's"),
         (["audit", "llava", "--dtype", "bf61"], "choose from 'auto'"),
         (["audit", "lava"], "Did you mean 'llava'"),
         (["audit", "llava", "--trainable", "projecter"], "Did you mean 'projector'"),

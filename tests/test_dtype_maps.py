@@ -73,3 +73,24 @@ def test_quantized_counted():
     assert m.groups["lm_head"].quantized == 64
     assert m.records["lm_head"].quantized == 64
     assert m.groups["lm_head"].numel["int8"] == 64
+
+
+def test_a_dtype_map_of_what_is_not_a_model_says_so():
+    import pytest
+
+    from hf_precision import PrecisionError
+
+    with pytest.raises(PrecisionError, match=r"^dtype_map\(model\): expected a torch.nn.Module"):
+        dtype_map({"a": 1})
+
+
+def test_groups_count_trainable_parameters_per_dtype():
+    model = tiny_llava()
+    model.model.vision_tower.requires_grad_(False)
+    model.lm_head.to(torch.bfloat16)
+    m = dtype_map(model)
+    assert m.groups["vision_encoder"].trainable_numel == {}
+    head = m.groups["lm_head"]
+    assert head.trainable_numel == {"bfloat16": model.lm_head.weight.numel()} == head.numel
+    again = DtypeMap.from_dict(json.loads(m.to_json()))
+    assert again.groups["lm_head"].trainable_numel == head.trainable_numel

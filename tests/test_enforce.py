@@ -164,3 +164,18 @@ def test_tied_weights_with_conflicting_targets_keep_the_tie_and_say_so():
     # the first name decides; the tie holds (one Parameter, one dtype)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.lm_head.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("call", "name", "fix"),
+    [
+        (lambda m: enforce_policy(m, "bf16"), "enforce_policy(model, policy)", "from_pretrained"),
+        (lambda m: check_policy(m, "bf16"), "check_policy(model, policy)", "hf-precision audit"),
+    ],
+)
+def test_what_is_not_a_model_is_a_precision_error(call, name, fix):
+    with pytest.raises(PrecisionError) as err:
+        call({"a": 1})  # a state dict, not a model
+    msg = str(err.value)
+    assert msg.startswith(f"{name}: expected a torch.nn.Module") and "type dict" in msg
+    assert "Fix: pass the model itself" in msg and fix in msg

@@ -560,3 +560,8 @@ def test_real_remote_layout_variants(layout: str) -> None:
     if layout == "omnilmm":  # nested towers win over the LM body around them
         assert g.group_of("model.vision_tower.weight") == "vision_encoder"
         assert g.group_of("model.layers.0.self_attn.q_proj.weight") == "language_model"
+
+
+def test_find_module_groups_of_what_is_not_a_model_says_so() -> None:
+    with pytest.raises(PrecisionError, match=r"^find_module_groups\(model\): expected a torch"):
+        find_module_groups("llava-hf/llava-1.5-7b-hf")  # type: ignore[arg-type]

@@ -170,3 +170,8 @@ def test_exit_hooks_sit_where_features_leave_the_image_path():
     model = tiny_llava()
     audit = PrecisionPolicy.from_preset("bf16-true", mode="audit")
     assert install_guards(model, audit, enforce_policy(model, audit)).exit == []
+
+
+def test_install_guards_on_what_is_not_a_model_says_so():
+    with pytest.raises(PrecisionError, match=r"^install_guards\(model, policy\): expected a torch"):
+        install_guards({"a": 1}, PrecisionPolicy.from_preset("bf16"))

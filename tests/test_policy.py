@@ -298,3 +298,60 @@ def test_rotary_tables_of_every_name_stay_fp32() -> None:
     assert policy.decide("x.inv_freq_proj.weight", "language_model", trainable=False).rule == (
         "frozen"  # a parameter is never a rotary table by name
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "meant"),
+    [
+        ("bfloat16", "Did you mean 'bf16' (frozen bf16, trainable fp32) or 'bf16-true'"),
+        ("float16", "Did you mean 'fp16' (frozen fp16, trainable fp32) or 'fp16-true'"),
+        ("bf16-mixed", "Did you mean 'bf16' (Lightning's bf16-mixed"),
+        ("16-mixed", "Did you mean 'fp16'"),
+        ("float32", "Did you mean 'fp32'?"),
+        ("BF16", "Did you mean 'bf16'? (preset names are lower case)"),
+        (" bf16-True", "Did you mean 'bf16-true'? (preset names are lower case)"),
+    ],
+)
+def test_other_tools_names_are_refused_with_the_preset_meant(name, meant):
+    """One vocabulary: Python refuses what the CLI refuses (tests/test_cli.py), and
+    'bfloat16' is no longer silently 'bf16-true' (trainable weights in bf16)."""
+    with pytest.raises(PrecisionError) as err:
+        PrecisionPolicy.from_preset(name)
+    first = str(err.value).splitlines()[0]
+    assert first.startswith(f"PrecisionPolicy.from_preset({name!r}): unknown preset {name!r}.")
+    assert meant in first
+    with pytest.raises(PrecisionError, match="unknown preset"):
+        PrecisionPolicy.resolve(name)
+
+
+def test_a_front_end_repeats_its_call_for_a_misnamed_preset():
+    from hf_precision import PrecisionGuardCallback
+
+    with pytest.raises(PrecisionError) as err:
+        PrecisionGuardCallback("bfloat16")
+    assert str(err.value).startswith(
+        "PrecisionGuardCallback('bfloat16'): unknown preset 'bfloat16'. Did you mean 'bf16'"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("{garbage", "not valid JSON (Expecting property name"),
+        ("[1, 2]", "the JSON is a list, not an object of policy fields"),
+        ('"bf16"', "the JSON is a str"),
+        (b"\xff\xfe{", "not valid JSON"),
+        (None, "got a value of type NoneType"),
+    ],
+)
+def test_from_json_of_what_is_not_a_policy_says_so(text, said):
+    with pytest.raises(PrecisionError) as err:
+        PrecisionPolicy.from_json(text)
+    msg = str(err.value)
+    assert msg.startswith(f"PrecisionPolicy.from_json({text!r}"[:28]) and said in msg
+    assert "Fix: pass" in msg and "to_json()" in msg
+
+
+def test_from_dict_of_what_is_not_a_dict_says_so():
+    with pytest.raises(PrecisionError, match=r"from_dict\(\['bf16'\]\): expected a dict"):
+        PrecisionPolicy.from_dict(["bf16"])

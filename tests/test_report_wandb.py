@@ -68,6 +68,20 @@ def _table(path: Path) -> list[dict[str, Any]]:
     return [dict(zip(data["columns"], row)) for row in data["data"]]
 
 
+def _logged_numbers(run_dir: Path, key: str) -> list[int]:
+    """The values logged under ``key``, read back from the offline run's ``.wandb`` file (each
+    history/summary item is the key, then its JSON value after the field tag ``\\x82\\x01``)."""
+    import re
+
+    data = next(run_dir.parent.glob("*.wandb")).read_bytes()
+    pattern = re.escape(key.encode()) + rb"\x82\x01(.)"
+    values = []
+    for m in re.finditer(pattern, data, flags=re.DOTALL):
+        start = m.end()
+        values.append(int(data[start : start + m.group(1)[0]]))
+    return values
+
+
 def test_wandb_disabled_warns_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_MODE", "disabled")
     with pytest.warns(PrecisionWarning, match="W&B is disabled") as record:
@@ -119,11 +133,14 @@ def test_trainer_wandb_offline_tables_match_dtype_map(
         summary = dict(run.summary)
         assert summary["precision/policy"].startswith("fp32")
         assert summary["precision/bytes/float32"] == seen["on_evaluate"].bytes_by_dtype["float32"]
-        assert summary["precision/mismatches"] == 0  # the last event (after the repair)
+        for kind in ("found", "repaired", "open"):  # the last event: nothing off the policy
+            assert summary[f"precision/mismatches/{kind}"] == 0, kind
+        assert "precision/mismatches" not in summary
     finally:
         wandb.finish()
 
     tables = run_dir / "media" / "table" / "precision"
+    pictures: dict[str, bytes] = {}
     for event in EVENTS:
         files = sorted((tables / event).glob("modules_*.table.json"))
         assert len(files) == 1, (event, files)
@@ -131,8 +148,19 @@ def test_trainer_wandb_offline_tables_match_dtype_map(
         assert _table(files[0]) == want, event
         groups = _table(next((tables / event).glob("groups_*.table.json")))
         assert [g["group"] for g in groups] == list(seen[event].groups)
-        images = list((run_dir / "media" / "images" / "precision" / event).glob("bytes_*.png"))
+        images = list((run_dir / "media" / "images" / "precision" / event).glob("picture_*.png"))
         assert len(images) == 1 and png_size(images[0].read_bytes()) == PICTURE_SIZE
+        pictures[event] = images[0].read_bytes()
+    # found / repaired / open, per event: the planted drift found and repaired, none left open
+    found = _logged_numbers(run_dir, "precision/mismatches/found")
+    assert 4 in found and set(found) == {0, 4}
+    assert set(_logged_numbers(run_dir, "precision/mismatches/repaired")) == {0, 4}
+    assert set(_logged_numbers(run_dir, "precision/mismatches/open")) == {0}
+    # each event's own picture (its title), the one written to the report folder
+    assert len(set(pictures.values())) == len(EVENTS)
+    out = Path(trainer.args.output_dir) / "precision"
+    for event in EVENTS:
+        assert pictures[event] == next(out.glob(f"*-{event}.png")).read_bytes(), event
     drift_files = list(tables.glob("drift_*.table.json"))
     assert len(drift_files) == 1, "drift is logged once, after the planted cast"
     rows = _table(drift_files[0])
@@ -141,7 +169,6 @@ def test_trainer_wandb_offline_tables_match_dtype_map(
         f"model.multi_modal_projector.linear_{i}.{k}" for i in (1, 2) for k in ("weight", "bias")
     }
     assert all(r["before"] == "float16" and r["after"] == "float32" and r["repaired"] for r in rows)
-    out = Path(trainer.args.output_dir) / "precision"
     assert {p.name for p in out.glob("*.json")} == {
         "000000-on_init_end.json",
         "000000-on_train_begin.json",

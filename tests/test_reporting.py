@@ -66,6 +66,30 @@ def test_files_picture_and_drift_per_event(tmp_path: Path) -> None:
     assert "vision_encoder" in log and "drift (" in log
 
 
+def test_mismatch_counts_say_found_repaired_and_open(tmp_path: Path) -> None:
+    """45 tensors found at init and all cast back are 45 repaired, 0 open; an audit leaves them
+    open (the JSON and the log say which)."""
+    from hf_precision import PrecisionPolicy, enforce_policy
+
+    for mode, repaired in (("fix", True), ("audit", False)):
+        model = tiny_llava()
+        model.model.vision_tower.requires_grad_(False)
+        policy = PrecisionPolicy.from_preset("bf16", mode=mode)
+        report = enforce_policy(model, policy)
+        n = len(report.changes)
+        assert n == len(list(model.model.vision_tower.parameters())) > 0
+        reporter = PrecisionReporter(tmp_path / mode, console=False, picture=False)
+        reporter.log_event("on_init_end", model, step=0, policy=policy, report=report)
+        data = json.loads((tmp_path / mode / "000000-on_init_end.json").read_text())
+        want = {"found": n, "repaired": n if repaired else 0, "open": 0 if repaired else n}
+        assert data["mismatches"] == want, mode
+        log = (tmp_path / mode / "precision.log").read_text()
+        assert (
+            f"{n} tensor(s) off the policy: {want['repaired']} repaired, {want['open']} open"
+            in (log)
+        )
+
+
 def test_plain_table_when_rich_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     dmap = dtype_map(tiny_llava())
     for name in ("rich", "rich.console", "rich.table"):  # simulates rich not installed
@@ -129,7 +153,7 @@ def test_drift_found_after_a_standalone_evaluate_is_in_the_files(make_trainer: A
     assert all(
         r["before"] == "bfloat16" and r["after"] == "float32" and r["repaired"] for r in rows
     )
-    assert data["mismatches"] == 4 and data["changes"]
+    assert data["mismatches"] == {"found": 4, "repaired": 4, "open": 0} and data["changes"]
     assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
@@ -141,6 +165,79 @@ def test_module_doctests(name: str) -> None:
     module = importlib.import_module(f"hf_precision.{name}")
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_every_event_has_its_own_files_picture_and_log_line(make_trainer: Any) -> None:
+    """train() with an evaluation at its last step, then evaluate(): two on_evaluate events at
+    step 2, two sets of files; each picture drawn for its own event (its title), the table
+    logged once and later events as "unchanged since"."""
+    from hf_precision import PrecisionGuardCallback
+    from hf_precision.plot import picture_rows, plot_precision
+
+    model = tiny_llava()
+    cb = PrecisionGuardCallback()
+    trainer = make_trainer(
+        model, tiny_batch(model), callbacks=[cb], eval_strategy="steps", eval_steps=2
+    )
+    trainer.train()
+    trainer.evaluate()
+    out = Path(trainer.args.output_dir) / "precision"
+    stems = [
+        "000000-on_init_end",
+        "000000-on_train_begin",
+        "000002-before_evaluate",
+        "000002-on_evaluate",
+        "000002-on_train_end",
+        "000002-on_evaluate-2",
+    ]
+    assert sorted(p.name for p in out.glob("*.json")) == sorted(f"{s}.json" for s in stems)
+    assert [e for e, _ in cb.events] == [s.split("-", 1)[1].split("-")[0] for s in stems]
+    policy = cb.policy
+    assert policy is not None
+    rows = picture_rows(dtype_map(model, policy=policy), policy=policy, checked=True)
+    for stem in stems:
+        data = json.loads((out / f"{stem}.json").read_text())
+        assert data["picture"] == f"{stem}.png"
+        want = plot_precision(
+            rows,
+            title=f"llava: {data['event']}, step {data['step']}",
+            subtitle=f"policy {policy.describe()}",
+        )
+        assert (out / f"{stem}.png").read_bytes() == want, stem  # not the first event's
+    log = (out / "precision.log").read_text()
+    assert log.count("┃ group") + log.count("\ngroup ") == 1  # one table, at on_init_end
+    for stem in stems[1:]:
+        event, step = stem.split("-", 1)[1].split("-")[0], int(stem[:6])
+        line = f"hf-precision {event} (step {step}): dtypes/devices unchanged since on_init_end"
+        assert f"{line} (step 0); {stem}.json" in log, stem
+
+
+def test_a_changed_map_logs_the_table_again(tmp_path: Path) -> None:
+    model = tiny_llava()
+    reporter = PrecisionReporter(tmp_path, console=False, picture=False)
+    reporter.log_event("a", model, step=0)
+    reporter.log_event("b", model, step=1)
+    model.model.multi_modal_projector.to(torch.bfloat16)
+    reporter.log_event("c", model, step=2)
+    reporter.log_event("d", model, step=3)
+    log = (tmp_path / "precision.log").read_text()
+    assert "hf-precision b (step 1): dtypes/devices unchanged since a (step 0)" in log
+    assert "hf-precision c (step 2)\n" in log  # its own table
+    assert "hf-precision d (step 3): dtypes/devices unchanged since c (step 2)" in log
+    assert json.loads((tmp_path / "000003-d.json").read_text())["unchanged_since"] == {
+        "event": "c",
+        "step": 2,
+    }
+
+
+def test_files_of_an_earlier_run_are_not_overwritten(tmp_path: Path) -> None:
+    (tmp_path / "000000-setup.json").write_text("{}")  # an earlier run in the same folder
+    reporter = PrecisionReporter(tmp_path, console=False, picture=False)
+    reporter.log_event("setup", tiny_llava(), step=0)
+    reporter.log_event("setup", tiny_llava(), step=0)
+    assert (tmp_path / "000000-setup.json").read_text() == "{}"
+    assert json.loads((tmp_path / "000000-setup-2.json").read_text())["event"] == "setup"
+    assert (tmp_path / "000000-setup-3.json").is_file()
 
 
 def _train_with_report_dir(make_trainer: Any, report_dir: Path) -> tuple[Any, list[str]]:
@@ -207,3 +304,22 @@ def test_a_reporter_from_an_accelerator_writes_under_its_project_dir(tmp_path: P
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+def test_a_clean_event_is_drawn_as_the_guard_found_it(tmp_path: Path) -> None:
+    """No report: the event's audit found nothing off. Trainable weights a wrapper holds in
+    bf16 (DeepSpeed keeps fp32 masters) are not drawn as off the bf16 policy."""
+    from hf_precision import PrecisionPolicy
+    from hf_precision.plot import picture_rows, plot_precision
+
+    model = tiny_llava().to(torch.bfloat16)  # as DeepSpeed bf16 holds every parameter
+    policy = PrecisionPolicy.from_preset("bf16")
+    reporter = PrecisionReporter(tmp_path, console=False)
+    dmap = reporter.log_event("on_train_begin", model, step=0, policy=policy)
+    checked = picture_rows(dmap, policy=policy, checked=True)
+    assert all(r.verdict == "✓" for r in checked)
+    assert any(r.verdict.startswith("✗") for r in picture_rows(dmap, policy=policy))
+    want = plot_precision(
+        checked, title="llava: on_train_begin, step 0", subtitle=f"policy {policy.describe()}"
+    )
+    assert (tmp_path / "000000-on_train_begin.png").read_bytes() == want

@@ -119,12 +119,17 @@ def tiny_available(model_type: str) -> bool:
     """Whether the installed transformers has the model class ``model_type`` needs (MiniCPM-V
     4.6 came with transformers 5; the 4.x line builds every other tiny model).
 
-    >>> tiny_available("llava")
-    True
+    A model type without a tiny model here (``qwen2_5_vl``) is not available: ``False``.
+
+    >>> tiny_available("llava"), tiny_available("qwen2_5_vl")
+    (True, False)
     """
     import transformers
 
-    return hasattr(transformers, _TABLES[_canonical(model_type)]["model"])
+    key = _ALIASES.get(model_type, model_type) if isinstance(model_type, str) else None
+    if key not in TINY_CONFIGS:
+        return False
+    return hasattr(transformers, _TABLES[key]["model"])
 
 
 def tower_body(tower: nn.Module) -> nn.Module:

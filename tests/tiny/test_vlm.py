@@ -105,6 +105,14 @@ def test_seed_and_registry() -> None:
         vlm.build_tiny("gpt2")
 
 
+def test_tiny_available_is_a_bool_for_any_model_type() -> None:
+    from hf_precision import tiny
+
+    assert tiny.tiny_available("llava") is True and tiny.tiny_available("blip_2") is True
+    for name in ("qwen2_5_vl", "gpt2", ""):
+        assert tiny.tiny_available(name) is False, name
+
+
 @pytest.mark.parametrize("model_type", _types(*MODEL_TYPES))
 def test_the_configs_file_speaks_the_tiny_tokenizers_ids(model_type: str) -> None:
     config = vlm.tiny_config(model_type)
