@@ -238,13 +238,14 @@ def _check_values(args: argparse.Namespace) -> None:
     import hf_precision
 
     hf_precision._load()  # the registries: presets and groups, registered ones included
-    from .policy import preset_name
+    from .policy import PRESETS, preset_name
 
     if hasattr(args, "policy"):
         try:
             preset_name(args.policy, call="--policy")
         except PrecisionError as err:  # the one vocabulary of preset names, said as argparse does
-            fail("argument --policy: " + str(err).split(": ", 1)[1].split("\n")[0])
+            said = str(err).split(": ", 1)[1].split("\n")[0]
+            fail(f"argument --policy: {said} Allowed: {', '.join(PRESETS)}")
     if hasattr(args, "trainable"):
         checkpoint.trainable_groups(args.trainable)
 

@@ -489,7 +489,6 @@ def _handover_roots(root: nn.Module, groups: ModuleGroups) -> list[tuple[str, nn
         return []
     roots = {g: list(zip(groups.paths.get(g, ()), groups.modules(g), strict=True)) for g in present}
     text = [p for g in ("language_model", "lm_head") for p in groups.paths.get(g, ())]
-    modules = dict(root.named_modules())
     chosen = roots[present[-1]]
     joint = [path for g in ("resampler", "projector") if g in roots for path, _ in roots[g]]
     if "resampler" in roots and "projector" in roots:
@@ -501,8 +500,11 @@ def _handover_roots(root: nn.Module, groups: ModuleGroups) -> list[tuple[str, nn
             common.append(items[0])
         lca = ".".join(common)
         holds_text = any(t == lca or t.startswith(lca + ".") for t in text)
-        if lca and not holds_text and lca in modules:
-            chosen = [(lca, modules[lca])]
+        if lca and not holds_text:
+            try:  # a path lookup, not another walk of the model
+                chosen = [(lca, root.get_submodule(lca))]
+            except AttributeError:  # the common path runs through a list: keep the groups'
+                pass
     outer = {path: mod for g in present for path, mod in roots[g]}
     out: list[tuple[str, nn.Module]] = []
     for path, mod in chosen:
