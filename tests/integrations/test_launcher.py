@@ -397,3 +397,56 @@ def test_every_torchrun_rank_is_guarded_and_rank0_says_so(tmp_path):
     [line] = _guard_lines(proc)  # rank 0 only
     assert "launched by launched_trainer.py" in line
     assert (out / "precision" / "000002-on_train_end.json").is_file()
+
+
+@pytest.mark.slow
+def test_trls_cli_is_guarded(tmp_path):
+    """``hf-precision run -- trl sft ...``: TRL's own CLI (its SFTConfig defaults to bf16=True)
+    on a tiny LLaVA saved with its processor and chat template, a local parquet dataset with
+    generated images, LoRA, three steps."""
+    from datasets import Dataset
+
+    from hf_precision.tiny import tiny_llava_processor
+    from hf_precision.tiny.data import shape_image
+
+    trl_cli = Path(sys.executable).parent / "trl"
+    if not trl_cli.is_file():
+        pytest.skip("TRL's CLI is not installed in this environment")
+    tiny_llava(seed=0).save_pretrained(tmp_path / "model")
+    tiny_llava_processor(str(tmp_path / "model"))
+    pairs = [("circle", "red"), ("square", "blue"), ("triangle", "green"), ("circle", "yellow")]
+    question = [{"type": "image"}, {"type": "text", "text": "what is in the image ?"}]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": [{"type": "text", "text": f"a {c} {s}"}]},
+            ],
+            "images": [shape_image(s, c)],
+        }
+        for s, c in pairs * 2
+    ]
+    (tmp_path / "data").mkdir()
+    Dataset.from_list(rows).to_parquet(str(tmp_path / "data" / "train.parquet"))
+    out = tmp_path / "out"
+    args = [
+        "--model_name_or_path",
+        str(tmp_path / "model"),
+        "--dataset_name",
+        str(tmp_path / "data"),
+    ]
+    args += ["--output_dir", str(out), "--max_steps", "3", "--per_device_train_batch_size", "2"]
+    args += ["--use_cpu", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"]
+    args += ["--use_peft", "--lora_target_modules", "q_proj", "v_proj"]
+    env = _env(PATH=f"{trl_cli.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    env["HF_DATASETS_OFFLINE"] = "1"
+    cmd = [sys.executable, "-m", "hf_precision.cli", "run", "--"]
+    proc = _run([*cmd, str(trl_cli), "sft", *args], env, timeout=900)
+    [line] = _guard_lines(proc)
+    assert line.startswith(f"{GUARD_LINE} SFTTrainer (launched by trl, via hf-precision run)")
+    assert "policy bf16 (frozen bfloat16, trainable float32" in line  # SFTConfig's bf16=True
+    written = sorted(p.name for p in (out / "precision").iterdir())
+    assert "000000-on_init_end.json" in written and "000003-on_train_end.json" in written
+    end = json.loads((out / "precision" / "000003-on_train_end.json").read_text())
+    assert end["policy"]["name"] == "bf16"
+    assert (out / "adapter_model.safetensors").is_file()
