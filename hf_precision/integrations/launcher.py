@@ -48,7 +48,7 @@ import sys
 import sysconfig
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +95,6 @@ class LaunchConfig:
     report_dir: str | None = None
     tool: str | None = None
     via: str = ENV_GUARD
-    _checked: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LaunchConfig:
@@ -293,10 +292,9 @@ def _announce(trainer: Any, cb: Any, config: LaunchConfig) -> None:
     where = config.report_dir or os.path.join(getattr(args, "output_dir", None) or ".", "precision")
     policy = cb.policy.describe() if cb.policy is not None else "inferred at train begin"
     tool = config.tool or tool_name(sys.argv)
-    how = "hf-precision run" if config.via == "hf-precision run" else config.via
     print(
         f"hf-precision: precision guard on for {type(trainer).__name__} (launched by {tool}, "
-        f"via {how}): policy {policy}; reports in {os.path.abspath(where)}{os.sep}; off: "
+        f"via {config.via}): policy {policy}; reports in {os.path.abspath(where)}{os.sep}; off: "
         f"unset {ENV_GUARD}",
         file=sys.stderr,
         flush=True,

@@ -290,6 +290,33 @@ def test_argument_errors_say_what_to_do(argv, says, capsys):
     assert err.startswith("hf-precision: error: hf-precision") and says in err, err
 
 
+def test_run_execs_the_command_with_the_environment(monkeypatch, tmp_path):
+    """``hf-precision run`` replaces itself with COMMAND (``os.execve``, recorded here: the real
+    one would replace pytest); its own flags end where COMMAND starts."""
+    seen: list[tuple[str, list[str], dict[str, str]]] = []
+    monkeypatch.setattr(launcher.os, "execve", lambda p, a, e: seen.append((p, a, e)))
+    monkeypatch.setenv("HF_PRECISION_REPORT_DIR", "/stale")
+    argv = ["run", "--mode", "audit", "--keep-fp32", "norm", "--keep-fp32", "re:.*bias"]
+    argv += ["--", sys.executable, "-m", "trl", "sft", "--mode", "x", "--policy", "y"]
+    assert main(argv) == 0
+    [(program, args, env)] = seen
+    assert program == sys.executable and args == [
+        sys.executable,
+        "-m",
+        "trl",
+        "sft",
+        "--mode",
+        "x",
+        "--policy",
+        "y",
+    ]
+    assert env["HF_PRECISION_GUARD"] == "auto" and env["HF_PRECISION_MODE"] == "audit"
+    assert json.loads(env["HF_PRECISION_KEEP_FP32"]) == ["norm", "re:.*bias"]
+    assert "HF_PRECISION_REPORT_DIR" not in env and env["HF_PRECISION_TOOL"] == "trl"
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(BOOT_DIR)
+    assert main(["run", "true"]) == 0 and seen[-1][1] == ["true"]  # no "--" needed
+
+
 def test_a_bad_variable_fails_the_trainer_loudly(launched, make_trainer):
     launched.setenv("HF_PRECISION_GUARD", "bf61")
     model = _split_llava()
