@@ -171,6 +171,23 @@ def test_preset_mode_keep_fp32_and_report_dir_from_the_environment(
     assert not (Path(trainer.args.output_dir) / "precision").exists()
 
 
+@pytest.mark.parametrize("form", ["json", "file"])
+def test_a_policy_json_string_or_file(launched, make_trainer, tmp_path, form):
+    from hf_precision import PrecisionPolicy
+
+    policy = PrecisionPolicy.from_preset("fp32", group_dtypes={"vision_encoder": "fp16"})
+    value = policy.to_json()
+    if form == "file":
+        (tmp_path / "policy.json").write_text(value)
+        value = str(tmp_path / "policy.json")
+    launched.setenv("HF_PRECISION_GUARD", value)
+    model = _split_llava()
+    [cb] = _guards(make_trainer(model, tiny_batch(model)))
+    assert cb.policy == policy
+    assert {p.dtype for p in model.model.vision_tower.parameters()} == {torch.float16}
+    assert {p.dtype for p in model.model.language_model.parameters()} == {torch.float32}
+
+
 def test_keep_fp32_with_the_inferred_policy(launched, make_trainer):
     """``auto`` + ``--keep-fp32``: the policy inferred from the Trainer, plus the patterns."""
     launched.setenv("HF_PRECISION_KEEP_FP32", "multi_modal_projector")
