@@ -346,6 +346,13 @@ def test_install_hook_writes_and_removes_the_line(tmp_path):
     assert path == tmp_path / PTH_NAME
     line = path.read_text()
     assert line.startswith("import ") and line.count("\n") == 1  # one line, run by site.py
+    # the start-up files cannot import autostart's OFF_VALUES: they spell the same tuple
+    from hf_precision.integrations import autostart
+
+    assert repr(autostart.OFF_VALUES) in line
+    assert (
+        repr(autostart.OFF_VALUES).replace("'", '"') in (BOOT_DIR / "sitecustomize.py").read_text()
+    )
     assert main(["install-hook", "--target", str(tmp_path), "--remove"]) == 0
     assert not path.exists()
 
@@ -424,6 +431,15 @@ def test_nothing_is_imported_at_start_without_the_variable(tmp_path):
     assert proc.stdout.strip() == "['_hf_precision_autostart']"
     proc = _run([sys.executable, "-c", _PROBE], {**env, "HF_PRECISION_GUARD": "auto"})
     assert proc.stdout.strip() == "['_hf_precision_autostart']"
+    for off in ("0", "off"):  # the off switch costs as little as an unset variable
+        assert (
+            _run(_site_python(tmp_path, _PROBE), {**env, "HF_PRECISION_GUARD": off}).stdout.strip()
+            == "[]"
+        )
+        assert (
+            _run([sys.executable, "-c", _PROBE], {**env, "HF_PRECISION_GUARD": off}).stdout.strip()
+            == "[]"
+        )
 
 
 @pytest.mark.slow

@@ -10,6 +10,8 @@ runs the ``sitecustomize`` this one shadowed (a distribution's or a virtualenv's
 import os
 import sys
 
+OFF_VALUES = ("", "0", "off", "false", "no", "none")
+
 
 def _load_autostart() -> None:
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "autostart.py")
@@ -45,7 +47,8 @@ def _chain() -> None:
             sys.modules["sitecustomize"] = me
 
 
-if "HF_PRECISION_GUARD" in os.environ:
+# the same off values as autostart.OFF_VALUES (this file cannot import it before it is loaded)
+if os.environ.get("HF_PRECISION_GUARD", "").strip().lower() not in OFF_VALUES:
     _load_autostart()
 if __name__ == "sitecustomize":
     _chain()
