@@ -463,7 +463,8 @@ def test_every_torchrun_rank_is_guarded_and_rank0_says_so(tmp_path):
 def test_trls_cli_is_guarded(tmp_path):
     """``hf-precision run -- trl sft ...``: TRL's own CLI (its SFTConfig defaults to bf16=True)
     on a tiny LLaVA saved with its processor and chat template, a local parquet dataset with
-    generated images, LoRA, three steps."""
+    generated images, LoRA, three steps. ``trl sft`` runs its script through ``accelerate
+    launch`` (a child process): the guard reaches it through the environment."""
     from datasets import Dataset
 
     from hf_precision.tiny import tiny_llava_processor
