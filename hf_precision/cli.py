@@ -229,6 +229,11 @@ def _parser() -> argparse.ArgumentParser:
         if cmd.options is not None:
             cmd.options(s)
         s.set_defaults(run=cmd.run)
+    # `hf-precision run -- COMMAND` / `install-hook`: the launcher (hf_precision.integrations)
+    from .integrations.launcher import add_cli as add_launcher_cli
+
+    add_launcher_cli(sub)
+    sub.metavar = "{" + ",".join([*commands, "run", "install-hook"]) + "}"
     return p
 
 
@@ -754,6 +759,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = _parser()
         args = parser.parse_args(argv)
+        if args.command in ("run", "install-hook"):  # its own options: auto, a policy file
+            from .integrations.launcher import run_cli
+
+            return run_cli(args)
         _check_values(args)
         code: int = args.run(args)
         return code
