@@ -167,7 +167,7 @@ def _imported(*args: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
 @pytest.mark.parametrize(
     "args, code, says",
     [
-        (["--help"], 0, "{architectures,audit,doctor}"),
+        (["--help"], 0, "{architectures,audit,doctor,run,install-hook}"),
         (["--version"], 0, "hf-precision "),
         (["audit", "--help"], 0, "examples:"),
         (["doctor", "--help"], 0, "--text-len"),

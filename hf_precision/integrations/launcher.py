@@ -147,12 +147,7 @@ class LaunchConfig:
                     f"--policy auto, --policy bf16, or --policy path/to/policy.json "
                     f"(PrecisionPolicy.to_json() writes one)."
                 )
-        except json.JSONDecodeError as err:
-            raise PrecisionError(
-                f"{call}: the policy JSON does not parse ({err}). Fix: write it with "
-                "PrecisionPolicy(...).to_json()."
-            ) from None
-        except PrecisionError as err:
+        except PrecisionError as err:  # from_json names what does not parse
             if str(err).startswith(call):
                 raise
             raise PrecisionError(f"{call}: {err}") from None

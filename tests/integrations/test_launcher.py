@@ -294,7 +294,7 @@ def test_command_env(tmp_path):
     [
         (["run"], "no command to run. Fix: hf-precision run"),
         (["run", "--policy", "bf61", "--", "nothing"], "Did you mean 'bf16'?"),
-        (["run", "--policy", "{bad", "--", "nothing"], "the policy JSON does not parse"),
+        (["run", "--policy", "{bad", "--", "nothing"], "not valid JSON"),
         (["run", "--mode", "fixx", "--", "nothing"], "unknown mode 'fixx'. Did you mean 'fix'?"),
         (["run", "--keep-fp32", "re:(", "--", "nothing"], "bad regex"),
         (["run", "--", "no-such-program-xyz"], "command 'no-such-program-xyz' not found"),

@@ -110,7 +110,7 @@ def test_dpo_reference_model_gets_the_policy_guards_and_report(tmp_path: Path):
     # its own report files, beside the policy model's
     report = tmp_path / "guarded" / "precision"
     first = json.loads((report / "000000-on_init_end.ref_model.json").read_text())
-    assert first["event"] == "on_init_end.ref_model" and first["mismatches"] > 0
+    assert first["event"] == "on_init_end.ref_model" and first["mismatches"]["found"] > 0
     groups = first["dtype_map"]["groups"]
     assert {g: sorted(groups[g]["numel"]) for g in ("vision_encoder", "language_model")} == {
         "vision_encoder": ["bfloat16"],
