@@ -335,6 +335,58 @@ class PrecisionGuard:
         return f"PrecisionGuard({self.policy.describe()}, rule={self.groups.rule!r})"
 
 
+_HALF = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def flag_conflict(
+    policy: PrecisionPolicy,
+    flag: str | None,
+    *,
+    call: str,
+    said: str,
+    runner: str,
+    owner: str,
+    words: Any,
+) -> PrecisionError | str | None:
+    """What a mixed-precision flag (``"bf16"``/``"fp16"``, ``None``: no flag) and an explicit
+    policy make together, checked before anything is cast: a :class:`PrecisionError` when they
+    cannot run together (a half dtype of the policy is not the one autocast computes in: the
+    two meet in every op autocast promotes), a warning text when it runs but is not what either
+    says (fp32 weights under autocast), else ``None``.
+
+    ``call`` is the user's call, ``said`` how the user set the flag (``bf16: true``), ``runner``
+    who autocasts (``the Trainer``), ``owner`` the front end's name and ``words(flag, value)``
+    the flag in the user's tool (:func:`hf_precision.flags.flag`).
+    """
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(flag or "")
+    if autocast is None:
+        return None
+    held = (policy.compute_dtype, policy.frozen_dtype, policy.trainable_dtype)
+    halves = {d for d in (*held, *policy.group_dtypes.values()) if d in _HALF}
+    other = sorted(halves - {autocast}, key=str)
+    follow = f"{owner}() (it follows {said}), or {owner}({flag!r})"
+    if other:
+        theirs = other[0]
+        return PrecisionError(
+            f"{call} with {said}: {runner} autocasts to {dtype_name(autocast)}, but the policy "
+            f"holds weights in {dtype_name(theirs)} ({policy.describe()}). {dtype_name(theirs)} "
+            f"weights under {dtype_name(autocast)} autocast fail in the first op that mixes "
+            "them ('RuntimeError: Unexpected floating ScalarType in "
+            "at::autocast::prioritize', 'expected scalar type'). Nothing was cast.\n"
+            f"Fix: {follow}, or train in {dtype_name(theirs)}: "
+            f"{words(_HALF[theirs], True)} instead of {said}."
+        )
+    if policy.compute_dtype != autocast:
+        return (
+            f"{call} with {said}: {runner} autocasts to {dtype_name(autocast)}, but the policy "
+            f"keeps weights in {dtype_name(policy.compute_dtype)} ({policy.describe()}): it "
+            f"runs, with {dtype_name(policy.compute_dtype)} memory for weights that compute in "
+            f"{dtype_name(autocast)}. Fix: {follow}, or {words(flag, False)} to train in "
+            f"{dtype_name(policy.compute_dtype)}."
+        )
+    return None
+
+
 class GuardFrontEnd:
     """What the front ends share: the user's policy argument, checked when they are built (a
     bad preset fails at the call, not at train time), with its ``mode``/``leaf_guards``
@@ -378,4 +430,4 @@ class GuardFrontEnd:
         )
 
 
-__all__ = ["HOLDING_WRAPPERS", "GuardFrontEnd", "PrecisionGuard"]
+__all__ = ["HOLDING_WRAPPERS", "GuardFrontEnd", "PrecisionGuard", "flag_conflict"]

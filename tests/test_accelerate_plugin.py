@@ -273,10 +273,26 @@ def test_raise_mode_names_the_module(tmp_path):
         guard.prepare(accelerator, model)
 
 
-def test_policy_that_contradicts_the_accelerator_warns(tmp_path):
+def test_policy_that_contradicts_the_accelerator_is_refused_before_casting(tmp_path):
     accelerator = _accelerator(tmp_path, "bf16")
-    with pytest.warns(PrecisionWarning, match=r"mixed_precision='bf16' autocasts to bfloat16"):
-        PrecisionGuardPlugin("fp16", report=False).prepare(accelerator, tiny_llava())
+    model = tiny_llava()
+    before = {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters()}
+    with pytest.raises(
+        PrecisionError,
+        match=r"(?s)^PrecisionGuardPlugin\('fp16'\) with Accelerator\(mixed_precision='bf16'\): "
+        r"accelerate autocasts to bfloat16, but the policy holds weights in float16.*"
+        r"Nothing was cast\..*Fix: PrecisionGuardPlugin\(\) .*"
+        r"Accelerator\(mixed_precision='fp16'\) instead of Accelerator\(mixed_precision='bf16'\)",
+    ):
+        PrecisionGuardPlugin("fp16", report=False).prepare(accelerator, model)
+    assert {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters()} == before
+    assert installed_guards(model) == 0
+
+
+def test_fp32_policy_under_the_accelerator_warns(tmp_path):
+    accelerator = _accelerator(tmp_path, "bf16")
+    with pytest.warns(PrecisionWarning, match=r"accelerate autocasts to bfloat16.*it runs"):
+        PrecisionGuardPlugin("fp32", report=False).prepare(accelerator, tiny_llava())
 
 
 def test_bad_arguments_fail_early(tmp_path):

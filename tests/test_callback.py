@@ -1,4 +1,5 @@
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -261,12 +262,14 @@ def test_two_guards_with_different_policies_on_one_model_raise(make_trainer):
     assert kept.callback_handler is not None
 
 
-def test_a_preset_that_contradicts_the_flag_warns(make_trainer):
+def test_fp32_weights_under_the_flag_warn_in_the_users_words(make_trainer, monkeypatch):
+    monkeypatch.setenv("HF_PRECISION_TOOL", "python")
     model = tiny_llava()
     with pytest.warns(
         UserWarning,
-        match=r"PrecisionGuardCallback\('fp32'\) with "
-        r"TrainingArguments\(bf16=True\): the Trainer autocasts to bfloat16",
+        match=r"PrecisionGuardCallback\('fp32'\) with TrainingArguments\(bf16=True\): the "
+        r"Trainer autocasts to bfloat16, but the policy keeps weights in float32 .*it runs.*"
+        r"Fix: PrecisionGuardCallback\(\) \(it follows TrainingArguments\(bf16=True\)\)",
     ):
         make_trainer(
             model,
@@ -274,6 +277,63 @@ def test_a_preset_that_contradicts_the_flag_warns(make_trainer):
             bf16=True,
             callbacks=[PrecisionGuardCallback("fp32", report=False)],
         )
+
+
+def _snapshot(model):
+    return {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters()} | {
+        n: (b.dtype, b.data_ptr()) for n, b in model.named_buffers()
+    }
+
+
+@pytest.mark.parametrize(
+    ("preset", "flag", "tool", "said", "fix"),
+    [
+        # the case: 60 tensors cast to fp16, then autocast::prioritize crashed
+        (
+            "fp16",
+            "bf16",
+            "python",
+            r"TrainingArguments\(bf16=True\)",
+            r"TrainingArguments\(fp16=True\)",
+        ),
+        ("fp16-true", "bf16", "llamafactory", "bf16: true", "fp16: true instead of bf16: true"),
+        ("bf16", "fp16", "trl", "--fp16", "--bf16 instead of --fp16"),
+        ("bf16-true", "fp16", "swift", "--fp16 true", "--bf16 true instead of --fp16 true"),
+    ],
+)
+def test_a_policy_the_flags_cannot_run_is_refused_before_anything_is_cast(
+    make_trainer, monkeypatch, preset, flag, tool, said, fix
+):
+    monkeypatch.setenv("HF_PRECISION_TOOL", tool)
+    model = tiny_llava()
+    before = _snapshot(model)
+    with pytest.raises(PrecisionError) as err:
+        make_trainer(
+            model, tiny_batch(model), callbacks=[PrecisionGuardCallback(preset)], **{flag: True}
+        )
+    assert _snapshot(model) == before  # nothing cast, no tensor replaced
+    assert installed_guards(model) == 0
+    text = str(err.value)
+    half = {"bf16": "bfloat16", "fp16": "float16"}
+    other = half["fp16" if flag == "bf16" else "bf16"]
+    assert text.startswith(f"PrecisionGuardCallback({preset!r}) with ")
+    assert re.search(said, text.splitlines()[0]), text
+    assert f"autocasts to {half[flag]}, but the policy holds weights in {other}" in text
+    assert "Nothing was cast." in text
+    assert re.search(r"Fix: PrecisionGuardCallback\(\) .*" + fix, text), text
+
+
+def test_fp16_trainables_under_the_grad_scaler_are_refused_before_casting(
+    make_trainer, monkeypatch
+):
+    monkeypatch.setenv("HF_PRECISION_TOOL", "axolotl")
+    model = tiny_llava()
+    before = _snapshot(model)
+    with pytest.raises(PrecisionError, match=r"(?s)Attempting to unscale FP16.*bf16: true"):
+        make_trainer(
+            model, tiny_batch(model), callbacks=[PrecisionGuardCallback("fp16-true")], fp16=True
+        )
+    assert _snapshot(model) == before
 
 
 def test_train_end_repairs_what_load_best_model_at_end_brought_back(make_trainer, tmp_path):
