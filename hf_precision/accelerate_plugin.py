@@ -52,7 +52,7 @@ from .distributed import rank
 from .dtypes import dtype_name
 from .enforce import EnforceReport
 from .errors import PrecisionError, PrecisionWarning
-from .guard import GuardFrontEnd, PrecisionGuard, flag_conflict
+from .guard import GuardFrontEnd, PrecisionGuard, flag_conflict, policy_origin
 from .policy import LeafGuards, Mode, PrecisionPolicy
 from .reporting import PrecisionReporter
 from .wrappers import unwrap_model
@@ -122,6 +122,8 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         self._handles: list[Any] = []
         self._accelerator: Any = None
         self._reporter: Any = None
+        self._inferred = policy is None  # where the policy came from, for the console line
+        self._said = ""  # the accelerator's mixed precision as the user set it
 
     # ------------------------------------------------------------------ accelerate
     def prepare(self, accelerator: Any, *objects: Any, **kwargs: Any) -> Any:
@@ -149,6 +151,7 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         return result
 
     def _bind(self, accelerator: Any, model: nn.Module | None) -> None:
+        self._inferred = self.policy is None
         if self.policy is None:
             root = unwrap_model(model)[0] if model is not None else None
             self.policy = self._with_overrides(PrecisionPolicy.from_accelerator(accelerator, root))
@@ -159,6 +162,7 @@ class PrecisionGuardPlugin(GuardFrontEnd):
             return flags.flag(name, value, tool="accelerate")
 
         said = f"Accelerator(mixed_precision={mp!r})"
+        self._said = said if flag else ""
         if self._policy_arg is not None:
             conflict = flag_conflict(
                 self.policy,
@@ -245,6 +249,7 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         Usable without accelerate (e.g. before ``fully_shard``); follow with :meth:`verify`.
         """
         if self.policy is None:
+            self._inferred = True
             self.policy = self._with_overrides(PrecisionPolicy.from_model(model))
         if self.report and self._reporter is None:  # a loop without accelerate: rank 0 writes
             self._reporter = PrecisionReporter(
@@ -252,7 +257,8 @@ class PrecisionGuardPlugin(GuardFrontEnd):
             )
         root, _ = unwrap_model(model)
         if not any(g.root is root for g in self._guarded):
-            self._guarded.append(self._new_guard(model))
+            origin = policy_origin(self.policy, self._inferred, self._said, self._call)
+            self._guarded.append(self._new_guard(model, origin=origin))
         self.verify(model, "setup")
         return model
 

@@ -32,7 +32,7 @@ from .deepspeed_config import check_training_args
 from .enforce import EnforceReport
 from .errors import PrecisionError, PrecisionWarning
 from .groups import ModuleGroups
-from .guard import GuardFrontEnd, PrecisionGuard, flag_conflict
+from .guard import GuardFrontEnd, PrecisionGuard, flag_conflict, policy_origin
 from .hooks import GuardHandle
 from .policy import LeafGuards, Mode, PrecisionPolicy
 from .wrappers import unwrap_model
@@ -125,14 +125,15 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
             flags = PrecisionPolicy.from_training_args(args)
             self.policy = self.policy.replace(full_eval_dtype=flags.full_eval_dtype)
         assert self.policy is not None
-        self._check_args(args, root)
+        said = self._check_args(args, root)
+        origin = policy_origin(self.policy, self._policy_arg is None, said, self._call)
         if self.report and self._reporter is None:
             from .reporting import PrecisionReporter
 
             self._reporter = PrecisionReporter.from_training_args(
                 args, report_dir=self.report_dir, report_to=self.report_to
             )
-        self.guard = self._new_guard(model, deepspeed_dtype=self._deepspeed_dtype)
+        self.guard = self._new_guard(model, deepspeed_dtype=self._deepspeed_dtype, origin=origin)
         logger.info(
             "hf-precision: policy %s; groups by rule %r",
             self.policy.describe(),
@@ -140,9 +141,10 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         )
         return self.guard
 
-    def _check_args(self, args: Any, root: nn.Module) -> None:
+    def _check_args(self, args: Any, root: nn.Module) -> str:
         """The flags against the policy, before anything is cast: what cannot run together
-        raises :class:`PrecisionError` here, with the fix in the user's tool's words."""
+        raises :class:`PrecisionError` here, with the fix in the user's tool's words. Returns
+        the flag as the user set it (``bf16: true``), or ``""`` with no flag."""
         policy = self.policy
         assert policy is not None
         # the DeepSpeed JSON's bf16/fp16 sections vs --bf16/--fp16
@@ -192,6 +194,7 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
                 PrecisionWarning,
                 stacklevel=3,
             )
+        return said
 
     # ------------------------------------------------------------------ events
     def _verify(
