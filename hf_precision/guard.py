@@ -174,7 +174,7 @@ class PrecisionGuard:
     ) -> EnforceReport:
         if model is not None:
             self.model = model
-        model, policy, where = self.model, self.policy, f"{self.name}.{event}"
+        model, policy, where = self.model, self._renamed(self.policy), f"{self.name}.{event}"
         first = not self.events
         view = ModelView.of(model, self.groups)  # the one walk of the model for this event
         if wrapper == "auto":
@@ -218,6 +218,34 @@ class PrecisionGuard:
         if check_ranks:  # a collective: every rank reaches the same events
             check_model_ranks(model, self.groups, policy=policy, where=where)
         return report
+
+    def _renamed(self, policy: PrecisionPolicy) -> PrecisionPolicy:
+        """``policy`` with the former group names the model's rule renamed
+        (:attr:`~hf_precision.groups.ModuleGroups.renamed`) said under their names now, and a
+        warning (once) that says so."""
+        renamed = {
+            old: new
+            for old, new in self.groups.renamed.items()
+            if old in policy.group_dtypes or old in policy.batch_key_groups.values()
+        }
+        if not renamed:
+            return policy
+        group_dtypes = dict(policy.group_dtypes)
+        for old, new in renamed.items():
+            if old in group_dtypes:
+                group_dtypes.setdefault(new, group_dtypes[old])
+                del group_dtypes[old]
+        keys = {k: renamed.get(g, g) for k, g in policy.batch_key_groups.items()}
+        said = ", ".join(f"{old!r} is {new!r}" for old, new in renamed.items())
+        self._warn_once(
+            f"{self.call}: under rule {self.groups.rule!r} ({type(self.root).__name__}) {said} "
+            "now (the merger maps image features into the language model: the projector, as "
+            "LLaMA-Factory, ms-swift and transformers call it); the policy's setting for the "
+            "old name applies to it. Fix: name "
+            + " and ".join(repr(n) for n in renamed.values())
+            + " in group_dtypes."
+        )
+        return policy.replace(group_dtypes=group_dtypes, batch_key_groups=keys)
 
     def drifted(self) -> bool:
         """Whether any parameter changed dtype since the last verify (one read per tensor)."""

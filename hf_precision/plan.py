@@ -194,10 +194,15 @@ def _unmatched_patterns(
         )
     for group in policy.group_dtypes:
         if group not in groups and group not in preset.get("group_dtypes", {}):
+            now = groups.renamed.get(group)
+            fix = (
+                f"Fix: name {now!r}: rule {groups.rule!r} calls that group {now!r} now."
+                if now
+                else "Fix: drop it, or register a group rule that finds it."
+            )
             out.append(
                 f"group_dtypes[{group!r}] names a group {type(root).__name__} does not have "
-                f"(found: {', '.join(groups.names) or 'none'}). Fix: drop it, or register a "
-                "group rule that finds it."
+                f"(found: {', '.join(groups.names) or 'none'}). {fix}"
             )
     return out
 
