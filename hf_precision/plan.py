@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from . import flags
 from .dtypes import (
     dtype_name,
     is_castable,
@@ -308,12 +309,15 @@ class _Planner:
         for group, (compute, fmt) in self.quantized.items():
             wanted = self.policy.group_dtype(group)
             if wanted != compute:
+                tool = flags.detect_tool()
+                half = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compute)
+                theirs = f" ({flags.flag(half, tool=tool)})" if half else ""
                 self.report.warnings.append(
                     f"{group}: its quantized layers ({fmt}) compute in {dtype_name(compute)}, "
                     f"not the policy's {dtype_name(wanted)}; the group's other frozen weights "
-                    f"follow them, so its activations keep one dtype. Fix: quantize (or set "
-                    f"bnb_4bit_compute_dtype=) in {dtype_name(wanted)}, or use a "
-                    f"{dtype_name(compute)} policy."
+                    f"follow them, so its activations keep one dtype. Fix: "
+                    f"{flags.quantized_compute(wanted, tool=tool)} so they compute in "
+                    f"{dtype_name(wanted)}, or train in {dtype_name(compute)}{theirs}."
                 )
 
     def _check_tie(
