@@ -453,6 +453,10 @@ def cast_line(report: EnforceReport, *, origin: str | None, report_dir: str | No
     )
 
 
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def memory_line(report: EnforceReport) -> str | None:
     """Bytes before → after per group where the setup upcast weights (the memory a user of
     PEFT's ``print_trainable_parameters()`` watches), with the rules that decided; ``None``
@@ -462,7 +466,10 @@ def memory_line(report: EnforceReport) -> str | None:
     rules: dict[str, int] = {}
     for item in report.planned:
         t, change = item.tensor, item.change
-        size, new = t.element_size(), torch.empty((), dtype=item.dtype).element_size()
+        was = getattr(torch, change.before, None)  # the tensor may hold its new data already
+        if not isinstance(was, torch.dtype):
+            continue
+        size, new = _itemsize(was), _itemsize(item.dtype)
         if change.kind != "param" or new <= size:
             continue
         before[change.group] = before.get(change.group, 0) + t.numel() * size
