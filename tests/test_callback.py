@@ -394,8 +394,9 @@ def test_the_init_repair_is_said_on_the_console(make_trainer, caplog):
         make_trainer(
             model, tiny_batch(model), bf16=True, callbacks=[PrecisionGuardCallback(report=False)]
         )
-    lines = [r.getMessage() for r in caplog.records if "hf-precision: cast" in r.getMessage()]
-    assert len(lines) == 1 and "vision_encoder" in lines[0]
+    lines = [r.getMessage() for r in caplog.records if " tensors → " in r.getMessage()]
+    assert len(lines) == 1 and " tensors → float32 (trainable) in " in lines[0]
+    assert "vision_encoder" in lines[0] and lines[0].endswith("report: off (report=False)")
 
 
 # ---------------------------------------------------------------------- in the user's words

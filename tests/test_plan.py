@@ -60,3 +60,13 @@ def test_an_fp16_overflow_is_planned_as_kept_not_cast() -> None:
     assert model.lm_head.weight.dtype == torch.float32
     assert torch.isfinite(model.lm_head.weight).all()
     assert model.model.language_model.embed_tokens.weight.dtype == torch.float16
+
+
+def test_a_renamed_group_says_its_name_now() -> None:
+    from hf_precision.tiny import tiny_qwen2_vl
+
+    model = tiny_qwen2_vl()
+    policy = PrecisionPolicy.from_preset("fp32", group_dtypes={"resampler": "bf16"})
+    report = plan_policy(model, policy, ModelView.of(model))
+    (said,) = [w for w in report.warnings if "group_dtypes['resampler']" in w]
+    assert "Fix: name 'projector': rule 'qwen2_vl' calls that group 'projector' now." in said
