@@ -247,9 +247,17 @@ def test_no_flag_frozen_dtype_follows_the_language_model_not_the_count():
     bf16 = _numel(p for p in model.parameters() if p.dtype == torch.bfloat16)
     assert fp32 > bf16  # the old parameter-count rule inferred fp32 here
     assert loaded_dtype(model) == torch.bfloat16 and infer_preset(model) == "bf16-true"
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    try:
+        from_acc = PrecisionPolicy.from_accelerator(Accelerator(cpu=True), model)
+    finally:
+        AcceleratorState._reset_state(True)
     no_flags = types.SimpleNamespace(bf16=False, fp16=False)
     policy = PrecisionPolicy.from_training_args(no_flags, model)
-    assert policy == PrecisionPolicy.from_model(model)
+    assert policy == PrecisionPolicy.from_model(model) == from_acc
     assert (policy.name, policy.frozen_dtype, policy.trainable_dtype) == (
         "bf16-true",
         torch.bfloat16,
