@@ -386,3 +386,18 @@ def test_scaling_out_doc_blocks_run(index, tmp_path, monkeypatch):
     if "save_state" in _doc_blocks()[index]:
         assert (tmp_path / "ckpt" / POLICY_FILE).is_file()
         assert sorted(p.name for p in (tmp_path / "precision").glob("*.json"))
+
+
+def test_the_console_line_says_where_the_policy_came_from_and_where_the_report_is(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    accelerator = _accelerator(tmp_path, "bf16")
+    model = _split_llava()
+    with caplog.at_level("WARNING", logger="hf_precision"):
+        PrecisionGuardPlugin().prepare(accelerator, model)
+    lines = [r.getMessage() for r in caplog.records if " tensors → " in r.getMessage()]
+    assert len(lines) == 1
+    assert " tensors → bfloat16 (frozen) in vision_encoder (e.g. model.vision_tower." in lines[0]
+    assert lines[0].endswith(
+        f", inferred from Accelerator(mixed_precision='bf16'); report: {tmp_path}/precision/"
+    ), lines[0]
