@@ -342,9 +342,11 @@ class PrecisionPolicy:
         has. Trainable weights stay in the dtype they were loaded in: fp32 ones stay fp32
         (``keep_trainable_fp32``: PEFT's adapters, a projector trained in fp32; half-precision
         trainable weights lose updates below their resolution, and fp16 cannot even hold
-        AdamW's ``eps``), half ones stay in their half dtype (``trainable_dtype`` is set to it
-        when the preset's differs). Only a named ``*-true`` preset or an explicit
-        ``trainable_dtype`` lowers an fp32 trainable weight.
+        AdamW's ``eps``), bf16 ones stay bf16 (``trainable_dtype`` is set to it when the
+        preset's differs), fp16 ones stay fp16 in an fp16 model (``fp16-true``) and follow the
+        preset elsewhere (fp16 cannot hold AdamW's ``eps``: without a GradScaler the update
+        divides by zero). Only a named ``*-true`` preset or an explicit ``trainable_dtype``
+        lowers an fp32 trainable weight.
 
         >>> from hf_precision.tiny import tiny_llava
         >>> model = tiny_llava().to(torch.bfloat16)
@@ -359,8 +361,10 @@ class PrecisionPolicy:
         preset = infer_preset(model)
         inferred: dict[str, Any] = {"keep_trainable_fp32": True}
         half = _trainable_half_dtype(model)
-        if half is not None and half != PRESETS[preset][2]:
-            inferred["trainable_dtype"] = half  # trained in the half dtype it was loaded in
+        if half == torch.bfloat16 and half != PRESETS[preset][2]:
+            # trained in bf16 as loaded (pure-bf16 training is a choice); fp16 trainables
+            # outside an fp16 model are not kept: fp16 cannot hold AdamW's eps
+            inferred["trainable_dtype"] = half
         return cls.from_preset(preset, **{**inferred, **overrides})
 
     @classmethod

@@ -305,3 +305,14 @@ def test_loaded_dtype_prefers_frozen_language_model_weights():
             p.data = p.data.float()  # fp32 adapters, more than the fp16 weights of a tiny model
     assert loaded_dtype(peft) == torch.float16
     assert PrecisionPolicy.from_model(peft).name == "fp16-true"
+
+
+def test_no_flag_fp16_trainables_outside_an_fp16_model_follow_the_preset():
+    from hf_precision.tiny import tiny_llava
+
+    model = tiny_llava()  # fp32, a trainable fp16 vision tower: fp16 cannot hold AdamW's eps
+    model.model.vision_tower.to(torch.float16)
+    policy = PrecisionPolicy.from_model(model)
+    assert (policy.name, policy.trainable_dtype) == ("fp32", torch.float32)
+    fp16 = tiny_llava(torch.float16)  # an fp16 model trained as loaded stays fp16
+    assert PrecisionPolicy.from_model(fp16).trainable_dtype == torch.float16
