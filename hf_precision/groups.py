@@ -580,7 +580,8 @@ def find_module_groups(model: nn.Module, *, strict: bool = False) -> ModuleGroup
                 stacklevel=2,
             )
         else:  # a text-only or custom model: one group is all there is, nothing to advise
-            logger.info("hf-precision: %s The whole model is one group.", msg)
+            # (debug: the front ends' one info line names the rule, 'none')
+            logger.debug("hf-precision: %s The whole model is one group.", msg)
         return ModuleGroups(root, {}, {}, "none", mt, prefix)
     return ModuleGroups(root, paths, params, "fallback(" + ", ".join(how) + ")", mt, prefix)
 

@@ -576,3 +576,5 @@ def test_a_plain_model_with_nothing_to_fix_is_guarded_quietly(make_trainer, capl
     assert not ours, [str(w.message) for w in ours]
     assert not _said(caplog, "WARNING")
     assert not any("register_group_rule" in r.getMessage() for r in caplog.records)
+    # the guard's own info line is one: the policy and the rule (reports log their tables)
+    assert len([m for m in _said(caplog, "INFO") if m.startswith("hf-precision: policy ")]) == 1
