@@ -122,8 +122,8 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
             if not first:
                 self._reporter = None  # this Trainer's output_dir and report_to
         elif self.policy is not None and self.policy.full_eval_dtype is None:
-            flags = PrecisionPolicy.from_training_args(args)
-            self.policy = self.policy.replace(full_eval_dtype=flags.full_eval_dtype)
+            from_flags = PrecisionPolicy.from_training_args(args)
+            self.policy = self.policy.replace(full_eval_dtype=from_flags.full_eval_dtype)
         assert self.policy is not None
         said = self._check_args(args, root)
         origin = policy_origin(self.policy, self._policy_arg is None, said, self._call)

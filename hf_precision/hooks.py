@@ -79,7 +79,7 @@ class _GuardState:
 class Notice:
     """Who hears of the first input a guard of each kind casts at run time: ``say(kind, path,
     what, from_dtype, to_dtype)`` is called once per kind (so a run the hooks alone keep going
-    says so, once)."""
+    says so, once). Not while ``torch.compile`` traces: a log call would break the graph."""
 
     say: Any
     seen: set[str] = field(default_factory=set)
@@ -122,7 +122,7 @@ def _cast_value(st: _GuardState, module: nn.Module, value: Any, key: str) -> Any
             # would upcast every lora_B input for nothing)
             return value
         if wrong_dtype:
-            if st.notice is not None and st.kind not in st.notice.seen:
+            if st.notice is not None and not torch.compiler.is_compiling():
                 st.notice.first(st.kind, st.path, key, value.dtype, st.dtype)
             return cast_tensor(value, st.dtype, st.device, key=key, where=st.path)
         return value.to(st.device)  # ids and masks follow the receiver's device too
@@ -169,6 +169,8 @@ def _arg_names(module: nn.Module) -> tuple[str, ...]:
 def _notice_batch(st: _GuardState, old: dict[str, Any], new: dict[str, Any]) -> None:
     """Tell the notice which batch key the batch guard cast first (dtype changes only)."""
     assert st.notice is not None
+    if "batch" in st.notice.seen:
+        return
     for key, value in new.items():
         was = old.get(key)
         if (
@@ -203,7 +205,7 @@ def _guard_hook(
         new_args = tuple(_cast_arg(st, module, i, a) for i, a in enumerate(args))
         if new_kwargs is kwargs and all(a is b for a, b in zip(new_args, args, strict=True)):
             return None
-        if st.notice is not None and "batch" not in st.notice.seen:
+        if st.notice is not None and not torch.compiler.is_compiling():
             _notice_batch(st, kwargs, new_kwargs)
         return new_args, new_kwargs
     ref = st.ref
