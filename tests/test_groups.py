@@ -578,3 +578,12 @@ def test_real_remote_layout_variants(layout: str) -> None:
     if layout == "omnilmm":  # nested towers win over the LM body around them
         assert g.group_of("model.vision_tower.weight") == "vision_encoder"
         assert g.group_of("model.layers.0.self_attn.q_proj.weight") == "language_model"
+
+
+def test_a_config_with_a_vision_config_looks_multimodal() -> None:
+    import types
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    model.config = types.SimpleNamespace(model_type="my_vlm", vision_config={})  # type: ignore[assignment]
+    with pytest.warns(PrecisionWarning, match=r"looks multimodal \(config\.vision_config\)"):
+        assert find_module_groups(model).rule == "none"

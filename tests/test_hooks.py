@@ -107,3 +107,28 @@ def test_audit_mode_hooks_change_nothing():
     install_guards(model, policy, enforce_policy(model, policy))
     with pytest.raises(RuntimeError, match="same dtype|should be the same"):
         model(**tiny_batch(model))
+
+
+def test_the_notice_hears_the_first_cast_of_each_kind_once() -> None:
+    from hf_precision.hooks import Notice
+
+    model = tiny_llava(torch.bfloat16)
+    model.model.multi_modal_projector.float()  # a trainable fp32 projector in a bf16 model
+    policy = PrecisionPolicy.from_model(model)
+    report = enforce_policy(model, policy)
+    heard: list[tuple[object, ...]] = []
+    handle = install_guards(model, policy, report, notice=Notice(lambda *a: heard.append(a)))
+    batch = {k: v for k, v in tiny_batch(model).items() if k != "labels"}
+    for _ in range(3):
+        model(**batch)
+    kinds = [h[0] for h in heard]
+    assert len(kinds) == len(set(kinds))  # once per kind, however many forwards
+    assert ("batch", "", "pixel_values", torch.float32, torch.bfloat16) in heard
+    assert (
+        "boundary",
+        "model.multi_modal_projector",
+        "input 0",
+        torch.bfloat16,
+        torch.float32,
+    ) in heard
+    handle.remove()
