@@ -422,8 +422,9 @@ def cast_line(report: EnforceReport, *, origin: str | None, report_dir: str | No
     """The one console line for what a guard cast at setup: target dtypes with counts and the
     rule that decided each, the first names, where the policy came from, the report's path.
 
-    ``hf-precision: 46 tensors → bfloat16 (frozen), 18 → float32 (trainable) in language_model,
-    projector; e.g. ...; policy bf16 (...), from TrainingArguments(bf16=True); report: out/...``
+    ``hf-precision: 46 tensors → bfloat16 (frozen), 18 → float32 (trainable) in projector,
+    language_model (e.g. ...); policy bf16 (...), inferred from TrainingArguments(bf16=True);
+    report: out/precision/``
     """
     by_dtype: dict[str, dict[str, int]] = {}
     moved: dict[str, int] = {}
@@ -442,7 +443,9 @@ def cast_line(report: EnforceReport, *, origin: str | None, report_dir: str | No
         why = ranked[0][0] if len(ranked) == 1 else ", ".join(f"{k} {v}" for k, v in ranked)
         parts.append(f"{n}{' tensors' if i == 0 else ''} → {dtype} ({why})")
     parts += [f"{n} moved to {dev}" for dev, n in moved.items()]
-    groups = ", ".join(sorted({c.group for c in report.changes}))
+    touched = {c.group for c in report.changes}
+    order = [g for g in report.groups.names if g in touched]  # forward order, then the rest
+    groups = ", ".join(order + sorted(touched - set(order)))
     named = [f"{c.name} {c.before} → {c.after}" for c in report.changes[:_NAMED]]
     more = len(report.changes) - len(named)
     names = "; ".join(named) + (f"; and {more} more" if more > 0 else "")

@@ -441,7 +441,7 @@ def test_the_console_line_names_dtypes_counts_names_rule_and_report(
     first = next(n for n, _ in model.named_parameters() if n.startswith("model.vision_tower"))
     assert line.startswith(
         f"hf-precision: {n_tower} tensors → bfloat16 (frozen), {n_proj} → float32 (trainable) "
-        f"in projector, vision_encoder (e.g. {first} float16 → bfloat16; "
+        f"in vision_encoder, projector (e.g. {first} float16 → bfloat16; "
     ), line
     assert f"; and {n_tower + n_proj - 3} more); policy bf16 (frozen bfloat16" in line
     assert line.endswith(
