@@ -2,8 +2,9 @@
 
 Lifecycle (docs/architecture.md):
 
-* ``on_init_end`` — before the optimizer and ``accelerator.prepare`` exist: enforce the policy
-  (the safest moment to cast) and install the guards;
+* ``on_init_end`` — before the optimizer and ``accelerator.prepare`` exist: check the flags
+  against the policy (one they cannot run raises :class:`PrecisionError` with nothing cast),
+  enforce the policy (the safest moment to cast) and install the guards;
 * ``on_train_begin`` — verify; repair only when no DDP/FSDP/DeepSpeed wrapper holds the
   parameters, otherwise raise a :class:`PrecisionError` that says what to do (this is also where
   a callback added with ``trainer.add_callback`` does its first enforcement);
