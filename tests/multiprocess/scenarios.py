@@ -191,12 +191,13 @@ def trainer(out: Path) -> dict[str, Any]:
 
 @scenario
 def trainer_disagree(out: Path) -> dict[str, Any]:
-    """A policy read from a per-rank setting: rank 1 keeps the vision encoder in fp16. DDP would
-    broadcast rank 0's bf16 bytes into rank 1's fp16 tensors without a word."""
+    """A policy read from a per-rank setting: rank 1 keeps the vision encoder in fp32. DDP would
+    broadcast rank 0's bf16 bytes into rank 1's fp32 tensors without a word. (fp16 there would
+    be refused on rank 1 alone at on_init_end: fp16 weights cannot run under bf16 autocast.)"""
     from hf_precision import PrecisionGuardCallback, PrecisionPolicy
 
     policy = PrecisionPolicy.from_preset(
-        "bf16", group_dtypes={"vision_encoder": "fp16"} if rank() == 1 else {}
+        "bf16", group_dtypes={"vision_encoder": "fp32"} if rank() == 1 else {}
     )
     cb = PrecisionGuardCallback(policy, report=False)
     _trainer(out, cb, split_llava()).train()
