@@ -402,7 +402,7 @@ def test_trainer_disagreement_stops_at_train_begin(two_ranks):
         assert "rank 1 differs from rank 0 in 21 module(s)" in msg
         assert (
             "model.vision_tower.encoder.layers.0.mlp.fc1: rank 0 bfloat16 on cpu, 0 "
-            "trainable; rank 1 float32 on cpu, 0 trainable"
+            "trainable; rank 1 float16 on cpu, 0 trainable"
         ) in msg
 
 

@@ -159,10 +159,10 @@ def training_args(out: Path, **kw: Any) -> Any:
     return TrainingArguments(**{**defaults, **kw})
 
 
-def _trainer(out: Path, callback: Any, model: torch.nn.Module) -> Any:
+def _trainer(out: Path, callback: Any, model: torch.nn.Module, bf16: bool = True) -> Any:
     from transformers import Trainer
 
-    args = training_args(out, bf16=True)
+    args = training_args(out, bf16=bf16)
     data = rows_of(model)
     return Trainer(
         model=model, args=args, train_dataset=data, eval_dataset=data, callbacks=[callback]
@@ -191,16 +191,16 @@ def trainer(out: Path) -> dict[str, Any]:
 
 @scenario
 def trainer_disagree(out: Path) -> dict[str, Any]:
-    """A policy read from a per-rank setting: rank 1 keeps the vision encoder in fp32. DDP would
-    broadcast rank 0's bf16 bytes into rank 1's fp32 tensors without a word. (fp16 there would
-    be refused on rank 1 alone at on_init_end: fp16 weights cannot run under bf16 autocast.)"""
+    """A policy read from a per-rank setting: rank 1 keeps the vision encoder in fp16. DDP would
+    broadcast rank 0's bf16 bytes into rank 1's fp16 tensors without a word. No bf16 flag: under
+    bf16=True rank 1's fp16 group would be refused at on_init_end (on that rank alone)."""
     from hf_precision import PrecisionGuardCallback, PrecisionPolicy
 
     policy = PrecisionPolicy.from_preset(
-        "bf16", group_dtypes={"vision_encoder": "fp32"} if rank() == 1 else {}
+        "bf16", group_dtypes={"vision_encoder": "fp16"} if rank() == 1 else {}
     )
     cb = PrecisionGuardCallback(policy, report=False)
-    _trainer(out, cb, split_llava()).train()
+    _trainer(out, cb, split_llava(), bf16=False).train()
     return {"trained": True}
 
 
