@@ -45,13 +45,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import flags
 from .batch import PrecisionCollator
 from .deepspeed_config import check_deepspeed_config, deepspeed_config_of
 from .distributed import rank
 from .dtypes import dtype_name
 from .enforce import EnforceReport
 from .errors import PrecisionError, PrecisionWarning
-from .guard import GuardFrontEnd, PrecisionGuard
+from .guard import GuardFrontEnd, PrecisionGuard, flag_conflict, policy_origin
 from .policy import LeafGuards, Mode, PrecisionPolicy
 from .reporting import PrecisionReporter
 from .wrappers import unwrap_model
@@ -121,6 +122,8 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         self._handles: list[Any] = []
         self._accelerator: Any = None
         self._reporter: Any = None
+        self._inferred = policy is None  # where the policy came from, for the console line
+        self._said = ""  # the accelerator's mixed precision as the user set it
 
     # ------------------------------------------------------------------ accelerate
     def prepare(self, accelerator: Any, *objects: Any, **kwargs: Any) -> Any:
@@ -148,19 +151,39 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         return result
 
     def _bind(self, accelerator: Any, model: nn.Module | None) -> None:
+        self._inferred = self.policy is None
         if self.policy is None:
             root = unwrap_model(model)[0] if model is not None else None
             self.policy = self._with_overrides(PrecisionPolicy.from_accelerator(accelerator, root))
         mp = str(getattr(accelerator, "mixed_precision", "no") or "no")
-        autocast = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}.get(mp)
-        if autocast is not None and autocast != self.policy.compute_dtype:
-            warnings.warn(
-                f"PrecisionGuardPlugin: accelerator.mixed_precision={mp!r} autocasts to "
-                f"{dtype_name(autocast)} but the policy computes in "
-                f"{dtype_name(self.policy.compute_dtype)} ({self.policy.describe()}). Fix: "
-                "pass policy=None to follow the accelerator, or change mixed_precision.",
-                PrecisionWarning,
-                stacklevel=3,
+        flag = {"bf16": "bf16", "fp8": "bf16", "fp16": "fp16"}.get(mp)
+
+        def words(name: str, value: bool) -> str:
+            return flags.flag(name, value, tool="accelerate")
+
+        said = f"Accelerator(mixed_precision={mp!r})"
+        self._said = said if flag else ""
+        if self._policy_arg is not None:
+            conflict = flag_conflict(
+                self.policy,
+                flag,
+                call=self._call,
+                said=said,
+                runner="accelerate",
+                owner="PrecisionGuardPlugin",
+                words=words,
+            )
+            if isinstance(conflict, PrecisionError):
+                raise conflict
+            if conflict:
+                warnings.warn(conflict, PrecisionWarning, stacklevel=3)
+        trainable = model is not None and any(p.requires_grad for p in model.parameters())
+        if flag == "fp16" and self.policy.trainable_dtype == torch.float16 and trainable:
+            raise PrecisionError(
+                f"{self._call} with {said}: trainable weights in float16 "
+                f"({self.policy.describe()}); accelerate's GradScaler raises 'Attempting to "
+                "unscale FP16 gradients'. Nothing was cast.\nFix: PrecisionGuardPlugin('fp16') "
+                "(trainable weights float32), or Accelerator(mixed_precision='bf16')."
             )
         ds = deepspeed_config_of(accelerator)
         if ds is not None:
@@ -226,6 +249,7 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         Usable without accelerate (e.g. before ``fully_shard``); follow with :meth:`verify`.
         """
         if self.policy is None:
+            self._inferred = True
             self.policy = self._with_overrides(PrecisionPolicy.from_model(model))
         if self.report and self._reporter is None:  # a loop without accelerate: rank 0 writes
             self._reporter = PrecisionReporter(
@@ -233,7 +257,8 @@ class PrecisionGuardPlugin(GuardFrontEnd):
             )
         root, _ = unwrap_model(model)
         if not any(g.root is root for g in self._guarded):
-            self._guarded.append(self._new_guard(model))
+            origin = policy_origin(self.policy, self._inferred, self._said, self._call)
+            self._guarded.append(self._new_guard(model, origin=origin))
         self.verify(model, "setup")
         return model
 

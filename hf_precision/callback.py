@@ -2,8 +2,9 @@
 
 Lifecycle (docs/architecture.md):
 
-* ``on_init_end`` — before the optimizer and ``accelerator.prepare`` exist: enforce the policy
-  (the safest moment to cast) and install the guards;
+* ``on_init_end`` — before the optimizer and ``accelerator.prepare`` exist: check the flags
+  against the policy (one they cannot run raises :class:`PrecisionError` with nothing cast),
+  enforce the policy (the safest moment to cast) and install the guards;
 * ``on_train_begin`` — verify; repair only when no DDP/FSDP/DeepSpeed wrapper holds the
   parameters, otherwise raise a :class:`PrecisionError` that says what to do (this is also where
   a callback added with ``trainer.add_callback`` does its first enforcement);
@@ -31,12 +32,12 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from . import flags
 from .deepspeed_config import check_training_args
-from .dtypes import dtype_name
 from .enforce import EnforceReport
 from .errors import PrecisionError, PrecisionWarning
 from .groups import ModuleGroups
-from .guard import GuardFrontEnd, PrecisionGuard
+from .guard import GuardFrontEnd, PrecisionGuard, flag_conflict, policy_origin
 from .hooks import GuardHandle
 from .policy import LeafGuards, Mode, PrecisionPolicy
 from .wrappers import unwrap_model
@@ -129,17 +130,18 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
             if not first:
                 self._reporter = None  # this Trainer's output_dir and report_to
         elif self.policy is not None and self.policy.full_eval_dtype is None:
-            flags = PrecisionPolicy.from_training_args(args)
-            self.policy = self.policy.replace(full_eval_dtype=flags.full_eval_dtype)
+            from_flags = PrecisionPolicy.from_training_args(args)
+            self.policy = self.policy.replace(full_eval_dtype=from_flags.full_eval_dtype)
         assert self.policy is not None
-        self._check_args(args, root)
+        said = self._check_args(args, root)
+        origin = policy_origin(self.policy, self._policy_arg is None, said, self._call)
         if self.report and self._reporter is None:
             from .reporting import PrecisionReporter
 
             self._reporter = PrecisionReporter.from_training_args(
                 args, report_dir=self.report_dir, report_to=self.report_to
             )
-        self.guard = self._new_guard(model, deepspeed_dtype=self._deepspeed_dtype)
+        self.guard = self._new_guard(model, deepspeed_dtype=self._deepspeed_dtype, origin=origin)
         self.trainer_guards = {}
         logger.info(
             "hf-precision: policy %s; groups by rule %r",
@@ -148,7 +150,10 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         )
         return self.guard
 
-    def _check_args(self, args: Any, root: nn.Module) -> None:
+    def _check_args(self, args: Any, root: nn.Module) -> str:
+        """The flags against the policy, before anything is cast: what cannot run together
+        raises :class:`PrecisionError` here, with the fix in the user's tool's words. Returns
+        the flag as the user set it (``bf16: true``), or ``""`` with no flag."""
         policy = self.policy
         assert policy is not None
         # the DeepSpeed JSON's bf16/fp16 sections vs --bf16/--fp16
@@ -160,39 +165,45 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
             if getattr(args, "fp16", False)
             else None
         )
-        autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(flag or "")
-        if (
-            self._policy_arg is not None
-            and autocast is not None
-            and autocast != policy.compute_dtype
-        ):
-            warnings.warn(
-                f"{self._call} with TrainingArguments({flag}=True): the Trainer autocasts to "
-                f"{dtype_name(autocast)} but the policy computes in "
-                f"{dtype_name(policy.compute_dtype)} ({policy.describe()}). Fix: "
-                f"PrecisionGuardCallback() follows the flags ({flag!r}), or pass "
-                f"PrecisionGuardCallback({flag!r}), or change the flag.",
-                PrecisionWarning,
-                stacklevel=4,
+
+        def words(name: str, value: bool) -> str:
+            return flags.flag(name, value, args=args)
+
+        said = words(flag, True) if flag else ""
+        if self._policy_arg is not None:
+            conflict = flag_conflict(
+                policy,
+                flag,
+                call=self._call,
+                said=said,
+                runner="the Trainer",
+                owner="PrecisionGuardCallback",
+                words=words,
             )
+            if isinstance(conflict, PrecisionError):
+                raise conflict
+            if conflict:
+                warnings.warn(conflict, PrecisionWarning, stacklevel=4)
         if (
-            getattr(args, "fp16", False)
+            flag == "fp16"
             and policy.trainable_dtype == torch.float16
             and any(p.requires_grad for p in root.parameters())
         ):
             raise PrecisionError(
-                f"PrecisionGuardCallback({self._policy_arg!r}): fp16=True with trainable "
-                "weights in float16: the GradScaler raises 'Attempting to unscale FP16 "
-                "gradients'.\nFix: use the 'fp16' preset (trainable weights fp32) or bf16."
+                f"{self._call} with {said}: trainable weights in float16 "
+                f"({policy.describe()}); the GradScaler raises 'Attempting to unscale FP16 "
+                "gradients'. Nothing was cast.\nFix: PrecisionGuardCallback('fp16') (trainable "
+                f"weights float32), or train in bfloat16 with {words('bf16', True)}."
             )
-        if getattr(args, "fp16", False) and not torch.cuda.is_available():
+        if flag == "fp16" and not torch.cuda.is_available():
             warnings.warn(
-                "fp16=True without a GPU: transformers runs no autocast and no GradScaler here; "
+                f"{said} without a GPU: transformers runs no autocast and no GradScaler here; "
                 "the guard keeps frozen weights fp16 and trainable weights fp32 and bridges "
                 "the dtypes with its hooks.",
                 PrecisionWarning,
                 stacklevel=3,
             )
+        return said
 
     # ------------------------------------------------------------------ events
     def _verify(

@@ -23,7 +23,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 RULES_FILE = "group_rules.toml"
-_KEYS = ("name", "model_types", "attrs", "note", "paths", "extra", "params")
+_KEYS = ("name", "model_types", "attrs", "note", "paths", "extra", "params", "renamed")
 
 
 def _attrs(names: tuple[str, ...]) -> Callable[[nn.Module], bool]:
@@ -42,7 +42,7 @@ def _rule(entry: dict[str, Any], where: str) -> GroupRule:
             f"{where}: unknown key(s) {unknown} or no name. Allowed keys: {', '.join(_KEYS)}. "
             'Fix: e.g. name = "my_vlm" and paths.vision_encoder = "model.vision_tower".'
         )
-    for key in ("paths", "extra", "params"):
+    for key in ("paths", "extra", "params", "renamed"):
         if not isinstance(entry.get(key, {}), dict):
             raise PrecisionError(
                 f"{where}: {key} must be a table of group = path(s). "
@@ -63,6 +63,7 @@ def _rule(entry: dict[str, Any], where: str) -> GroupRule:
             match=_attrs(attrs) if attrs else None,
             extra=entry.get("extra", {}),
             note=entry.get("note", ""),
+            renamed=entry.get("renamed", {}),
         )
     except PrecisionError as err:  # GroupRule's own check of the paths, said for the file
         raise PrecisionError(f"{where}: {err}") from err

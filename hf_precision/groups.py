@@ -22,6 +22,7 @@ from this registry by :func:`architecture_table`; the README's copy is checked a
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 import warnings
 from collections import deque
@@ -33,6 +34,8 @@ from torch import nn
 
 from .errors import PrecisionError, PrecisionWarning, check_model
 from .wrappers import clean_name, unwrap_model
+
+logger = logging.getLogger("hf_precision")
 
 #: The groups every VLM rule speaks of, in forward order.
 VLM_GROUPS: tuple[str, ...] = (
@@ -108,11 +111,15 @@ class GroupRule:
     extra: PathMap = field(default_factory=dict)
     #: What the rule covers beyond ``model_types``, in words (remote-code families).
     note: str = ""
+    #: A group's former name under this rule -> its name now (Qwen2-VL's merger was the
+    #: ``resampler``, it is the ``projector``): a policy naming the old one still reaches it.
+    renamed: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         call = f"GroupRule(name={self.name!r})"
         for attr in ("paths", "params", "extra"):
             object.__setattr__(self, attr, _norm(call, attr, getattr(self, attr)))
+        object.__setattr__(self, "renamed", dict(self.renamed))
         if isinstance(self.model_types, str):
             object.__setattr__(self, "model_types", (self.model_types,))
 
@@ -147,6 +154,7 @@ def register_group_rule(rule: GroupRule, *, first: bool = False) -> GroupRule:
             "or unregister_group_rule() the old one first."
         )
     used = set(rule.paths) | set(rule.params) | set(rule.extra) | set(rule.required)
+    used |= set(rule.renamed) | set(rule.renamed.values())
     unknown = sorted(used - set(_GROUP_NAMES))
     if unknown:
         raise PrecisionError(
@@ -230,6 +238,9 @@ class ModuleGroups:
     #: exact entries, group path or direct parameter name -> group (filled from ``paths`` and
     #: ``params``; :meth:`group_of` resolves any name inside them)
     by_path: dict[str, str] = field(default_factory=dict, repr=False)
+    #: former group names of the rule that matched -> the group found under the new name
+    #: (:attr:`GroupRule.renamed`, only where the old name was not found itself)
+    renamed: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for group, paths in self.paths.items():
@@ -252,7 +263,7 @@ class ModuleGroups:
 
     def group_of(self, name: str) -> str:
         """Group of a module path or parameter name: the longest matching group path wins, so a
-        resampler nested in the vision encoder (Qwen2-VL's ``model.visual.merger``) is its own.
+        projector nested in the vision encoder (Qwen2-VL's ``model.visual.merger``) is its own.
         Names from the wrapped model (``base_model.model.…``, ``module.…``) are accepted."""
         if self.prefix and name.startswith(self.prefix):
             name = name[len(self.prefix) :]
@@ -390,8 +401,20 @@ def _apply_rule(rule: GroupRule, root: nn.Module) -> ModuleGroups | None:
             params[group] = present
     if any(g not in paths and g not in params for g in rule.required):
         return None
+    renamed = {
+        old: new
+        for old, new in rule.renamed.items()
+        if old not in paths and old not in params and (new in paths or new in params)
+    }
     return ModuleGroups(
-        root, paths, params, rule.name, model_type_of(root), hidden=hidden, held=held
+        root,
+        paths,
+        params,
+        rule.name,
+        model_type_of(root),
+        hidden=hidden,
+        held=held,
+        renamed=renamed,
     )
 
 
@@ -523,7 +546,7 @@ def find_module_groups(model: nn.Module, *, strict: bool = False) -> ModuleGroup
     >>> from hf_precision.tiny import tiny_qwen2_vl
     >>> g = find_module_groups(tiny_qwen2_vl())
     >>> g.rule, g.group_of("model.visual.merger.mlp.0.weight"), g.group_of("model.visual.blocks.0")
-    ('qwen2_vl', 'resampler', 'vision_encoder')
+    ('qwen2_vl', 'projector', 'vision_encoder')
     """
     check_model(model, "find_module_groups(model)")
     root, prefix = unwrap_model(model)
@@ -541,17 +564,56 @@ def find_module_groups(model: nn.Module, *, strict: bool = False) -> ModuleGroup
         msg = (
             f"find_module_groups({type(root).__name__}): no module groups recognised "
             f"(model_type={mt!r}); tried {len(_RULES)} rules and the get_encoder/get_decoder/"
-            "name-pattern fallback.\n"
-            "Fix: register_group_rule(GroupRule(name=..., paths={'vision_encoder': ('path',), "
+            "name-pattern fallback."
+        )
+        fix = (
+            "\nFix: register_group_rule(GroupRule(name=..., paths={'vision_encoder': ('path',), "
             "'language_model': ('path',)})) for this architecture."
         )
+        looks = _looks_multimodal(root)
         if strict:
-            raise PrecisionError(msg)
-        warnings.warn(
-            msg + " The whole model is treated as one group.", PrecisionWarning, stacklevel=2
-        )
+            raise PrecisionError(msg + fix)
+        if looks:  # a VLM the rules miss: the advice helps
+            warnings.warn(
+                f"{msg} It looks multimodal ({looks}).{fix} The whole model is treated as one "
+                "group.",
+                PrecisionWarning,
+                stacklevel=2,
+            )
+        else:  # a text-only or custom model: one group is all there is, nothing to advise
+            # (debug: the front ends' one info line names the rule, 'none')
+            logger.debug("hf-precision: %s The whole model is one group.", msg)
         return ModuleGroups(root, {}, {}, "none", mt, prefix)
     return ModuleGroups(root, paths, params, "fallback(" + ", ".join(how) + ")", mt, prefix)
+
+
+_MULTIMODAL_CONFIG = (
+    "vision_config",
+    "audio_config",
+    "image_token_id",
+    "image_token_index",
+    "video_token_id",
+    "mm_vision_tower",
+)
+_MULTIMODAL_NAME = re.compile(
+    r"vision|visual|image|pixel|patch_embed|vit|clip|siglip|audio|speech|mm_proj|projector|"
+    r"resampler|qformer",
+    re.I,
+)
+
+
+def _looks_multimodal(root: nn.Module) -> str:
+    """Why ``root`` looks like a multimodal model (a config field, a module name or class),
+    or ``""``: text-only and custom models are guarded as one group without advice."""
+    config = getattr(root, "config", None)
+    for key in _MULTIMODAL_CONFIG:
+        if getattr(config, key, None) is not None:
+            return f"config.{key}"
+    for name, mod in root.named_modules():
+        for text in (name.rsplit(".", 1)[-1], type(mod).__name__):
+            if text and _MULTIMODAL_NAME.search(text):
+                return f"module {name or '<root>'} ({type(mod).__name__})"
+    return ""
 
 
 def _warn_hidden(root: nn.Module, found: ModuleGroups) -> None:

@@ -34,6 +34,7 @@ True
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import Any
 
@@ -45,7 +46,14 @@ from .dtypes import dtype_name
 from .enforce import EnforceReport, apply_plan, enforce_policy, restore_values
 from .errors import PrecisionError, PrecisionWarning
 from .groups import ModuleGroups, find_module_groups
-from .hooks import GuardHandle, claim_model, install_guards, release_model, remove_guards
+from .hooks import (
+    GuardHandle,
+    Notice,
+    claim_model,
+    install_guards,
+    release_model,
+    remove_guards,
+)
 from .policy import LeafGuards, Mode, PrecisionPolicy, policy_call, resolve_policy, with_overrides
 from .view import ModelView
 from .wrappers import detect_wrapper, settle_shards, unwrap_model
@@ -72,6 +80,7 @@ class PrecisionGuard:
         deepspeed_dtype: the dtype a DeepSpeed config holds the model in, when one is used.
         claim: mark the model as held by ``owner`` (a second live guard with another policy
             raises); off for one-shot front ends that run no later events.
+        origin: where the policy came from, for the console line (``"from bf16: true"``).
     """
 
     def __init__(
@@ -86,6 +95,7 @@ class PrecisionGuard:
         reporter: Any = None,
         deepspeed_dtype: torch.dtype | None = None,
         claim: bool = True,
+        origin: str | None = None,
     ) -> None:
         self.model = model
         self.root, _ = unwrap_model(model)
@@ -96,6 +106,8 @@ class PrecisionGuard:
         self.groups = groups if groups is not None else find_module_groups(self.root)
         self.reporter = reporter
         self.deepspeed_dtype = deepspeed_dtype
+        #: where the policy came from, in the user's words (``from TrainingArguments(bf16=True)``)
+        self.origin = origin
         self.handle: GuardHandle | None = None
         self.last_report: EnforceReport | None = None
         self.events: list[tuple[str, int]] = []  # (event, violations found)
@@ -105,6 +117,8 @@ class PrecisionGuard:
         #: parameter dtypes when DDP wrapped the model (drift may only go back to them)
         self.wrap_dtypes: dict[int, torch.dtype] = {}
         self._said: set[str] = set()
+        #: hears of the first input each kind of guard casts at run time (said once per kind)
+        self.notice = Notice(self._bridged)
         self._wrapper_casts: set[str] = set()
         self._stash: dict[str, torch.Tensor] = {}
         if claim:
@@ -160,7 +174,7 @@ class PrecisionGuard:
     ) -> EnforceReport:
         if model is not None:
             self.model = model
-        model, policy, where = self.model, self.policy, f"{self.name}.{event}"
+        model, policy, where = self.model, self._renamed(self.policy), f"{self.name}.{event}"
         first = not self.events
         view = ModelView.of(model, self.groups)  # the one walk of the model for this event
         if wrapper == "auto":
@@ -184,7 +198,9 @@ class PrecisionGuard:
             )
         self._say(where, audit, report, found, first=first, held=wrapper in HOLDING_WRAPPERS)
         self.last_report = report
-        self.handle = install_guards(model, policy, report, groups=self.groups, view=view)
+        self.handle = install_guards(
+            model, policy, report, groups=self.groups, view=view, notice=self.notice
+        )
         self.params = tuple(view.parameters())
         self.dtypes = tuple(p.dtype for p in self.params)
         self.events.append((event, found))
@@ -202,6 +218,34 @@ class PrecisionGuard:
         if check_ranks:  # a collective: every rank reaches the same events
             check_model_ranks(model, self.groups, policy=policy, where=where)
         return report
+
+    def _renamed(self, policy: PrecisionPolicy) -> PrecisionPolicy:
+        """``policy`` with the former group names the model's rule renamed
+        (:attr:`~hf_precision.groups.ModuleGroups.renamed`) said under their names now, and a
+        warning (once) that says so."""
+        renamed = {
+            old: new
+            for old, new in self.groups.renamed.items()
+            if old in policy.group_dtypes or old in policy.batch_key_groups.values()
+        }
+        if not renamed:
+            return policy
+        group_dtypes = dict(policy.group_dtypes)
+        for old, new in renamed.items():
+            if old in group_dtypes:
+                group_dtypes.setdefault(new, group_dtypes[old])
+                del group_dtypes[old]
+        keys = {k: renamed.get(g, g) for k, g in policy.batch_key_groups.items()}
+        said = ", ".join(f"{old!r} is {new!r}" for old, new in renamed.items())
+        self._warn_once(
+            f"{self.call}: under rule {self.groups.rule!r} ({type(self.root).__name__}) {said} "
+            "now (the merger maps image features into the language model: the projector, as "
+            "LLaMA-Factory, ms-swift and transformers call it); the policy's setting for the "
+            "old name applies to it. Fix: name "
+            + " and ".join(repr(n) for n in renamed.values())
+            + " in group_dtypes."
+        )
+        return policy.replace(group_dtypes=group_dtypes, batch_key_groups=keys)
 
     def drifted(self) -> bool:
         """Whether any parameter changed dtype since the last verify (one read per tensor)."""
@@ -269,24 +313,47 @@ class PrecisionGuard:
     ) -> None:
         policy = self.policy
         if first and report.applied and report.changes:
-            logger.warning(
-                "hf-precision: cast %d tensor(s) in %s to %s (details in the precision report)",
-                len(report.changes),
-                ", ".join(sorted({c.group for c in report.changes})),
-                policy.describe(),
-            )
+            logger.warning(cast_line(report, origin=self.origin, report_dir=self._report_dir()))
+            grown = memory_line(report)
+            if grown:
+                logger.warning(grown)
         elif found:  # later events: the model drifted from the policy
             verb = "repaired" if policy.mode == "fix" and not held else "found"
             example = f", e.g. {audit.changes[0].describe()}" if audit.changes else ""
             warnings.warn(
                 f"{where}: dtype drift {verb}: {found} tensor(s) did not match "
-                f"{policy.describe()}{example}",
+                f"{policy.describe()}{example}; report: {self._report_dir() or 'off'}",
                 PrecisionWarning,
                 stacklevel=4,
             )
         if not report.applied:  # enforce_policy said the warnings of what it applied
             for w in report.warnings:
                 self._warn_once(w)
+
+    def _report_dir(self) -> str | None:
+        path = getattr(self.reporter, "report_dir", None)
+        return f"{os.fspath(path).rstrip(os.sep)}{os.sep}" if path is not None else None
+
+    def _bridged(self, kind: str, path: str, what: str, src: torch.dtype, dst: torch.dtype) -> None:
+        """A guard cast an input at run time (called once per kind by the hooks)."""
+        cast = bool(self.events) and self.events[0][1] > 0
+        how = (
+            "the guard cast weights at setup and its hooks bridge the rest"
+            if cast
+            else "nothing in the model was cast: its hooks alone keep this run going"
+        )
+        where = f" at {path}" if path else ""
+        logger.warning(
+            "hf-precision: the %s guard%s casts %s %s → %s (said once per guard kind); %s; "
+            "report: %s",
+            kind,
+            where,
+            what,
+            dtype_name(src),
+            dtype_name(dst),
+            how,
+            self._report_dir() or "off",
+        )
 
     def _warn_once(self, message: str) -> None:
         if message not in self._said:
@@ -374,6 +441,160 @@ class PrecisionGuard:
         return f"PrecisionGuard({self.policy.describe()}, rule={self.groups.rule!r})"
 
 
+_HALF = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+#: how many tensor names the console line lists
+_NAMED = 3
+_RULE_WORDS = {
+    "frozen": "frozen",
+    "trainable": "trainable",
+    "keep_trainable_fp32": "trainable kept fp32",
+    "device": "moved",
+}
+
+
+def _why(reason: str) -> str:
+    """A plan record's reason (the :class:`~hf_precision.policy.Decision`'s) in words."""
+    return _RULE_WORDS.get(reason, reason)
+
+
+def cast_line(report: EnforceReport, *, origin: str | None, report_dir: str | None) -> str:
+    """The one console line for what a guard cast at setup: target dtypes with counts and the
+    rule that decided each, the first names, where the policy came from, the report's path.
+
+    ``hf-precision: 46 tensors → bfloat16 (frozen), 18 → float32 (trainable) in projector,
+    language_model (e.g. ...); policy bf16 (...), inferred from TrainingArguments(bf16=True);
+    report: out/precision/``
+    """
+    by_dtype: dict[str, dict[str, int]] = {}
+    moved: dict[str, int] = {}
+    for c in report.changes:
+        if c.before == c.after:
+            moved[c.device_after] = moved.get(c.device_after, 0) + 1
+            continue
+        rules = by_dtype.setdefault(c.after, {})
+        rules[_why(c.reason)] = rules.get(_why(c.reason), 0) + 1
+    parts = []
+    for i, (dtype, rules) in enumerate(
+        sorted(by_dtype.items(), key=lambda kv: -sum(kv[1].values()))
+    ):
+        n = sum(rules.values())
+        ranked = sorted(rules.items(), key=lambda kv: -kv[1])
+        why = ranked[0][0] if len(ranked) == 1 else ", ".join(f"{k} {v}" for k, v in ranked)
+        parts.append(f"{n}{' tensors' if i == 0 else ''} → {dtype} ({why})")
+    parts += [f"{n} moved to {dev}" for dev, n in moved.items()]
+    touched = {c.group for c in report.changes}
+    order = [g for g in report.groups.names if g in touched]  # forward order, then the rest
+    groups = ", ".join(order + sorted(touched - set(order)))
+    named = [f"{c.name} {c.before} → {c.after}" for c in report.changes[:_NAMED]]
+    more = len(report.changes) - len(named)
+    names = "; ".join(named) + (f"; and {more} more" if more > 0 else "")
+    source = f", {origin}" if origin else ""
+    return (
+        f"hf-precision: {', '.join(parts)} in {groups} (e.g. {names}); policy "
+        f"{report.policy.describe()}{source}; report: {report_dir or 'off (report=False)'}"
+    )
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def memory_line(report: EnforceReport) -> str | None:
+    """Bytes before → after per group where the setup upcast weights (the memory a user of
+    PEFT's ``print_trainable_parameters()`` watches), with the rules that decided; ``None``
+    when no weight grew."""
+    before: dict[str, int] = {}
+    after: dict[str, int] = {}
+    rules: dict[str, int] = {}
+    for item in report.planned:
+        t, change = item.tensor, item.change
+        was = getattr(torch, change.before, None)  # the tensor may hold its new data already
+        if not isinstance(was, torch.dtype):
+            continue
+        size, new = _itemsize(was), _itemsize(item.dtype)
+        if change.kind != "param" or new <= size:
+            continue
+        before[change.group] = before.get(change.group, 0) + t.numel() * size
+        after[change.group] = after.get(change.group, 0) + t.numel() * new
+        rules[_why(change.reason)] = rules.get(_why(change.reason), 0) + 1
+    if not before:
+        return None
+    from .tables import fmt_bytes
+
+    listed = ", ".join(
+        f"{g} {fmt_bytes(before[g])} → {fmt_bytes(after[g])}" for g in sorted(before)
+    )
+    why = ", ".join(f"{k} {v}" for k, v in sorted(rules.items(), key=lambda kv: -kv[1]))
+    return (
+        f"hf-precision: upcast weights take more memory: {listed} "
+        f"({sum(rules.values())} weights; rule: {why})"
+    )
+
+
+def flag_conflict(
+    policy: PrecisionPolicy,
+    flag: str | None,
+    *,
+    call: str,
+    said: str,
+    runner: str,
+    owner: str,
+    words: Any,
+) -> PrecisionError | str | None:
+    """What a mixed-precision flag (``"bf16"``/``"fp16"``, ``None``: no flag) and an explicit
+    policy make together, checked before anything is cast: a :class:`PrecisionError` when they
+    cannot run together (a half dtype of the policy is not the one autocast computes in: the
+    two meet in every op autocast promotes), a warning text when it runs but is not what either
+    says (fp32 weights under autocast), else ``None``.
+
+    ``call`` is the user's call, ``said`` how the user set the flag (``bf16: true``), ``runner``
+    who autocasts (``the Trainer``), ``owner`` the front end's name and ``words(flag, value)``
+    the flag in the user's tool (:func:`hf_precision.flags.flag`).
+    """
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(flag or "")
+    if autocast is None:
+        return None
+    held = (policy.compute_dtype, policy.frozen_dtype, policy.trainable_dtype)
+    halves = {d for d in (*held, *policy.group_dtypes.values()) if d in _HALF}
+    other = sorted(halves - {autocast}, key=str)
+    follow = f"{owner}() (it follows {said}), or {owner}({flag!r})"
+    if other:
+        theirs = other[0]
+        return PrecisionError(
+            f"{call} with {said}: {runner} autocasts to {dtype_name(autocast)}, but the policy "
+            f"holds weights in {dtype_name(theirs)} ({policy.describe()}). {dtype_name(theirs)} "
+            f"weights under {dtype_name(autocast)} autocast fail in the first op that mixes "
+            "them ('RuntimeError: Unexpected floating ScalarType in "
+            "at::autocast::prioritize', 'expected scalar type'). Nothing was cast.\n"
+            f"Fix: {follow}, or train in {dtype_name(theirs)}: "
+            f"{words(_HALF[theirs], True)} instead of {said}."
+        )
+    if policy.compute_dtype != autocast:
+        return (
+            f"{call} with {said}: {runner} autocasts to {dtype_name(autocast)}, but the policy "
+            f"keeps weights in {dtype_name(policy.compute_dtype)} ({policy.describe()}): it "
+            f"runs, with {dtype_name(policy.compute_dtype)} memory for weights that compute in "
+            f"{dtype_name(autocast)}. Fix: {follow}, or {words(flag, False)} to train in "
+            f"{dtype_name(policy.compute_dtype)}."
+        )
+    return None
+
+
+def policy_origin(policy: PrecisionPolicy, inferred: bool, said: str, call: str) -> str:
+    """Where a front end's policy came from, in the user's words: the flag it follows
+    (``said``), the no-flag rule, or the user's own ``call``."""
+    if not inferred:
+        return f"as given: {call}"
+    if said:
+        return f"inferred from {said}"
+    return (
+        f"no precision flag: frozen weights follow the language model's "
+        f"{dtype_name(policy.group_dtype('language_model'))}, trainable weights keep the "
+        "dtype they were "
+        "loaded in"
+    )
+
+
 class GuardFrontEnd:
     """What the front ends share: the user's policy argument, checked when they are built (a
     bad preset fails at the call, not at train time), with its ``mode``/``leaf_guards``
@@ -417,4 +638,12 @@ class GuardFrontEnd:
         )
 
 
-__all__ = ["HOLDING_WRAPPERS", "GuardFrontEnd", "PrecisionGuard"]
+__all__ = [
+    "HOLDING_WRAPPERS",
+    "GuardFrontEnd",
+    "PrecisionGuard",
+    "cast_line",
+    "flag_conflict",
+    "memory_line",
+    "policy_origin",
+]

@@ -82,6 +82,22 @@ class _GuardState:
     # A weight of the receiving module: when someone casts the module after install (Trainer's
     # *_full_eval does model.to(bf16) in place), the target follows it instead of fighting it.
     ref: torch.Tensor | None = None
+    notice: Notice | None = None  # told of the first cast of each kind (shared by all guards)
+
+
+@dataclass(slots=True)
+class Notice:
+    """Who hears of the first input a guard of each kind casts at run time: ``say(kind, path,
+    what, from_dtype, to_dtype)`` is called once per kind (so a run the hooks alone keep going
+    says so, once). Not while ``torch.compile`` traces: a log call would break the graph."""
+
+    say: Any
+    seen: set[str] = field(default_factory=set)
+
+    def first(self, kind: str, path: str, what: str, src: torch.dtype, dst: torch.dtype) -> None:
+        if kind not in self.seen:
+            self.seen.add(kind)
+            self.say(kind, path, what, src, dst)
 
 
 def _fix_error(st: _GuardState, module: nn.Module, what: str, t: torch.Tensor) -> PrecisionError:
@@ -116,6 +132,8 @@ def _cast_value(st: _GuardState, module: nn.Module, value: Any, key: str) -> Any
             # would upcast every lora_B input for nothing)
             return value
         if wrong_dtype:
+            if st.notice is not None and not torch.compiler.is_compiling():
+                st.notice.first(st.kind, st.path, key, value.dtype, st.dtype)
             return cast_tensor(value, st.dtype, st.device, key=key, where=st.path)
         return value.to(st.device)  # ids and masks follow the receiver's device too
     if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
@@ -158,6 +176,22 @@ def _arg_names(module: nn.Module) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _notice_batch(st: _GuardState, old: dict[str, Any], new: dict[str, Any]) -> None:
+    """Tell the notice which batch key the batch guard cast first (dtype changes only)."""
+    assert st.notice is not None
+    if "batch" in st.notice.seen:
+        return
+    for key, value in new.items():
+        was = old.get(key)
+        if (
+            isinstance(value, torch.Tensor)
+            and isinstance(was, torch.Tensor)
+            and value.dtype != was.dtype
+        ):
+            st.notice.first("batch", "", key, was.dtype, value.dtype)
+            return
+
+
 def _guard_hook(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -181,6 +215,8 @@ def _guard_hook(
         new_args = tuple(_cast_arg(st, module, i, a) for i, a in enumerate(args))
         if new_kwargs is kwargs and all(a is b for a, b in zip(new_args, args, strict=True)):
             return None
+        if st.notice is not None and not torch.compiler.is_compiling():
+            _notice_batch(st, kwargs, new_kwargs)
         return new_args, new_kwargs
     ref = st.ref
     if ref is not None:
@@ -553,12 +589,14 @@ def install_guards(
     groups: ModuleGroups | None = None,
     leaf_groups: tuple[str, ...] | None = None,
     view: ModelView | None = None,
+    notice: Notice | None = None,
 ) -> GuardHandle:
     """Install (or update, idempotently) the batch, boundary and leaf guards.
 
     ``report`` (an :class:`~hf_precision.enforce.EnforceReport`) tells which groups mix dtypes;
     leaf guards go there when ``policy.leaf_guards == "auto"``. ``view`` is this event's walk
-    of the model (:class:`~hf_precision.view.ModelView`), when the caller has one.
+    of the model (:class:`~hf_precision.view.ModelView`), when the caller has one. ``notice``
+    (a :class:`Notice`) hears of the first input each kind of guard casts at run time.
     """
     check_model(model, "install_guards(model, policy)")
     root, _ = unwrap_model(model)
@@ -572,6 +610,7 @@ def install_guards(
     wanted: set[int] = set()
 
     def put(mod: nn.Module, st: _GuardState, bucket: list[str]) -> None:
+        st.notice = notice
         wanted.add(id(mod))
         handle.added += _install(mod, st)
         bucket.append(st.path)

@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from . import flags
 from .dtypes import (
     dtype_name,
     is_castable,
@@ -215,10 +216,15 @@ def _unmatched_patterns(
         )
     for group in policy.group_dtypes:
         if group not in groups and group not in preset.get("group_dtypes", {}):
+            now = groups.renamed.get(group)
+            fix = (
+                f"Fix: name {now!r}: rule {groups.rule!r} calls that group {now!r} now."
+                if now
+                else "Fix: drop it, or register a group rule that finds it."
+            )
             out.append(
                 f"group_dtypes[{group!r}] names a group {type(root).__name__} does not have "
-                f"(found: {', '.join(groups.names) or 'none'}). Fix: drop it, or register a "
-                "group rule that finds it."
+                f"(found: {', '.join(groups.names) or 'none'}). {fix}"
             )
     return out
 
@@ -385,12 +391,15 @@ class _Planner:
         for group, (compute, fmt) in self.quantized.items():
             wanted = self.policy.group_dtype(group)
             if wanted != compute:
+                tool = flags.detect_tool()
+                half = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compute)
+                theirs = f" ({flags.flag(half, tool=tool)})" if half else ""
                 self.report.warnings.append(
                     f"{group}: its quantized layers ({fmt}) compute in {dtype_name(compute)}, "
                     f"not the policy's {dtype_name(wanted)}; the group's other frozen weights "
-                    f"follow them, so its activations keep one dtype. Fix: quantize (or set "
-                    f"bnb_4bit_compute_dtype=) in {dtype_name(wanted)}, or use a "
-                    f"{dtype_name(compute)} policy."
+                    f"follow them, so its activations keep one dtype. Fix: "
+                    f"{flags.quantized_compute(wanted, tool=tool)} so they compute in "
+                    f"{dtype_name(wanted)}, or train in {dtype_name(compute)}{theirs}."
                 )
 
     def _find_group_dtypes(

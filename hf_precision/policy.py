@@ -120,6 +120,7 @@ PRESET_MISNAMES: dict[str, str] = {
     "no": "'fp32' (accelerate's mixed_precision='no')",
 }
 
+
 def preset_name(name: object, *, call: str = "PrecisionPolicy.from_preset") -> str:
     """``name`` when it is a preset name, else a :class:`PrecisionError` that says which
     preset was probably meant: one vocabulary for Python and the ``hf-precision`` CLI (names
@@ -148,7 +149,6 @@ def preset_name(name: object, *, call: str = "PrecisionPolicy.from_preset") -> s
         f"Allowed:\n{listing}\nFix: pass one of these names, or build "
         "PrecisionPolicy(compute_dtype=..., frozen_dtype=..., trainable_dtype=...)."
     )
-
 
 
 #: Buffers that always stay fp32 by name (rotary frequencies lose positions when rounded): any
@@ -446,12 +446,16 @@ class PrecisionPolicy:
     def from_model(cls, model: nn.Module, **overrides: Any) -> PrecisionPolicy:
         """No mixed-precision flag: keep what the model was loaded in.
 
-        Frozen weights follow the dtype most of the model was loaded in (``bf16-true``,
-        ``fp16-true`` or ``fp32``). Trainable weights loaded in fp32 stay fp32
-        (``keep_trainable_fp32``: PEFT's adapters, a projector trained in fp32): half-precision
+        Frozen weights follow the dtype the language model was loaded in (:func:`loaded_dtype`:
+        ``bf16-true``, ``fp16-true`` or ``fp32``), however many parameters the vision tower
+        has. Trainable weights stay in the dtype they were loaded in: fp32 ones stay fp32
+        (``keep_trainable_fp32``: PEFT's adapters, a projector trained in fp32; half-precision
         trainable weights lose updates below their resolution, and fp16 cannot even hold
-        AdamW's ``eps``. Trainable weights loaded in the half dtype stay in it. Only a named
-        ``*-true`` preset or an explicit ``trainable_dtype`` lowers an fp32 trainable weight.
+        AdamW's ``eps``), bf16 ones stay bf16 (``trainable_dtype`` is set to it when the
+        preset's differs), fp16 ones stay fp16 in an fp16 model (``fp16-true``) and follow the
+        preset elsewhere (fp16 cannot hold AdamW's ``eps``: without a GradScaler the update
+        divides by zero). Only a named ``*-true`` preset or an explicit ``trainable_dtype``
+        lowers an fp32 trainable weight.
 
         >>> from hf_precision.tiny import tiny_llava
         >>> model = tiny_llava().to(torch.bfloat16)
@@ -463,7 +467,14 @@ class PrecisionPolicy:
         ...                     trainable=True, current=torch.float32)
         (torch.float32, 'keep_trainable_fp32')
         """
-        return cls.from_preset(infer_preset(model), **{"keep_trainable_fp32": True, **overrides})
+        preset = infer_preset(model)
+        inferred: dict[str, Any] = {"keep_trainable_fp32": True}
+        half = _trainable_half_dtype(model)
+        if half == torch.bfloat16 and half != PRESETS[preset][2]:
+            # trained in bf16 as loaded (pure-bf16 training is a choice); fp16 trainables
+            # outside an fp16 model are not kept: fp16 cannot hold AdamW's eps
+            inferred["trainable_dtype"] = half
+        return cls.from_preset(preset, **{**inferred, **overrides})
 
     @classmethod
     def from_training_args(
@@ -471,8 +482,8 @@ class PrecisionPolicy:
     ) -> PrecisionPolicy:
         """Infer from ``TrainingArguments``: ``bf16=True`` -> ``bf16`` (frozen bf16, trainable
         fp32); ``fp16=True`` -> ``fp16`` (frozen fp16, trainable fp32); no flag ->
-        :meth:`from_model` (frozen weights in the dtype most of the model was loaded in,
-        fp32 trainable weights kept fp32)."""
+        :meth:`from_model` (frozen weights in the dtype the language model was loaded in,
+        trainable weights kept in the dtype they were loaded in)."""
         if getattr(args, "bf16", False) and getattr(args, "fp16", False):
             raise PrecisionError(
                 "PrecisionPolicy.from_training_args(args): bf16=True and fp16=True together. "
@@ -496,7 +507,8 @@ class PrecisionPolicy:
     def from_accelerator(
         cls, accelerator: Any, model: nn.Module | None = None, **overrides: Any
     ) -> PrecisionPolicy:
-        """Infer from ``accelerator.mixed_precision`` (``bf16``, ``fp16``, ``no``, ``fp8``)."""
+        """Infer from ``accelerator.mixed_precision`` (``bf16``, ``fp16``, ``no``, ``fp8``);
+        ``no`` -> :meth:`from_model`, the same no-flag rule as :meth:`from_training_args`."""
         mp = str(getattr(accelerator, "mixed_precision", "no") or "no")
         if mp == "bf16":
             return cls.from_preset("bf16", **overrides)
@@ -741,19 +753,57 @@ def _as_call(err: PrecisionError, call: str) -> PrecisionError:
     return PrecisionError(f"{call}: {str(err).split(': ', 1)[-1]}")
 
 
-def infer_preset(model: nn.Module) -> str:
-    """The preset :meth:`PrecisionPolicy.from_model` starts from: ``fp32`` when most weights
-    are fp32 (or none is floating), else ``bf16-true`` / ``fp16-true``."""
+def loaded_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype the user loaded ``model`` in (``from_pretrained(..., dtype=...)``): the one
+    most of the language model's frozen weights have, else most of its weights, else the
+    whole model's (frozen first). ``None`` when no weight is floating.
+
+    The language model decides, not a count over the whole model: a vision tower larger than
+    the language model (or kept fp32 on purpose), PEFT's fp32 adapters on a tiny model, or a
+    projector trained in fp32 would otherwise tip the count.
+    """
     from .dtypes import is_castable
+    from .groups import find_module_groups
     from .wrappers import unwrap_model
 
     root, _ = unwrap_model(model)
-    dt = majority_dtype((p.dtype, p.numel()) for p in root.parameters() if is_castable(p))
+    params = [(n, p) for n, p in root.named_parameters() if is_castable(p)]
+    with warnings.catch_warnings():  # the guard says what it finds when it runs; quiet here
+        warnings.simplefilter("ignore")
+        groups = find_module_groups(root)
+    lm = [p for n, p in params if groups.group_of(n) == "language_model"]
+    for pool in (lm, [p for _, p in params]):
+        frozen = [p for p in pool if not p.requires_grad]
+        for chosen in (frozen, pool):
+            dt = majority_dtype((p.dtype, p.numel()) for p in chosen)
+            if dt is not None:
+                return dt
+    return None
+
+
+def infer_preset(model: nn.Module) -> str:
+    """The preset :meth:`PrecisionPolicy.from_model` starts from: ``bf16-true`` /
+    ``fp16-true`` when the language model was loaded in that half dtype
+    (:func:`loaded_dtype`), else ``fp32``."""
+    dt = loaded_dtype(model)
     if dt == torch.bfloat16:
         return "bf16-true"
     if dt == torch.float16:
         return "fp16-true"
     return "fp32"
+
+
+def _trainable_half_dtype(model: nn.Module) -> torch.dtype | None:
+    """The half dtype most trainable weights not in fp32 were loaded in (or ``None``)."""
+    from .dtypes import is_castable
+    from .wrappers import unwrap_model
+
+    root, _ = unwrap_model(model)
+    return majority_dtype(
+        (p.dtype, p.numel())
+        for p in root.parameters()
+        if p.requires_grad and is_castable(p) and p.dtype in (torch.bfloat16, torch.float16)
+    )
 
 
 def policy_call(owner: str, policy: Any, **kwargs: Any) -> str:

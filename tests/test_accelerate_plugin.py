@@ -273,10 +273,26 @@ def test_raise_mode_names_the_module(tmp_path):
         guard.prepare(accelerator, model)
 
 
-def test_policy_that_contradicts_the_accelerator_warns(tmp_path):
+def test_policy_that_contradicts_the_accelerator_is_refused_before_casting(tmp_path):
     accelerator = _accelerator(tmp_path, "bf16")
-    with pytest.warns(PrecisionWarning, match=r"mixed_precision='bf16' autocasts to bfloat16"):
-        PrecisionGuardPlugin("fp16", report=False).prepare(accelerator, tiny_llava())
+    model = tiny_llava()
+    before = {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters()}
+    with pytest.raises(
+        PrecisionError,
+        match=r"(?s)^PrecisionGuardPlugin\('fp16'\) with Accelerator\(mixed_precision='bf16'\): "
+        r"accelerate autocasts to bfloat16, but the policy holds weights in float16.*"
+        r"Nothing was cast\..*Fix: PrecisionGuardPlugin\(\) .*"
+        r"Accelerator\(mixed_precision='fp16'\) instead of Accelerator\(mixed_precision='bf16'\)",
+    ):
+        PrecisionGuardPlugin("fp16", report=False).prepare(accelerator, model)
+    assert {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters()} == before
+    assert installed_guards(model) == 0
+
+
+def test_fp32_policy_under_the_accelerator_warns(tmp_path):
+    accelerator = _accelerator(tmp_path, "bf16")
+    with pytest.warns(PrecisionWarning, match=r"accelerate autocasts to bfloat16.*it runs"):
+        PrecisionGuardPlugin("fp32", report=False).prepare(accelerator, tiny_llava())
 
 
 def test_bad_arguments_fail_early(tmp_path):
@@ -370,3 +386,18 @@ def test_scaling_out_doc_blocks_run(index, tmp_path, monkeypatch):
     if "save_state" in _doc_blocks()[index]:
         assert (tmp_path / "ckpt" / POLICY_FILE).is_file()
         assert sorted(p.name for p in (tmp_path / "precision").glob("*.json"))
+
+
+def test_the_console_line_says_where_the_policy_came_from_and_where_the_report_is(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    accelerator = _accelerator(tmp_path, "bf16")
+    model = _split_llava()
+    with caplog.at_level("WARNING", logger="hf_precision"):
+        PrecisionGuardPlugin().prepare(accelerator, model)
+    lines = [r.getMessage() for r in caplog.records if " tensors → " in r.getMessage()]
+    assert len(lines) == 1
+    assert " tensors → bfloat16 (frozen) in vision_encoder (e.g. model.vision_tower." in lines[0]
+    assert lines[0].endswith(
+        f", inferred from Accelerator(mixed_precision='bf16'); report: {tmp_path}/precision/"
+    ), lines[0]

@@ -1,4 +1,5 @@
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -321,12 +322,14 @@ def test_two_guards_with_different_policies_on_one_model_raise(make_trainer):
     assert kept.callback_handler is not None
 
 
-def test_a_preset_that_contradicts_the_flag_warns(make_trainer):
+def test_fp32_weights_under_the_flag_warn_in_the_users_words(make_trainer, monkeypatch):
+    monkeypatch.setenv("HF_PRECISION_TOOL", "python")
     model = tiny_llava()
     with pytest.warns(
         UserWarning,
-        match=r"PrecisionGuardCallback\('fp32'\) with "
-        r"TrainingArguments\(bf16=True\): the Trainer autocasts to bfloat16",
+        match=r"PrecisionGuardCallback\('fp32'\) with TrainingArguments\(bf16=True\): the "
+        r"Trainer autocasts to bfloat16, but the policy keeps weights in float32 .*it runs.*"
+        r"Fix: PrecisionGuardCallback\(\) \(it follows TrainingArguments\(bf16=True\)\)",
     ):
         make_trainer(
             model,
@@ -334,6 +337,63 @@ def test_a_preset_that_contradicts_the_flag_warns(make_trainer):
             bf16=True,
             callbacks=[PrecisionGuardCallback("fp32", report=False)],
         )
+
+
+def _snapshot(model):
+    return {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters()} | {
+        n: (b.dtype, b.data_ptr()) for n, b in model.named_buffers()
+    }
+
+
+@pytest.mark.parametrize(
+    ("preset", "flag", "tool", "said", "fix"),
+    [
+        # the issue's case: 60 tensors cast to fp16, then autocast::prioritize crashed
+        (
+            "fp16",
+            "bf16",
+            "python",
+            r"TrainingArguments\(bf16=True\)",
+            r"TrainingArguments\(fp16=True\)",
+        ),
+        ("fp16-true", "bf16", "llamafactory", "bf16: true", "fp16: true instead of bf16: true"),
+        ("bf16", "fp16", "trl", "--fp16", "--bf16 instead of --fp16"),
+        ("bf16-true", "fp16", "swift", "--fp16 true", "--bf16 true instead of --fp16 true"),
+    ],
+)
+def test_a_policy_the_flags_cannot_run_is_refused_before_anything_is_cast(
+    make_trainer, monkeypatch, preset, flag, tool, said, fix
+):
+    monkeypatch.setenv("HF_PRECISION_TOOL", tool)
+    model = tiny_llava()
+    before = _snapshot(model)
+    with pytest.raises(PrecisionError) as err:
+        make_trainer(
+            model, tiny_batch(model), callbacks=[PrecisionGuardCallback(preset)], **{flag: True}
+        )
+    assert _snapshot(model) == before  # nothing cast, no tensor replaced
+    assert installed_guards(model) == 0
+    text = str(err.value)
+    half = {"bf16": "bfloat16", "fp16": "float16"}
+    other = half["fp16" if flag == "bf16" else "bf16"]
+    assert text.startswith(f"PrecisionGuardCallback({preset!r}) with ")
+    assert re.search(said, text.splitlines()[0]), text
+    assert f"autocasts to {half[flag]}, but the policy holds weights in {other}" in text
+    assert "Nothing was cast." in text
+    assert re.search(r"Fix: PrecisionGuardCallback\(\) .*" + fix, text), text
+
+
+def test_fp16_trainables_under_the_grad_scaler_are_refused_before_casting(
+    make_trainer, monkeypatch
+):
+    monkeypatch.setenv("HF_PRECISION_TOOL", "axolotl")
+    model = tiny_llava()
+    before = _snapshot(model)
+    with pytest.raises(PrecisionError, match=r"(?s)Attempting to unscale FP16.*bf16: true"):
+        make_trainer(
+            model, tiny_batch(model), callbacks=[PrecisionGuardCallback("fp16-true")], fp16=True
+        )
+    assert _snapshot(model) == before
 
 
 def test_train_end_repairs_what_load_best_model_at_end_brought_back(make_trainer, tmp_path):
@@ -394,5 +454,187 @@ def test_the_init_repair_is_said_on_the_console(make_trainer, caplog):
         make_trainer(
             model, tiny_batch(model), bf16=True, callbacks=[PrecisionGuardCallback(report=False)]
         )
-    lines = [r.getMessage() for r in caplog.records if "hf-precision: cast" in r.getMessage()]
-    assert len(lines) == 1 and "vision_encoder" in lines[0]
+    lines = [r.getMessage() for r in caplog.records if " tensors → " in r.getMessage()]
+    assert len(lines) == 1 and " tensors → float32 (trainable) in " in lines[0]
+    assert "vision_encoder" in lines[0] and lines[0].endswith("report: off (report=False)")
+
+
+# ---------------------------------------------------------------------- in the user's words
+
+
+def _fp32_rotary(model):
+    """Rotary tables back in fp32 after a whole-model ``.to(half)`` (so the only casts are the
+    ones a test is about)."""
+    for mod in model.modules():
+        for name in ("inv_freq", "original_inv_freq"):
+            if isinstance(mod._buffers.get(name), torch.Tensor):
+                mod._buffers[name] = mod._buffers[name].float()
+    return model
+
+
+def _said(caplog, level="WARNING"):
+    return [
+        r.getMessage() for r in caplog.records if r.name == "hf_precision" and r.levelname == level
+    ]
+
+
+def test_the_console_line_names_dtypes_counts_names_rule_and_report(
+    make_trainer, caplog, monkeypatch
+):
+    from hf_precision.tables import fmt_bytes
+
+    monkeypatch.setenv("HF_PRECISION_TOOL", "python")
+    model = _fp32_rotary(tiny_llava(torch.bfloat16))
+    tower = model.model.vision_tower.to(torch.float16)
+    model.requires_grad_(False)
+    proj = model.model.multi_modal_projector.requires_grad_(True)
+    n_tower = sum(1 for _ in tower.parameters()) + sum(
+        1 for b in tower.buffers() if b.is_floating_point()
+    )
+    n_proj = sum(1 for _ in proj.parameters())
+    with caplog.at_level("WARNING", logger="hf_precision"):
+        trainer = make_trainer(
+            model, tiny_batch(model), callbacks=[PrecisionGuardCallback()], bf16=True
+        )
+    out = trainer.args.output_dir
+    line, memory = _said(caplog)[:2]
+    first = next(n for n, _ in model.named_parameters() if n.startswith("model.vision_tower"))
+    assert line.startswith(
+        f"hf-precision: {n_tower} tensors → bfloat16 (frozen), {n_proj} → float32 (trainable) "
+        f"in vision_encoder, projector (e.g. {first} float16 → bfloat16; "
+    ), line
+    assert f"; and {n_tower + n_proj - 3} more); policy bf16 (frozen bfloat16" in line
+    assert line.endswith(
+        f", inferred from TrainingArguments(bf16=True); report: {out}/precision/"
+    ), line
+    numel = sum(p.numel() for p in proj.parameters())
+    assert memory == (
+        f"hf-precision: upcast weights take more memory: projector {fmt_bytes(2 * numel)} → "
+        f"{fmt_bytes(4 * numel)} ({n_proj} weights; rule: trainable {n_proj})"
+    )
+    assert {p.dtype for p in proj.parameters()} == {torch.float32}
+
+
+def test_a_run_the_hooks_alone_keep_going_says_so_once_per_kind(make_trainer, caplog):
+    model = _fp32_rotary(tiny_llava(torch.bfloat16))
+    model.requires_grad_(False)
+    model.model.multi_modal_projector.float().requires_grad_(True)  # trained in fp32, no flag
+    cb = PrecisionGuardCallback()
+    with caplog.at_level("WARNING", logger="hf_precision"):
+        trainer = make_trainer(model, tiny_batch(model), callbacks=[cb], max_steps=2)
+        assert cb.events == [("on_init_end", 0)] and not _said(caplog)  # nothing cast
+        trainer.train()
+    said = _said(caplog)
+    kinds = [re.match(r"hf-precision: the (\w+) guard", s) for s in said]
+    assert all(kinds), said
+    assert len({k.group(1) for k in kinds if k}) == len(said)  # once per kind
+    out = trainer.args.output_dir
+    assert (
+        "hf-precision: the boundary guard at model.multi_modal_projector casts input 0 "
+        "bfloat16 → float32 (said once per guard kind); nothing in the model was cast: its "
+        f"hooks alone keep this run going; report: {out}/precision/"
+    ) in said, said
+    assert any(
+        s.startswith("hf-precision: the batch guard casts pixel_values float32") for s in said
+    )
+
+
+def _vision_heavy_llava():
+    """A tiny LLaVA whose vision tower (fp32, frozen) outweighs its language model (bf16,
+    trained in full)."""
+    from transformers import LlavaForConditionalGeneration
+
+    from hf_precision.tiny import tiny_config
+
+    config = tiny_config("llava")
+    config.vision_config.num_hidden_layers *= 4
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config)
+    model.model.language_model.to(torch.bfloat16)
+    _fp32_rotary(model.lm_head.to(torch.bfloat16))
+    _fp32_rotary(model)
+    model.model.vision_tower.requires_grad_(False)
+    return model
+
+
+def test_vision_heavy_model_without_flag_keeps_its_trainable_language_model_bf16(
+    make_trainer, caplog
+):
+    model = _vision_heavy_llava()
+    lm = model.model.language_model
+    by = {torch.float32: 0, torch.bfloat16: 0}
+    for p in model.parameters():
+        by[p.dtype] += p.numel()
+    assert by[torch.float32] > by[torch.bfloat16]  # a parameter count would say fp32
+    lm_params = {n: p for n, p in lm.named_parameters()}
+    cb = PrecisionGuardCallback()
+    with caplog.at_level("WARNING", logger="hf_precision"):
+        trainer = make_trainer(model, tiny_batch(model), callbacks=[cb], max_steps=1)
+    assert cb.policy is not None and cb.policy.name == "bf16-true"
+    assert {p.dtype for p in lm.parameters()} == {torch.bfloat16}  # not upcast to fp32
+    assert {n: p for n, p in lm.named_parameters()} == lm_params  # same Parameter objects
+    assert {p.dtype for p in model.model.vision_tower.parameters()} == {torch.bfloat16}
+    (line,) = _said(caplog)  # no memory line: nothing was upcast
+    assert " tensors → bfloat16 (frozen) in vision_encoder (e.g. " in line
+    proj = model.model.multi_modal_projector  # trainable, loaded fp32: kept fp32
+    assert {p.dtype for p in proj.parameters()} == {torch.float32}
+    assert (
+        "no precision flag: frozen weights follow the language model's bfloat16, trainable "
+        "weights keep the dtype they were loaded in" in line
+    )
+    assert trainer.train().global_step == 1
+
+
+def _bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+    )
+    return BertForSequenceClassification(config)
+
+
+class _MockModel(torch.nn.Module):
+    """transformers' own Trainer tests use models like this one (RegressionModel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.tensor(0.5))
+        self.b = torch.nn.Parameter(torch.tensor(0.1))
+
+    def forward(self, input_x, labels=None):
+        y = input_x * self.a + self.b
+        return (torch.nn.functional.mse_loss(y, labels), y) if labels is not None else (y,)
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert", "mock"])
+def test_a_plain_model_with_nothing_to_fix_is_guarded_quietly(make_trainer, caplog, arch):
+    import warnings
+
+    from hf_precision.tiny import tiny_text_llama
+
+    ids = torch.randint(0, 60, (4, 8))
+    if arch == "llama":
+        model, batch = tiny_text_llama(), {"input_ids": ids, "labels": ids}
+    elif arch == "bert":
+        model, batch = _bert(), {"input_ids": ids, "labels": torch.tensor([0, 1, 0, 1])}
+    else:
+        x = torch.randn(4)
+        model, batch = _MockModel(), {"input_x": x, "labels": 2 * x + 1}
+    with warnings.catch_warnings(record=True) as seen, caplog.at_level("INFO", "hf_precision"):
+        warnings.simplefilter("always")
+        trainer = make_trainer(model, batch, callbacks=[PrecisionGuardCallback()], max_steps=1)
+        trainer.train()
+    ours = [w for w in seen if "hf_precision" in w.filename or "hf-precision" in str(w.message)]
+    ours += [w for w in seen if w.category.__name__ == "PrecisionWarning"]
+    assert not ours, [str(w.message) for w in ours]
+    assert not _said(caplog, "WARNING")
+    assert not any("register_group_rule" in r.getMessage() for r in caplog.records)
+    # the guard's own info line is one: the policy and the rule (reports log their tables)
+    assert len([m for m in _said(caplog, "INFO") if m.startswith("hf-precision: policy ")]) == 1

@@ -132,3 +132,22 @@ def test_read_rules_names_the_file_the_rule_and_the_fix(text: str, says: str) ->
     with pytest.raises(PrecisionError) as err:
         read_rules(text, "mine.toml")
     assert says in str(err.value) and "mine.toml" in str(err.value)
+
+
+def test_read_rules_reads_a_former_group_name() -> None:
+    from hf_precision.groups import register_group_rule
+
+    (rule,) = read_rules(
+        '[[rule]]\nname = "x"\npaths.projector = "p"\npaths.language_model = "l"\n'
+        'renamed.resampler = "projector"\n'
+    )
+    assert rule.renamed == {"resampler": "projector"}
+    qwen = next(r for r in group_rules() if r.name == "qwen2_vl")
+    assert qwen.renamed == {"resampler": "projector"}
+    (bad,) = read_rules(
+        '[[rule]]\nname = "y"\npaths.language_model = "l"\nrenamed.resampler = "projektor"\n'
+    )
+    with pytest.raises(PrecisionError, match=r"unknown group\(s\) \['projektor'\]"):
+        register_group_rule(bad)
+    with pytest.raises(PrecisionError, match="renamed must be a table"):
+        read_rules('[[rule]]\nname = "z"\nrenamed = "projector"\n')

@@ -52,7 +52,7 @@ TINY: dict[str, tuple[str, Paths, Paths]] = {
         "qwen2_vl",
         {
             "vision_encoder": ("model.visual",),
-            "resampler": ("model.visual.merger",),
+            "projector": ("model.visual.merger",),
             "language_model": ("model.language_model",),
             "lm_head": ("lm_head",),
         },
@@ -184,7 +184,7 @@ def test_tiny_models_exact_groups(builder: str) -> None:
 
 def test_nested_merger_and_tied_head() -> None:
     g = find_module_groups(tiny.tiny_qwen2_vl())
-    assert g.group_of("model.visual.merger.mlp.0.weight") == "resampler"
+    assert g.group_of("model.visual.merger.mlp.0.weight") == "projector"
     assert g.group_of("model.visual.blocks.0.attn.qkv.weight") == "vision_encoder"
     assert g.group_of("model.visual") == "vision_encoder"
     pali = tiny.tiny_paligemma()  # lm_head tied to the LM embeddings: both names resolve
@@ -266,22 +266,50 @@ def test_fallback_reports_getter_matches() -> None:
     assert g.group_of("bridge.weight") == OTHER  # nothing says what it is
 
 
-def test_unrecognised_model_warns_or_raises() -> None:
+def test_unrecognised_plain_model_is_one_group_quietly(caplog: pytest.LogCaptureFixture) -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
-    with pytest.warns(
-        PrecisionWarning,
-        match=r"(?s)find_module_groups\(Sequential\): no module "
-        r"groups recognised \(model_type=None\).*register_group_rule",
-    ):
-        g = find_module_groups(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "Fix: register_group_rule" for a model with no VLM
+        with caplog.at_level("DEBUG", logger="hf_precision"):
+            g = find_module_groups(model)
     assert (g.rule, g.paths, g.names) == ("none", {}, ())
     assert g.group_of("0.weight") == OTHER
+    said = [r for r in caplog.records if r.name == "hf_precision"]
+    assert len(said) == 1 and said[0].levelname == "DEBUG"
+    assert "find_module_groups(Sequential): no module groups recognised" in said[0].getMessage()
+    assert "register_group_rule" not in said[0].getMessage()
     with pytest.raises(
         PrecisionError,
-        match=r"(?s)no module groups recognised.*Fix: "
-        r"register_group_rule\(GroupRule",
+        match=r"(?s)no module groups recognised.*Fix: register_group_rule\(GroupRule",
     ):
         find_module_groups(model, strict=True)
+
+
+class _UnknownVLM(nn.Module):
+    """Looks multimodal (an image adapter) but no rule or fallback name matches it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image_adapter = nn.Linear(2, 2)
+        self.body = nn.Linear(2, 2)
+
+
+def test_unrecognised_multimodal_model_warns_with_the_fix() -> None:
+    with pytest.warns(
+        PrecisionWarning,
+        match=r"(?s)find_module_groups\(_UnknownVLM\): no module groups recognised "
+        r"\(model_type=None\).*looks multimodal \(module image_adapter \(Linear\)\).*"
+        r"Fix: register_group_rule",
+    ):
+        g = find_module_groups(_UnknownVLM())
+    assert g.rule == "none"
+
+
+def test_qwen2_vl_merger_is_the_projector_and_the_old_name_is_renamed() -> None:
+    g = find_module_groups(tiny.tiny_qwen2_vl())
+    assert g.paths["projector"] == ("model.visual.merger",) and "resampler" not in g
+    assert g.renamed == {"resampler": "projector"}
+    assert find_module_groups(tiny.tiny_llava()).renamed == {}  # only where the rule says so
 
 
 def _wrapped_names_resolve(wrapped: nn.Module, prefix: str) -> None:
@@ -565,3 +593,12 @@ def test_real_remote_layout_variants(layout: str) -> None:
 def test_find_module_groups_of_what_is_not_a_model_says_so() -> None:
     with pytest.raises(PrecisionError, match=r"^find_module_groups\(model\): expected a torch"):
         find_module_groups("llava-hf/llava-1.5-7b-hf")  # type: ignore[arg-type]
+
+
+def test_a_config_with_a_vision_config_looks_multimodal() -> None:
+    import types
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    model.config = types.SimpleNamespace(model_type="my_vlm", vision_config={})  # type: ignore[assignment]
+    with pytest.warns(PrecisionWarning, match=r"looks multimodal \(config\.vision_config\)"):
+        assert find_module_groups(model).rule == "none"

@@ -153,7 +153,7 @@ _IDEFICS3: Paths = {
 }
 _QWEN: Paths = {
     "vision_encoder": ("model.visual",),
-    "resampler": ("model.visual.merger",),
+    "projector": ("model.visual.merger",),
     "language_model": ("model.language_model",),
     "lm_head": ("lm_head",),
 }
@@ -196,7 +196,7 @@ DESIGN_TABLE: dict[str, tuple[str, Paths, Paths]] = {
     "qwen2_5_vl": ("qwen2_vl", _QWEN, {}),
     "qwen3_vl": (
         "qwen2_vl",
-        {**_QWEN, "resampler": ("model.visual.merger", "model.visual.deepstack_merger_list")},
+        {**_QWEN, "projector": ("model.visual.merger", "model.visual.deepstack_merger_list")},
         {},
     ),
     "blip-2": ("blip_2", _BLIP2, {"resampler": ("query_tokens",)}),

@@ -161,3 +161,86 @@ def test_full_eval_stash_gives_back_what_the_plan_kept_in_fp32() -> None:
     assert guard.restore() >= 3
     assert norm.weight.dtype == torch.float32 and torch.equal(norm.weight, exact)
     assert model.model.multi_modal_projector.linear_2.weight.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------- in the user's words
+
+
+def test_the_cast_line_without_a_reporter_says_report_off(caplog: Any) -> None:
+    model = tiny_llava()
+    model.model.vision_tower.to(torch.float16)
+    guard = PrecisionGuard(
+        model, PrecisionPolicy.from_preset("fp32"), origin="as given: PrecisionGuard('fp32')"
+    )
+    with caplog.at_level("WARNING", logger="hf_precision"):
+        guard.verify("setup")
+    line, memory = [r.getMessage() for r in caplog.records if r.name == "hf_precision"]
+    assert memory.startswith("hf-precision: upcast weights take more memory: vision_encoder")
+    n = sum(1 for _ in model.model.vision_tower.parameters())
+    assert line.startswith(
+        f"hf-precision: {n} tensors → float32 (trainable) in vision_encoder (e.g."
+    )
+    assert line.endswith("), as given: PrecisionGuard('fp32'); report: off (report=False)")
+    guard.teardown()
+
+
+def test_memory_line_counts_only_upcast_weights() -> None:
+    from hf_precision.guard import memory_line
+    from hf_precision.tables import fmt_bytes
+
+    model = tiny_llava(torch.bfloat16)
+    report = enforce.enforce_policy(model, PrecisionPolicy.from_preset("fp32"), mode="audit")
+    line = memory_line(report)
+    numel = {g: 0 for g in ("vision_encoder", "projector", "language_model", "lm_head")}
+    for name, p in model.named_parameters():
+        numel[report.groups.group_of(name)] += p.numel()
+    assert line is not None and line.startswith("hf-precision: upcast weights take more memory: ")
+    for group, n in numel.items():
+        assert f"{group} {fmt_bytes(2 * n)} → {fmt_bytes(4 * n)}" in line
+    assert memory_line(enforce.enforce_policy(tiny_llava(), "bf16-true", mode="audit")) is None
+
+
+def test_a_renamed_group_in_the_policy_still_reaches_its_modules() -> None:
+    from hf_precision.tiny import tiny_qwen2_vl
+
+    model = tiny_qwen2_vl().requires_grad_(False)  # group_dtypes is for frozen weights
+    policy = PrecisionPolicy.from_preset("fp32", group_dtypes={"resampler": "bf16"})
+    guard = PrecisionGuard(model, policy, call="PrecisionGuardCallback(policy)")
+    with pytest.warns(
+        PrecisionWarning,
+        match=r"PrecisionGuardCallback\(policy\): under rule 'qwen2_vl' .*'resampler' is "
+        r"'projector' now .*Fix: name 'projector' in group_dtypes",
+    ):
+        guard.verify("setup")
+    assert {p.dtype for p in model.model.visual.merger.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.model.visual.blocks.parameters()} == {torch.float32}
+    assert guard.policy is policy  # the user's policy is not changed
+    guard.teardown()
+
+
+def test_flag_conflict() -> None:
+    from hf_precision import flags
+    from hf_precision.guard import flag_conflict
+
+    def check(preset: str, flag: str | None) -> Any:
+        return flag_conflict(
+            PrecisionPolicy.from_preset(preset),
+            flag,
+            call=f"G({preset!r})",
+            said=flags.flag(flag or "bf16", tool="llamafactory"),
+            runner="the Trainer",
+            owner="G",
+            words=lambda n, v: flags.flag(n, v, tool="llamafactory"),
+        )
+
+    assert check("fp16", None) is None and check("bf16", "bf16") is None
+    assert check("bf16-true", "bf16") is None and check("fp16", "fp16") is None
+    err = check("fp16", "bf16")
+    assert isinstance(err, PrecisionError)
+    assert str(err).startswith("G('fp16') with bf16: true: the Trainer autocasts to bfloat16")
+    assert "Fix: G() (it follows bf16: true), or G('bf16'), or train in float16: fp16: true" in (
+        str(err)
+    )
+    assert isinstance(check("bf16", "fp16"), PrecisionError)
+    warn = check("fp32", "bf16")
+    assert isinstance(warn, str) and "it runs" in warn and "bf16: false" in warn

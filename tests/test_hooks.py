@@ -175,3 +175,28 @@ def test_exit_hooks_sit_where_features_leave_the_image_path():
 def test_install_guards_on_what_is_not_a_model_says_so():
     with pytest.raises(PrecisionError, match=r"^install_guards\(model, policy\): expected a torch"):
         install_guards({"a": 1}, PrecisionPolicy.from_preset("bf16"))
+
+
+def test_the_notice_hears_the_first_cast_of_each_kind_once() -> None:
+    from hf_precision.hooks import Notice
+
+    model = tiny_llava(torch.bfloat16)
+    model.model.multi_modal_projector.float()  # a trainable fp32 projector in a bf16 model
+    policy = PrecisionPolicy.from_model(model)
+    report = enforce_policy(model, policy)
+    heard: list[tuple[object, ...]] = []
+    handle = install_guards(model, policy, report, notice=Notice(lambda *a: heard.append(a)))
+    batch = {k: v for k, v in tiny_batch(model).items() if k != "labels"}
+    for _ in range(3):
+        model(**batch)
+    kinds = [h[0] for h in heard]
+    assert len(kinds) == len(set(kinds))  # once per kind, however many forwards
+    assert ("batch", "", "pixel_values", torch.float32, torch.bfloat16) in heard
+    assert (
+        "boundary",
+        "model.multi_modal_projector",
+        "input 0",
+        torch.bfloat16,
+        torch.float32,
+    ) in heard
+    handle.remove()

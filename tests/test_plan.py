@@ -206,3 +206,13 @@ def test_fp32_norms_beside_half_weights_are_kept_a_whole_fp32_group_is_cast(pres
     assert cast["model.visual.blocks.0.attn.qkv.weight"] == "bfloat16"
     kept = {n: rule for n, _, rule, _ in report.kept}
     assert kept.get("model.language_model.norm.weight") == "deliberate_fp32"
+
+
+def test_a_renamed_group_says_its_name_now() -> None:
+    from hf_precision.tiny import tiny_qwen2_vl
+
+    model = tiny_qwen2_vl()
+    policy = PrecisionPolicy.from_preset("fp32", group_dtypes={"resampler": "bf16"})
+    report = plan_policy(model, policy, ModelView.of(model))
+    (said,) = [w for w in report.warnings if "group_dtypes['resampler']" in w]
+    assert "Fix: name 'projector': rule 'qwen2_vl' calls that group 'projector' now." in said

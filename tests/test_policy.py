@@ -1,4 +1,5 @@
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -355,3 +356,105 @@ def test_from_json_of_what_is_not_a_policy_says_so(text, said):
 def test_from_dict_of_what_is_not_a_dict_says_so():
     with pytest.raises(PrecisionError, match=r"from_dict\(\['bf16'\]\): expected a dict"):
         PrecisionPolicy.from_dict(["bf16"])
+
+
+def vision_heavy_llava(seed: int = 0) -> torch.nn.Module:
+    """A tiny LLaVA whose vision tower has more parameters than its language model and LM
+    head together: vision fp32 (frozen), language model bf16 trained in full."""
+    from transformers import LlavaForConditionalGeneration
+
+    from hf_precision.tiny import tiny_config
+
+    config = tiny_config("llava")
+    config.vision_config.num_hidden_layers *= 4
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    model.model.language_model.to(torch.bfloat16)
+    model.lm_head.to(torch.bfloat16)
+    model.model.vision_tower.requires_grad_(False)
+    return model
+
+
+def _numel(params: Any) -> int:
+    return sum(p.numel() for p in params)
+
+
+def test_no_flag_frozen_dtype_follows_the_language_model_not_the_count():
+    import types
+
+    from hf_precision.policy import infer_preset, loaded_dtype
+
+    model = vision_heavy_llava()
+    fp32 = _numel(p for p in model.parameters() if p.dtype == torch.float32)
+    bf16 = _numel(p for p in model.parameters() if p.dtype == torch.bfloat16)
+    assert fp32 > bf16  # the old parameter-count rule inferred fp32 here
+    assert loaded_dtype(model) == torch.bfloat16 and infer_preset(model) == "bf16-true"
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    try:
+        from_acc = PrecisionPolicy.from_accelerator(Accelerator(cpu=True), model)
+    finally:
+        AcceleratorState._reset_state(True)
+    no_flags = types.SimpleNamespace(bf16=False, fp16=False)
+    policy = PrecisionPolicy.from_training_args(no_flags, model)
+    assert policy == PrecisionPolicy.from_model(model) == from_acc
+    assert (policy.name, policy.frozen_dtype, policy.trainable_dtype) == (
+        "bf16-true",
+        torch.bfloat16,
+        torch.bfloat16,
+    )
+    lm = "model.language_model.layers.0.mlp.up_proj.weight"
+    assert policy.decide(lm, "language_model", trainable=True, current=torch.bfloat16).dtype == (
+        torch.bfloat16
+    )
+
+
+def test_no_flag_trainable_half_weights_stay_in_their_dtype_in_an_fp32_model():
+    from hf_precision.tiny import tiny_llava
+
+    model = tiny_llava()  # fp32, a bf16 projector trained as loaded
+    model.requires_grad_(False)
+    model.model.multi_modal_projector.to(torch.bfloat16).requires_grad_(True)
+    policy = PrecisionPolicy.from_model(model)
+    assert (policy.name, policy.frozen_dtype, policy.trainable_dtype) == (
+        "fp32",
+        torch.float32,
+        torch.bfloat16,
+    )
+    assert policy.keep_trainable_fp32
+    name = "model.multi_modal_projector.linear_1.weight"
+    assert policy.decide(name, "projector", trainable=True, current=torch.bfloat16).dtype == (
+        torch.bfloat16
+    )
+    # an explicit trainable_dtype still wins over the inferred one
+    assert PrecisionPolicy.from_model(model, trainable_dtype="fp32").trainable_dtype == (
+        torch.float32
+    )
+
+
+def test_loaded_dtype_prefers_frozen_language_model_weights():
+    from peft import LoraConfig, get_peft_model
+
+    from hf_precision.policy import loaded_dtype
+    from hf_precision.tiny import tiny_text_llama
+
+    model = tiny_text_llama(torch.float16)
+    peft = get_peft_model(model, LoraConfig(r=256, target_modules=["q_proj", "v_proj"]))
+    for n, p in peft.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.float()  # fp32 adapters, more than the fp16 weights of a tiny model
+    assert loaded_dtype(peft) == torch.float16
+    assert PrecisionPolicy.from_model(peft).name == "fp16-true"
+
+
+def test_no_flag_fp16_trainables_outside_an_fp16_model_follow_the_preset():
+    from hf_precision.tiny import tiny_llava
+
+    model = tiny_llava()  # fp32, a trainable fp16 vision tower: fp16 cannot hold AdamW's eps
+    model.model.vision_tower.to(torch.float16)
+    policy = PrecisionPolicy.from_model(model)
+    assert (policy.name, policy.trainable_dtype) == ("fp32", torch.float32)
+    fp16 = tiny_llava(torch.float16)  # an fp16 model trained as loaded stays fp16
+    assert PrecisionPolicy.from_model(fp16).trainable_dtype == torch.float16

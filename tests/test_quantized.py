@@ -11,6 +11,7 @@ import torch
 
 from hf_precision import dtype_map, enforce_policy, install_guards
 from hf_precision.dtypes import is_quantized, quantized_library, register_quantized
+from hf_precision.enforce import check_policy
 from hf_precision.tiny import tiny_batch, tiny_llava, tower_body
 
 
@@ -83,7 +84,9 @@ def test_subclass_weights_are_never_touched(quantize: Any) -> None:
 
 
 @pytest.mark.parametrize("quantize", [_torchao, _quanto], ids=["torchao", "quanto"])
-def test_a_group_follows_the_dtype_its_quantized_layers_compute_in(quantize: Any) -> None:
+def test_a_group_follows_the_dtype_its_quantized_layers_compute_in(
+    quantize: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """bf16-computing quantized layers under an fp16 policy: the language model's other frozen
     weights (embeddings, norms: they set the dtype of the rotary tables) stay bf16, or q/k
     (bf16 x fp16 rotary -> fp32) and v (bf16) reach attention in different dtypes."""
@@ -99,6 +102,12 @@ def test_a_group_follows_the_dtype_its_quantized_layers_compute_in(quantize: Any
         report = enforce_policy(model, "fp16-true")
     message = next(str(w.message) for w in seen if "quantized layers" in str(w.message))
     assert f"({library}:" in message and "compute in bfloat16, not the policy's float16" in message
+    # the fix in the words of the tool the user runs: LLaMA-Factory users set bf16:/fp16:,
+    # never bnb_4bit_compute_dtype
+    monkeypatch.setenv("HF_PRECISION_TOOL", "llamafactory")
+    said = "\n".join(check_policy(model, "fp16-true").warnings)
+    assert "Fix: fp16: true so they compute in float16, or train in bfloat16 (bf16: true)" in said
+    assert "bnb_4bit_compute_dtype" not in said
     lm = model.model.language_model
     assert lm.embed_tokens.weight.dtype == torch.bfloat16
     assert lm.norm.weight.dtype == torch.bfloat16
@@ -169,8 +178,13 @@ def test_training_evaluate_generate_with_quantized_weights(
     start = projector.detach().clone()
     _train_and_evaluate(make_trainer, model, tiny_batch(model), policy, flags)
     assert not torch.equal(projector.detach().float(), start.float()), "the projector trained"
-    # trainable weights stay fp32 for the optimizer, unless the policy names pure fp16
-    assert projector.dtype == (torch.float16 if run == "fp16-true" else torch.float32)
+    # trainable weights are fp32 for the optimizer under a flag, fp16 where the policy names
+    # pure fp16, and with no flag in the dtype they were loaded in (bf16 here: the language
+    # model's dtype decides the frozen weights, not the fp32 vision tower's parameter count)
+    want = {"bf16": torch.float32, "fp16-true": torch.float16, "split": torch.bfloat16}
+    assert projector.dtype == want[run]
+    if run == "split":
+        assert {p.dtype for p in model.model.vision_tower.parameters()} == {torch.bfloat16}
     _same(model, before)
     with torch.no_grad():
         ids = model.generate(

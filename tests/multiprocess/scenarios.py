@@ -159,10 +159,10 @@ def training_args(out: Path, **kw: Any) -> Any:
     return TrainingArguments(**{**defaults, **kw})
 
 
-def _trainer(out: Path, callback: Any, model: torch.nn.Module) -> Any:
+def _trainer(out: Path, callback: Any, model: torch.nn.Module, bf16: bool = True) -> Any:
     from transformers import Trainer
 
-    args = training_args(out, bf16=True)
+    args = training_args(out, bf16=bf16)
     data = rows_of(model)
     return Trainer(
         model=model, args=args, train_dataset=data, eval_dataset=data, callbacks=[callback]
@@ -192,14 +192,15 @@ def trainer(out: Path) -> dict[str, Any]:
 @scenario
 def trainer_disagree(out: Path) -> dict[str, Any]:
     """A policy read from a per-rank setting: rank 1 keeps the vision encoder in fp16. DDP would
-    broadcast rank 0's bf16 bytes into rank 1's fp16 tensors without a word."""
+    broadcast rank 0's bf16 bytes into rank 1's fp16 tensors without a word. No bf16 flag: under
+    bf16=True rank 1's fp16 group would be refused at on_init_end (on that rank alone)."""
     from hf_precision import PrecisionGuardCallback, PrecisionPolicy
 
     policy = PrecisionPolicy.from_preset(
         "bf16", group_dtypes={"vision_encoder": "fp16"} if rank() == 1 else {}
     )
     cb = PrecisionGuardCallback(policy, report=False)
-    _trainer(out, cb, split_llava()).train()
+    _trainer(out, cb, split_llava(), bf16=False).train()
     return {"trained": True}
 
 
