@@ -482,6 +482,12 @@ def cast_line(report: EnforceReport, *, origin: str | None, report_dir: str | No
         why = ranked[0][0] if len(ranked) == 1 else ", ".join(f"{k} {v}" for k, v in ranked)
         parts.append(f"{n}{' tensors' if i == 0 else ''} → {dtype} ({why})")
     parts += [f"{n} moved to {dev}" for dev, n in moved.items()]
+    kept: dict[str, int] = {}
+    for _, _, rule, _ in report.kept:  # held in float32 on purpose: not cast, said
+        kept[rule] = kept.get(rule, 0) + 1
+    if kept:
+        why = ", ".join(f"{rule} {n}" for rule, n in sorted(kept.items(), key=lambda kv: -kv[1]))
+        parts.append(f"{sum(kept.values())} kept in float32 ({why})")
     touched = {c.group for c in report.changes}
     order = [g for g in report.groups.names if g in touched]  # forward order, then the rest
     groups = ", ".join(order + sorted(touched - set(order)))

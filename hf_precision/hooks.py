@@ -260,6 +260,7 @@ class _ExitState:
     path: str
     ref: torch.Tensor
     handle: Any = None
+    notice: Notice | None = None  # told of the first hand-over it casts
 
 
 def _cast_out(value: Any, dtype: torch.dtype) -> Any:
@@ -287,7 +288,25 @@ def _exit_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
     if st is None:
         return None
     out = _cast_out(output, st.ref.dtype)
-    return None if out is output else out
+    if out is output:
+        return None
+    if st.notice is not None and "exit" not in st.notice.seen and not torch.compiler.is_compiling():
+        st.notice.first("exit", st.path, "its output", _first_dtype(output), st.ref.dtype)
+    return out
+
+
+def _first_dtype(value: Any) -> torch.dtype:
+    """The dtype of the first floating tensor in an output (a tensor, tuple, dict, ModelOutput)."""
+    if isinstance(value, dict):
+        items = list(value.values())
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        items = [value]
+    for v in items:
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.dtype
+    return torch.float32
 
 
 def _install_exit(module: nn.Module, st: _ExitState) -> bool:
@@ -647,7 +666,7 @@ def install_guards(
     if emb is not None and policy.boundary_guards:
         for path, mod in _handover_roots(root, groups):
             exits.add(id(mod))
-            handle.added += _install_exit(mod, _ExitState(path, emb))
+            handle.added += _install_exit(mod, _ExitState(path, emb, notice=notice))
             handle.exit.append(path)
     if leaf_groups is None:
         leaf_groups = _leaf_groups(policy, groups, report)
