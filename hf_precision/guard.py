@@ -483,11 +483,10 @@ def cast_line(report: EnforceReport, *, origin: str | None, report_dir: str | No
         parts.append(f"{n}{' tensors' if i == 0 else ''} → {dtype} ({why})")
     parts += [f"{n} moved to {dev}" for dev, n in moved.items()]
     kept: dict[str, int] = {}
-    for _, _, rule, _ in report.kept:  # held in float32 on purpose: not cast, said
-        kept[rule] = kept.get(rule, 0) + 1
-    if kept:
-        why = ", ".join(f"{rule} {n}" for rule, n in sorted(kept.items(), key=lambda kv: -kv[1]))
-        parts.append(f"{sum(kept.values())} kept in float32 ({why})")
+    for _, _, rule, _ in report.kept:  # held in float32 on purpose among half weights: said
+        if rule != "rotary":  # every model's rotary tables: in the report, not on the console
+            kept[rule] = kept.get(rule, 0) + 1
+    held = ", ".join(f"{n} ({rule})" for rule, n in sorted(kept.items(), key=lambda kv: -kv[1]))
     touched = {c.group for c in report.changes}
     order = [g for g in report.groups.names if g in touched]  # forward order, then the rest
     groups = ", ".join(order + sorted(touched - set(order)))
@@ -496,7 +495,9 @@ def cast_line(report: EnforceReport, *, origin: str | None, report_dir: str | No
     names = "; ".join(named) + (f"; and {more} more" if more > 0 else "")
     source = f", {origin}" if origin else ""
     return (
-        f"hf-precision: {', '.join(parts)} in {groups} (e.g. {names}); policy "
+        f"hf-precision: {', '.join(parts)} in {groups} (e.g. {names}); "
+        + (f"kept in float32 on purpose: {held}; " if held else "")
+        + "policy "
         f"{report.policy.describe()}{source}; report: {report_dir or 'off (report=False)'}"
     )
 

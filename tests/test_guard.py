@@ -244,3 +244,25 @@ def test_flag_conflict() -> None:
     assert isinstance(check("bf16", "fp16"), PrecisionError)
     warn = check("fp32", "bf16")
     assert isinstance(warn, str) and "it runs" in warn and "bf16: false" in warn
+
+
+def test_the_cast_line_says_what_was_kept_in_float32_on_purpose(caplog: Any) -> None:
+    """upcast_layernorm's fp32 norms among bf16 weights are kept and said with their rule;
+    every model's rotary tables are kept too, in the report only (not console noise)."""
+    model = tiny_llava(torch.bfloat16)
+    model.model.multi_modal_projector.to(torch.float16)  # something to cast
+    model.requires_grad_(False)  # frozen: what upcast_layernorm chose, not what the optimizer needs
+    norms = [
+        m.weight for m in model.model.language_model.modules() if type(m).__name__.endswith("Norm")
+    ]
+    for w in norms:
+        w.data = w.data.float()
+    guard = PrecisionGuard(model, PrecisionPolicy.from_preset("bf16-true"), origin="as given")
+    with caplog.at_level("WARNING", logger="hf_precision"):
+        guard.verify("setup")
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "hf_precision"]
+    assert f"; kept in float32 on purpose: {len(norms)} (deliberate_fp32); policy " in line
+    assert "(rotary)" not in line  # the recomputed tables are a cast, said as one
+    assert {w.dtype for w in norms} == {torch.float32}
+    assert any(rule == "rotary" for _, _, rule, _ in guard.last_report.kept)
+    guard.teardown()
