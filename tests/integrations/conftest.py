@@ -136,3 +136,6 @@ swift_venv = pytest.fixture(venv_fixture("swift", "test-frameworks"))
 def reports() -> SimpleNamespace:
     """The helpers above for the test files (``--import-mode=importlib``: no conftest import)."""
     return SimpleNamespace(last=last_report, norm_dtypes=norm_dtypes, tail=tail)
+
+
+axolotl_venv = pytest.fixture(venv_fixture("axolotl", "test-frameworks"))

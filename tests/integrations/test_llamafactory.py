@@ -77,7 +77,9 @@ def test_cli_crashes_without_the_guard(llamafactory_venv: Any, job: Path, report
 
 
 def test_run_exp_with_the_callback(llamafactory_venv: Any, job: Path, reports: Any) -> None:
-    proc = llamafactory_venv.run([llamafactory_venv.python, "-c", RUN_EXP, str(job)], cwd=job.parent)
+    proc = llamafactory_venv.run(
+        [llamafactory_venv.python, "-c", RUN_EXP, str(job)], cwd=job.parent
+    )
     report = _trained(proc, job, reports)
     # no precision flag: the policy keeps what was loaded (bf16 weights, fp32 LoRA adapters)
     assert report["policy"]["frozen_dtype"] == "bfloat16"

@@ -1,0 +1,142 @@
+"""axolotl: the guard as an axolotl plugin with its own config key (read against axolotl 0.21.0).
+
+.. code-block:: yaml
+
+    plugins:
+      - hf_precision.integrations.axolotl.PrecisionGuardPlugin
+    precision_guard: auto      # or bf16 / fp16 / fp32 / ..., a policy JSON path, false, or
+                               # {policy: auto, mode: audit, report_dir: /somewhere}
+
+axolotl loads the plugin by its dotted name and merges the plugin's config model
+(:func:`get_input_args` names ``PrecisionGuardArgs``) into its own, so ``precision_guard`` is a
+validated key of the YAML. The callback is returned from ``add_callbacks_pre_trainer``: axolotl
+passes those to the Trainer's constructor, so ``on_init_end`` (the guard's cast, before the
+optimizer and any wrapper) fires; ``add_callbacks_post_trainer`` would use ``add_callback`` and
+miss it. The policy is then inferred from the ``TrainingArguments`` axolotl built (``bf16``,
+``fp16``) and the model it loaded, unless ``precision_guard`` names one.
+
+This module imports without axolotl (it needs Python >= 3.12); ``PrecisionGuardPlugin`` and
+``PrecisionGuardArgs`` are built on first access, from axolotl's ``BasePlugin`` and pydantic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from hf_precision.callback import PrecisionGuardCallback
+from hf_precision.errors import PrecisionError
+
+#: what to write under ``plugins:``
+PLUGIN = "hf_precision.integrations.axolotl.PrecisionGuardPlugin"
+#: the config model axolotl merges into its own (``get_input_args``)
+ARGS = "hf_precision.integrations.axolotl.PrecisionGuardArgs"
+KEY = "precision_guard"
+_OPTIONS = ("policy", "mode", "report_dir")
+_OFF = ("off", "none", "false")
+
+
+def _policy(value: Any, call: str) -> Any:
+    """``auto`` / None -> None (inferred); a policy mapping; a ``.json`` path or inline JSON ->
+    its mapping; any other string -> a preset name (checked by the callback)."""
+    if value is None or value is True or value == "auto":
+        return None
+    if isinstance(value, Mapping):
+        return dict(value)
+    if not isinstance(value, str):
+        raise PrecisionError(
+            f"{call}: expected auto, a preset name, a policy JSON (path or text) or a mapping, "
+            f"got {type(value).__name__}. Fix: e.g. `{KEY}: auto` or `{KEY}: bf16`."
+        )
+    text = value.strip()
+    if text.startswith("{"):
+        return json.loads(text)
+    if text.endswith(".json"):
+        if not os.path.isfile(text):
+            raise PrecisionError(f"{call}: no policy file {text!r}. Fix: the path to a JSON file.")
+        with open(text) as f:
+            return json.load(f)
+    return text
+
+
+def callback_from_config(value: Any) -> PrecisionGuardCallback | None:
+    """The callback the ``precision_guard`` value asks for; ``None`` for ``false``/``off``.
+
+    >>> callback_from_config("auto").policy is None  # inferred at on_init_end
+    True
+    >>> callback_from_config({"policy": "bf16", "mode": "audit"}).policy.mode
+    'audit'
+    >>> callback_from_config(False) is None
+    True
+    """
+    call = f"axolotl config `{KEY}: {value!r}`"
+    if value is False or (isinstance(value, str) and value.strip().lower() in _OFF):
+        return None
+    if isinstance(value, Mapping) and ("policy" in value or set(value) <= set(_OPTIONS)):
+        unknown = set(value) - set(_OPTIONS)  # {policy:, mode:, report_dir:}
+    else:  # a preset, a path, auto, or the policy's own JSON form as a mapping
+        value, unknown = {"policy": value}, set()
+    if unknown:
+        raise PrecisionError(
+            f"{call}: unknown key(s) {sorted(unknown)}. Fix: use {', '.join(_OPTIONS)} "
+            "(policy: auto, a preset, a policy JSON path or mapping)."
+        )
+    return PrecisionGuardCallback(
+        _policy(value.get("policy"), call),
+        mode=value.get("mode"),
+        report_dir=value.get("report_dir"),
+    )
+
+
+class PrecisionGuardPluginMethods:
+    """What :class:`PrecisionGuardPlugin` adds to axolotl's ``BasePlugin`` (plain, so it can be
+    used and tested without axolotl)."""
+
+    def register(self, cfg: Mapping[str, Any]) -> None:
+        """axolotl calls this with the raw YAML: a bad ``precision_guard`` fails here, before
+        any model is loaded."""
+        callback_from_config(cfg.get(KEY, "auto"))
+
+    def get_input_args(self) -> str:
+        return ARGS
+
+    def add_callbacks_pre_trainer(self, cfg: Any, model: Any) -> list[PrecisionGuardCallback]:
+        """The guard, passed to the Trainer's constructor (so ``on_init_end`` fires)."""
+        value = cfg.get(KEY) if hasattr(cfg, "get") else getattr(cfg, KEY, None)
+        callback = callback_from_config("auto" if value is None else value)
+        return [] if callback is None else [callback]
+
+
+def _build(name: str) -> Any:
+    if name == "PrecisionGuardArgs":
+        from pydantic import BaseModel
+
+        class PrecisionGuardArgs(BaseModel):
+            """axolotl config key of the hf-precision plugin (merged into axolotl's config)."""
+
+            precision_guard: bool | str | dict[str, Any] | None = None
+
+        return PrecisionGuardArgs
+    try:
+        from axolotl.integrations.base import BasePlugin
+    except ImportError as err:
+        raise ImportError(
+            f"{PLUGIN} needs axolotl (Python >= 3.12; tested against 0.21): {err}. Fix: "
+            "`pip install axolotl`, or use `hf-precision run -- axolotl train cfg.yaml`."
+        ) from err
+
+    class PrecisionGuardPlugin(PrecisionGuardPluginMethods, BasePlugin):  # type: ignore[misc, valid-type]
+        """hf-precision's guard on axolotl's Trainer, configured by ``precision_guard:``."""
+
+    return PrecisionGuardPlugin
+
+
+def __getattr__(name: str) -> Any:
+    """``PrecisionGuardPlugin`` / ``PrecisionGuardArgs``, built on first access (PEP 562)."""
+    if name in ("PrecisionGuardPlugin", "PrecisionGuardArgs"):
+        value = _build(name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
