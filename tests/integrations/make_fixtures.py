@@ -2,7 +2,7 @@
 
 Run with the framework's own interpreter (its transformers writes the checkpoint it will read):
 
-    /work/venvs/llamafactory/bin/python tests/integrations/make_fixtures.py llamafactory DIR [k=v...]
+    .venv-llamafactory/bin/python tests/integrations/make_fixtures.py llamafactory DIR [k=v...]
 
 ``DIR/model``: a tiny LLaVA (``hf_precision.tiny``) saved in bf16 with its processor (a PIL image
 processor: no torchvision needed) and chat template; ``DIR/data``: four generated shape images
