@@ -155,6 +155,11 @@ def _parser() -> argparse.ArgumentParser:
             help=f"{groups_help} (default: {'none' if name == 'audit' else 'all'})",
         )
         (_audit_options if name == "audit" else _doctor_options)(s)
+    # `hf-precision run -- COMMAND` / `install-hook`: the launcher (hf_precision.integrations)
+    from .integrations.launcher import add_cli as _add_launcher_cli
+
+    _add_launcher_cli(sub)
+    sub.metavar = "{architectures,audit,doctor,run,install-hook}"
     return p
 
 
@@ -358,6 +363,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         if args.command == "audit":
             return _audit(args)
+        if args.command in ("run", "install-hook"):
+            from .integrations.launcher import run_cli
+
+            return run_cli(args)
         if args.command == "architectures":
             from .groups import architecture_table
 

@@ -1,0 +1,113 @@
+"""Interpreter-start half of the launcher: a post-import hook on ``transformers.trainer``.
+
+Standard library only, and loaded *by file path* (not as ``hf_precision.integrations.autostart``)
+from the ``hf_precision_guard.pth`` line or the ``sitecustomize`` that ``hf-precision run``
+puts on ``PYTHONPATH``: importing the ``hf_precision`` package would import torch in every Python
+process of the tree, even those that never train. Nothing here runs unless ``HF_PRECISION_GUARD``
+is set to something else than ``0``/``off``/``false``/``no``.
+
+:func:`activate` puts a finder at the front of ``sys.meta_path`` that waits for
+``transformers.trainer``: when (and only when) that module is imported, it lets the normal
+loader execute it, then hands the module to
+:func:`hf_precision.integrations.launcher.patch_trainer_module`, which wraps ``Trainer.__init__``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+ENV_GUARD = "HF_PRECISION_GUARD"
+#: values of ``HF_PRECISION_GUARD`` that mean "off" (as does an unset or empty variable)
+OFF_VALUES = ("", "0", "off", "false", "no", "none")
+TARGET = "transformers.trainer"
+_MARK = "_hf_precision_guard_finder"
+#: what runs on the executed ``transformers.trainer`` module, named as an entry point is: this
+#: file is loaded on its own at interpreter start and imports the package only then
+ON_IMPORT = "hf_precision.integrations.launcher:patch_trainer_module"
+
+
+def enabled(environ: Any = None) -> bool:
+    """Whether ``HF_PRECISION_GUARD`` asks for the guard."""
+    value = (os.environ if environ is None else environ).get(ENV_GUARD, "")
+    return value.strip().lower() not in OFF_VALUES
+
+
+class _PatchingLoader:
+    """The real loader of ``transformers.trainer``, then the patch on the executed module."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        _patch(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_code, is_package, ...
+        return getattr(self._loader, name)
+
+
+class _TrainerFinder:
+    """A ``sys.meta_path`` finder that answers only for ``transformers.trainer``: it asks the
+    finders behind it for the real spec and wraps its loader."""
+
+    _hf_precision_guard_finder = True
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != TARGET:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or getattr(finder, _MARK, False):
+                continue
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+    def invalidate_caches(self) -> None:
+        pass
+
+
+def _patch(module: Any) -> None:
+    import importlib
+
+    target, _, name = ON_IMPORT.partition(":")
+    try:
+        patch_trainer_module = getattr(importlib.import_module(target), name)
+    except ImportError as err:
+        print(
+            f"hf-precision: {ENV_GUARD} is set but hf-precision cannot be imported in this "
+            f"Python ({sys.executable}: {err}): this process trains WITHOUT the precision "
+            f"guard. Fix: pip install hf-precision into this environment, or unset {ENV_GUARD}.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    patch_trainer_module(module)
+
+
+def activate() -> bool:
+    """Install the hook when ``HF_PRECISION_GUARD`` asks for it (idempotent: the ``.pth`` line
+    and ``sitecustomize`` may both run); patch at once if ``transformers.trainer`` is already
+    imported. Returns whether the guard is on."""
+    if not enabled():
+        return False
+    trainer = sys.modules.get(TARGET)
+    if trainer is not None and hasattr(trainer, "Trainer"):
+        _patch(trainer)
+        return True
+    if not any(getattr(f, _MARK, False) for f in sys.meta_path):
+        sys.meta_path.insert(0, _TrainerFinder())
+    return True
+
+
+def deactivate() -> None:
+    """Remove the hook (a Trainer class already patched stays patched)."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, _MARK, False)]

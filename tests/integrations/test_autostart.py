@@ -1,0 +1,110 @@
+"""The interpreter-start hook: off unless ``HF_PRECISION_GUARD`` asks, standard library only,
+and it patches ``transformers.trainer`` when (and only when) that module is imported."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_precision.integrations import autostart, launcher
+
+ROOT = Path(__file__).resolve().parents[2]
+LOAD = (
+    "import importlib.util, sys\n"
+    "spec = importlib.util.spec_from_file_location("
+    f"'_hf_precision_autostart', {autostart.__file__!r})\n"
+    "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("value", "on"),
+    [
+        (None, False),
+        ("", False),
+        ("0", False),
+        ("OFF", False),
+        (" no ", False),
+        ("auto", True),
+        ("bf16", True),
+        ('{"compute_dtype": "bf16"}', True),
+    ],
+)
+def test_enabled(value, on):
+    env = {} if value is None else {autostart.ENV_GUARD: value}
+    assert autostart.enabled(env) is on
+
+
+def _python(code: str, **env: str) -> list[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("HF_PRECISION_")}
+    proc = subprocess.run(
+        [sys.executable, "-c", LOAD + code],
+        env={**clean, "PYTHONPATH": str(ROOT), **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # other libraries print to stdout too: the probe's lines start with "@"
+    return [w for x in proc.stdout.splitlines() if x.startswith("@") for w in x[1:].split()]
+
+
+def test_the_hook_waits_for_transformers_trainer():
+    code = (
+        "print('@', m.activate(), m.activate(), sum(hasattr(f, m._MARK) for f in sys.meta_path))\n"
+        "import transformers, torch\n"
+        "print('@', 'transformers.trainer' in sys.modules, 'hf_precision' in sys.modules)\n"
+        "from transformers import Trainer\n"
+        "print('@', getattr(Trainer.__init__, '_hf_precision_wrapped', False), "
+        "type(sys.modules['transformers.trainer'].__loader__).__name__)\n"
+        "m.deactivate(); print('@', sum(hasattr(f, m._MARK) for f in sys.meta_path))\n"
+    )
+    out = _python(code, HF_PRECISION_GUARD="auto")
+    # idempotent; nothing before the Trainer module; then patched through the real loader
+    assert out == ["True", "True", "1", "False", "False", "True", "_PatchingLoader", "0"]
+
+
+def test_off_means_no_hook():
+    out = _python(
+        "print('@', m.activate(), len([f for f in sys.meta_path if hasattr(f, m._MARK)]))",
+        HF_PRECISION_GUARD="off",
+    )
+    assert out == ["False", "0"]
+
+
+def test_activate_after_transformers_trainer_was_imported(monkeypatch):
+    from transformers import Trainer
+
+    monkeypatch.setenv(autostart.ENV_GUARD, "auto")
+    try:
+        assert autostart.activate()
+        assert getattr(Trainer.__init__, "_hf_precision_wrapped", False)
+        assert not any(hasattr(f, autostart._MARK) for f in sys.meta_path)
+    finally:
+        launcher.unpatch_trainer(Trainer)
+    assert not hasattr(Trainer.__init__, "_hf_precision_wrapped")
+
+
+def test_a_python_without_hf_precision_says_it_trains_unguarded(tmp_path):
+    """The hook reached a Python where the package cannot be imported (another venv under the
+    same ``hf-precision run``): one clear line, and the Trainer module still loads."""
+    (tmp_path / "transformers").mkdir()
+    (tmp_path / "transformers" / "__init__.py").write_text("")
+    (tmp_path / "transformers" / "trainer.py").write_text("class Trainer:\n    pass\n")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("HF_PRECISION_")}
+    code = LOAD + "m.ON_IMPORT = 'no_such_package.launcher:patch'\nm.activate()\n"
+    code += "import transformers.trainer; print('loaded')"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**clean, "PYTHONPATH": str(tmp_path), "HF_PRECISION_GUARD": "auto"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.stdout.strip() == "loaded"
+    assert "trains WITHOUT the precision guard" in proc.stderr
+    assert "pip install hf-precision" in proc.stderr
