@@ -21,13 +21,12 @@ This module imports without axolotl (it needs Python >= 3.12); ``PrecisionGuardP
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
 from hf_precision.callback import PrecisionGuardCallback
 from hf_precision.errors import PrecisionError
+from hf_precision.integrations.launcher import LaunchConfig
 
 #: what to write under ``plugins:``
 PLUGIN = "hf_precision.integrations.axolotl.PrecisionGuardPlugin"
@@ -39,9 +38,9 @@ _OFF = ("off", "none", "false")
 
 
 def _policy(value: Any, call: str) -> Any:
-    """``auto`` / None -> None (inferred); a policy mapping; a ``.json`` path or inline JSON ->
-    its mapping; any other string -> a preset name (checked by the callback)."""
-    if value is None or value is True or value == "auto":
+    """``auto`` / None -> None (inferred); a mapping -> the policy's JSON form; a string -> read
+    as ``HF_PRECISION_GUARD`` is (a preset, a policy JSON string or file)."""
+    if value is None or value is True:
         return None
     if isinstance(value, Mapping):
         return dict(value)
@@ -50,15 +49,7 @@ def _policy(value: Any, call: str) -> Any:
             f"{call}: expected auto, a preset name, a policy JSON (path or text) or a mapping, "
             f"got {type(value).__name__}. Fix: e.g. `{KEY}: auto` or `{KEY}: bf16`."
         )
-    text = value.strip()
-    if text.startswith("{"):
-        return json.loads(text)
-    if text.endswith(".json"):
-        if not os.path.isfile(text):
-            raise PrecisionError(f"{call}: no policy file {text!r}. Fix: the path to a JSON file.")
-        with open(text) as f:
-            return json.load(f)
-    return text
+    return LaunchConfig(policy=value.strip()).resolved_policy(call=call)
 
 
 def callback_from_config(value: Any) -> PrecisionGuardCallback | None:

@@ -24,7 +24,6 @@ This module imports without ms-swift; :func:`install` does nothing then.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -112,18 +111,21 @@ def install() -> bool:
     return True
 
 
-def _policy_from_env() -> Any:
-    """``HF_PRECISION_GUARD``: unset or ``auto`` -> None (inferred), a preset name, or a policy
-    JSON (inline or a path)."""
-    value = os.environ.get("HF_PRECISION_GUARD", "").strip()
-    if not value or value == "auto":
-        return None
-    if value.startswith("{"):
-        return json.loads(value)
-    if value.endswith(".json") and os.path.isfile(value):
-        with open(value) as f:
-            return json.load(f)
-    return value
+def launch_options() -> dict[str, Any]:
+    """``policy``, ``mode`` and ``report_dir`` for the callback, read from ``HF_PRECISION_GUARD``
+    and its companions as ``hf-precision run`` reads them; ``{"policy": None}`` (inferred) when
+    the variable is unset or off."""
+    from hf_precision.integrations import autostart
+    from hf_precision.integrations.launcher import ENV_GUARD, LaunchConfig
+
+    if not autostart.enabled():
+        return {"policy": None}
+    config = LaunchConfig.from_env()
+    return {
+        "policy": config.resolved_policy(call=f"{ENV_GUARD}={config.policy!r}"),
+        "mode": config.mode,
+        "report_dir": config.report_dir,
+    }
 
 
 class SwiftPrecisionGuardCallback(PrecisionGuardCallback):
@@ -132,7 +134,8 @@ class SwiftPrecisionGuardCallback(PrecisionGuardCallback):
     """
 
     def __init__(self, args: Any = None, trainer: Any = None, **kwargs: Any) -> None:
-        kwargs.setdefault("policy", _policy_from_env())
+        for key, value in launch_options().items():
+            kwargs.setdefault(key, value)
         super().__init__(**kwargs)
         #: the flags swift turned on by itself, as seen at ``on_init_end``
         self.set_by_swift: dict[str, bool] = {}

@@ -66,7 +66,7 @@ def test_policy_json_path_and_mapping(tmp_path: Path) -> None:
     ("value", "words"),
     [
         ({"policy": "bf16", "colour": "red"}, ["unknown key(s) ['colour']", "policy, mode"]),
-        ("/nowhere/policy.json", ["no policy file", "/nowhere/policy.json"]),
+        ("/nowhere/policy.json", ["existing policy JSON file", "/nowhere/policy.json"]),
         ("bf17", ["bf17"]),
         (3, ["got int", "precision_guard: auto"]),
     ],

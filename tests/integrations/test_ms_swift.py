@@ -61,15 +61,25 @@ def test_built_as_swift_builds_callbacks_it_guards_a_trainer(tiny_args: Any) -> 
 
 
 @pytest.mark.parametrize(
-    ("value", "expected"),
-    [("", None), ("auto", None), ("bf16", "bf16"), ('{"compute_dtype": "float16"}', dict)],
+    ("value", "preset"),
+    [("", None), ("auto", None), ("off", None), ("bf16", "bf16"), ("fp16-true", "fp16-true")],
 )
-def test_policy_from_the_environment(monkeypatch: Any, value: str, expected: Any) -> None:
+def test_policy_from_the_environment(monkeypatch: Any, value: str, preset: str | None) -> None:
     monkeypatch.setenv("HF_PRECISION_GUARD", value)
-    policy = ms_swift._policy_from_env()
-    assert isinstance(policy, dict) if expected is dict else policy == expected
+    monkeypatch.setenv("HF_PRECISION_MODE", "audit")
     cb = ms_swift.SwiftPrecisionGuardCallback(None, None)
-    assert (cb.policy is None) == (expected is None)
+    if preset is None:
+        assert cb.policy is None  # inferred from the Trainer
+    else:
+        assert cb.policy is not None and cb.policy.name == preset and cb.policy.mode == "audit"
+
+
+def test_bad_policy_in_the_environment_names_the_variable(monkeypatch: Any) -> None:
+    from hf_precision.errors import PrecisionError
+
+    monkeypatch.setenv("HF_PRECISION_GUARD", "bf61")
+    with pytest.raises(PrecisionError, match="HF_PRECISION_GUARD='bf61'"):
+        ms_swift.SwiftPrecisionGuardCallback(None, None)
 
 
 def test_flags_recorded_from_the_wrapped_method_only_when_left_unset() -> None:
