@@ -7,7 +7,7 @@ export WANDB_SILENT ?= true
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast test-tf4 test-frameworks lint typecheck bench gpu-test nightly clean
+.PHONY: setup demo test test-fast test-tf4 test-frameworks frameworks-setup lint typecheck bench gpu-test nightly clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -85,8 +85,32 @@ $(SWIFT_VENV)/.installed: pyproject.toml
 	$(SWIFT_VENV)/bin/python -m pip install -q --no-deps .
 	touch $@
 
-test-frameworks: setup $(LF_VENV)/.installed $(SWIFT_VENV)/.installed
+# axolotl 0.21 declares Python >= 3.12 and pulls CUDA kernels (xformers, triton, liger, fla);
+# the torch CPU wheel here is for 3.11, and axolotl's code runs on 3.11: it is installed without
+# its deps (--ignore-requires-python), beside its own pins of what `axolotl.cli.train` imports
+# for a LoRA job on CPU.
+AXOLOTL_VENV ?= .venv-axolotl
+AXOLOTL_PIN ?= "axolotl==0.21.0"
+AXOLOTL_DEPS ?= "transformers==5.20.1" "peft==0.21.2" "accelerate==1.15.0" "datasets==5.0.1" \
+	"trl==1.14.1" "pydantic==2.13.5" "tokenizers==0.23.3" "bitsandbytes==0.50.2" \
+	"evaluate==0.4.1" "typer==0.25.1" "axolotl-contribs-lgpl==0.0.7" "axolotl-contribs-mit==0.0.6" \
+	addict fire colorama posthog numba einops pyyaml sentencepiece art packaging requests scipy \
+	pillow fastcore wandb
+
+$(AXOLOTL_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(AXOLOTL_VENV)
+	$(AXOLOTL_VENV)/bin/python -m pip install -q "torch==2.13.0"
+	$(AXOLOTL_VENV)/bin/python -m pip install -q "torch==2.13.0" $(AXOLOTL_DEPS)
+	$(AXOLOTL_VENV)/bin/python -m pip install -q --no-deps --ignore-requires-python $(AXOLOTL_PIN)
+	$(AXOLOTL_VENV)/bin/python -m pip install -q --no-deps .
+	touch $@
+
+FRAMEWORK_VENVS := $(LF_VENV)/.installed $(SWIFT_VENV)/.installed $(AXOLOTL_VENV)/.installed
+frameworks-setup: $(FRAMEWORK_VENVS)
+
+test-frameworks: setup $(FRAMEWORK_VENVS)
 	HF_PRECISION_LLAMAFACTORY_VENV=$(abspath $(LF_VENV)) HF_PRECISION_SWIFT_VENV=$(abspath $(SWIFT_VENV)) \
+	HF_PRECISION_AXOLOTL_VENV=$(abspath $(AXOLOTL_VENV)) \
 		$(BIN)/python -m pytest -n 2 --dist loadgroup -q -m frameworks tests/integrations
 
 lint: setup
@@ -106,4 +130,4 @@ nightly: setup
 	HF_PRECISION_PROPERTY_EXAMPLES=1000 $(BIN)/python -m pytest -q -m slow
 
 clean:
-	rm -rf $(VENV) $(TF4_VENV) $(LF_VENV) $(SWIFT_VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) $(TF4_VENV) $(LF_VENV) $(SWIFT_VENV) $(AXOLOTL_VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
