@@ -19,7 +19,11 @@ from typing import Any
 
 import pytest
 
+from hf_precision.integrations.launcher import ENV_VARS
+
 REPO = Path(__file__).resolve().parents[2]
+#: what `hf-precision run` sets: a test sets its own, none leaks in from the caller
+LAUNCH_VARS = ENV_VARS
 FIXTURES = Path(__file__).resolve().parent / "make_fixtures.py"
 
 
@@ -42,7 +46,7 @@ class Venv:
         env = {
             k: v
             for k, v in os.environ.items()
-            if not k.startswith(("HF_PRECISION_GUARD", "PYTEST_", "COV_"))
+            if k not in LAUNCH_VARS and not k.startswith(("PYTEST_", "COV_"))
         }
         env.update(
             PATH=f"{self.bin}{os.pathsep}{env.get('PATH', '')}",
