@@ -21,12 +21,16 @@ This module imports without axolotl (it needs Python >= 3.12); ``PrecisionGuardP
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from hf_precision.callback import PrecisionGuardCallback
 from hf_precision.errors import PrecisionError
 from hf_precision.integrations.launcher import LaunchConfig
+
+logger = logging.getLogger("hf_precision")
 
 #: what to write under ``plugins:``
 PLUGIN = "hf_precision.integrations.axolotl.PrecisionGuardPlugin"
@@ -81,14 +85,40 @@ def callback_from_config(value: Any) -> PrecisionGuardCallback | None:
     )
 
 
+def flags_set_by_axolotl(raw: Mapping[str, Any], cfg: Any) -> dict[str, bool]:
+    """The mixed-precision flags axolotl turned on by itself: on in the resolved ``cfg``, left
+    unset (or ``auto``) in the user's ``raw`` YAML. axolotl's ``bf16: auto`` (the default) gives
+    ``bf16=True`` on a bf16 GPU and otherwise ``fp16=True`` (and ``torch_dtype`` float16).
+
+    >>> flags_set_by_axolotl({"bf16": "auto"}, {"bf16": False, "fp16": True})
+    {'fp16': True}
+    >>> flags_set_by_axolotl({"fp16": True}, {"bf16": False, "fp16": True})
+    {}
+    """
+    get = cfg.get if hasattr(cfg, "get") else lambda k: getattr(cfg, k, None)
+    return {
+        flag: True
+        for flag in ("bf16", "fp16")
+        if get(flag) is True and raw.get(flag) in (None, "auto")
+    }
+
+
 class PrecisionGuardPluginMethods:
     """What :class:`PrecisionGuardPlugin` adds to axolotl's ``BasePlugin`` (plain, so it can be
     used and tested without axolotl)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        #: the user's own precision keys, as written in the YAML (``register`` sees them)
+        self.raw_flags: dict[str, Any] | None = None
+        #: the flags axolotl turned on by itself (``add_callbacks_pre_trainer`` fills it)
+        self.set_by_axolotl: dict[str, bool] = {}
+
     def register(self, cfg: Mapping[str, Any]) -> None:
         """axolotl calls this with the raw YAML: a bad ``precision_guard`` fails here, before
-        any model is loaded."""
+        any model is loaded; the user's own ``bf16``/``fp16`` are noted."""
         callback_from_config(cfg.get(KEY, "auto"))
+        self.raw_flags = {flag: cfg.get(flag) for flag in ("bf16", "fp16")}
 
     def get_input_args(self) -> str:
         return ARGS
@@ -97,6 +127,16 @@ class PrecisionGuardPluginMethods:
         """The guard, passed to the Trainer's constructor (so ``on_init_end`` fires)."""
         value = cfg.get(KEY) if hasattr(cfg, "get") else getattr(cfg, KEY, None)
         callback = callback_from_config("auto" if value is None else value)
+        if self.raw_flags is not None:
+            self.set_by_axolotl = flags_set_by_axolotl(self.raw_flags, cfg)
+        if callback is not None and self.set_by_axolotl and os.environ.get("RANK", "0") == "0":
+            named = ", ".join(f"{flag}=True" for flag in self.set_by_axolotl)
+            logger.warning(
+                "hf-precision: %s was set by axolotl (`bf16: auto` found no bf16 GPU), not in "
+                "your YAML; the guard follows it. Fix: `fp16: false` and `bf16: false` keep the "
+                "loaded dtypes, `bf16: true` asks for bf16",
+                named,
+            )
         return [] if callback is None else [callback]
 
 

@@ -109,6 +109,21 @@ def test_pre_trainer_callback_fires_on_init_end(tiny_args: Any) -> None:
     assert callbacks[0].events[0][0] == "on_init_end"
 
 
+def test_flags_axolotl_set_itself_are_named(caplog: Any) -> None:
+    methods = plugin.PrecisionGuardPluginMethods()
+    methods.register({"precision_guard": "auto"})  # bf16/fp16 left out: axolotl's auto
+    with caplog.at_level("WARNING", logger="hf_precision"):
+        methods.add_callbacks_pre_trainer({"bf16": False, "fp16": True}, None)
+    assert methods.set_by_axolotl == {"fp16": True}
+    assert "fp16=True was set by axolotl" in caplog.text
+    mine = plugin.PrecisionGuardPluginMethods()
+    mine.register({"fp16": True})
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_precision"):
+        mine.add_callbacks_pre_trainer({"bf16": False, "fp16": True}, None)
+    assert mine.set_by_axolotl == {} and "set by axolotl" not in caplog.text
+
+
 def test_plugin_class_without_axolotl_says_what_to_do() -> None:
     if importlib.util.find_spec("axolotl") is not None:
         pytest.skip("axolotl is installed here")
@@ -189,8 +204,11 @@ def test_axolotl_train_with_the_plugin_key(axolotl_job: Any, tmp_path: Path, rep
     first = json.loads((tmp_path / "out" / "precision" / "000000-on_init_end.json").read_text())
     last = reports.last(tmp_path / "out" / "precision")
     assert last["event"] == "on_train_end" and last["step"] == 3
-    # no bf16 flag: the loaded bf16 is kept for frozen weights, LoRA adapters fp32
-    assert first["policy"]["frozen_dtype"] == "bfloat16"
+    # `bf16: auto` (axolotl's default) found no bf16 GPU: axolotl turned on fp16 itself and
+    # loaded the bf16 checkpoint in float16; the guard follows it and says whose flag it was
+    assert "fp16=True was set by axolotl" in proc.stdout
+    assert first["policy"]["frozen_dtype"] == "float16"
+    assert first["policy"]["trainable_dtype"] == "float32"
     assert last["dtype_map"]["groups"]["language_model"]["trainable"] > 0
 
 
