@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+
+# no `typing` at run time: this module is loaded at interpreter start (annotations are strings)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 ENV_GUARD = "HF_PRECISION_GUARD"
 #: values of ``HF_PRECISION_GUARD`` that mean "off" (as does an unset or empty variable)

@@ -346,6 +346,13 @@ def test_install_hook_writes_and_removes_the_line(tmp_path):
     assert path == tmp_path / PTH_NAME
     line = path.read_text()
     assert line.startswith("import ") and line.count("\n") == 1  # one line, run by site.py
+    # the start-up files cannot import autostart's OFF_VALUES: they spell the same tuple
+    from hf_precision.integrations import autostart
+
+    assert repr(autostart.OFF_VALUES) in line
+    assert (
+        repr(autostart.OFF_VALUES).replace("'", '"') in (BOOT_DIR / "sitecustomize.py").read_text()
+    )
     assert main(["install-hook", "--target", str(tmp_path), "--remove"]) == 0
     assert not path.exists()
 
@@ -424,6 +431,15 @@ def test_nothing_is_imported_at_start_without_the_variable(tmp_path):
     assert proc.stdout.strip() == "['_hf_precision_autostart']"
     proc = _run([sys.executable, "-c", _PROBE], {**env, "HF_PRECISION_GUARD": "auto"})
     assert proc.stdout.strip() == "['_hf_precision_autostart']"
+    for off in ("0", "off"):  # the off switch costs as little as an unset variable
+        assert (
+            _run(_site_python(tmp_path, _PROBE), {**env, "HF_PRECISION_GUARD": off}).stdout.strip()
+            == "[]"
+        )
+        assert (
+            _run([sys.executable, "-c", _PROBE], {**env, "HF_PRECISION_GUARD": off}).stdout.strip()
+            == "[]"
+        )
 
 
 @pytest.mark.slow
@@ -447,7 +463,8 @@ def test_every_torchrun_rank_is_guarded_and_rank0_says_so(tmp_path):
 def test_trls_cli_is_guarded(tmp_path):
     """``hf-precision run -- trl sft ...``: TRL's own CLI (its SFTConfig defaults to bf16=True)
     on a tiny LLaVA saved with its processor and chat template, a local parquet dataset with
-    generated images, LoRA, three steps."""
+    generated images, LoRA, three steps. ``trl sft`` runs its script through ``accelerate
+    launch`` (a child process): the guard reaches it through the environment."""
     from datasets import Dataset
 
     from hf_precision.tiny import tiny_llava_processor

@@ -10,22 +10,24 @@ runs the ``sitecustomize`` this one shadowed (a distribution's or a virtualenv's
 import os
 import sys
 
+OFF_VALUES = ("", "0", "off", "false", "no", "none")
+
 
 def _load_autostart() -> None:
+    name = "_hf_precision_autostart"
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "autostart.py")
     try:
-        import importlib.util
+        # importlib.machinery is loaded at start anyway (importlib.util would add ~30 modules)
+        from importlib.machinery import SourceFileLoader
 
-        spec = importlib.util.spec_from_file_location("_hf_precision_autostart", path)
-        if spec is None or spec.loader is None:
-            return
-        module = sys.modules.get("_hf_precision_autostart")
+        module = sys.modules.get(name)
         if module is None:
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            sys.modules["_hf_precision_autostart"] = module
+            module = sys.modules[name] = type(sys)(name)
+            module.__file__ = path
+            SourceFileLoader(name, path).exec_module(module)
         module.activate()
     except Exception as err:  # never break the interpreter's start
+        sys.modules.pop(name, None)
         print(f"hf-precision: the launcher hook failed to load ({err!r})", file=sys.stderr)
 
 
@@ -35,9 +37,7 @@ def _chain() -> None:
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     me = sys.modules.pop("sitecustomize", None)
     try:
-        import importlib
-
-        importlib.import_module("sitecustomize")
+        __import__("sitecustomize")
     except ModuleNotFoundError as err:
         if err.name != "sitecustomize":
             raise
@@ -45,7 +45,8 @@ def _chain() -> None:
             sys.modules["sitecustomize"] = me
 
 
-if "HF_PRECISION_GUARD" in os.environ:
+# the same off values as autostart.OFF_VALUES (this file cannot import it before it is loaded)
+if os.environ.get("HF_PRECISION_GUARD", "").strip().lower() not in OFF_VALUES:
     _load_autostart()
 if __name__ == "sitecustomize":
     _chain()
