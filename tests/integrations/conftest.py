@@ -87,7 +87,8 @@ class Venv:
         """``make_fixtures.py kind root k=v...`` with this venv's interpreter (its transformers
         writes the checkpoint it will read); the path it prints."""
         args = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
-        proc = self.run([self.python, str(FIXTURES), kind, str(root), *args], cwd=REPO)
+        root.mkdir(parents=True, exist_ok=True)
+        proc = self.run([self.python, str(FIXTURES), kind, str(root), *args], cwd=root)
         assert proc.returncode == 0, proc.stdout[-3000:]
         return Path(proc.stdout.strip().splitlines()[-1])
 

@@ -119,9 +119,9 @@ def job(swift_venv: Any, tmp_path: Path) -> list[str]:
     return ["swift", "sft", *argv]
 
 
-def _plugin(swift_venv: Any) -> list[str]:
+def _plugin(swift_venv: Any, tmp_path: Path) -> list[str]:
     path = swift_venv.run(
-        [swift_venv.python, "-m", "hf_precision.integrations.ms_swift"], cwd=Path.cwd()
+        [swift_venv.python, "-m", "hf_precision.integrations.ms_swift"], cwd=tmp_path
     ).stdout.strip()
     return ["--external_plugins", path, "--callbacks", "precision_guard"]
 
@@ -144,7 +144,7 @@ def _trained(proc: Any, tmp_path: Path, reports: Any) -> dict[str, Any]:
 def test_sft_with_the_plugin_names_the_flag_swift_set(
     swift_venv: Any, job: list[str], tmp_path: Path, reports: Any
 ) -> None:
-    proc = swift_venv.run([*job, *_plugin(swift_venv)], cwd=tmp_path)
+    proc = swift_venv.run([*job, *_plugin(swift_venv, tmp_path)], cwd=tmp_path)
     report = _trained(proc, tmp_path, reports)
     assert NOTE in proc.stdout
     # swift's fp16=True reached the policy: frozen weights fp16, LoRA adapters fp32
@@ -159,7 +159,7 @@ def test_sft_with_the_plugin_names_the_flag_swift_set(
 def test_sft_with_the_users_own_flag_is_not_attributed_to_swift(
     swift_venv: Any, job: list[str], tmp_path: Path, reports: Any
 ) -> None:
-    proc = swift_venv.run([*job, "--fp16", "true", *_plugin(swift_venv)], cwd=tmp_path)
+    proc = swift_venv.run([*job, "--fp16", "true", *_plugin(swift_venv, tmp_path)], cwd=tmp_path)
     report = _trained(proc, tmp_path, reports)
     assert "set by ms-swift" not in proc.stdout
     assert report["policy"]["frozen_dtype"] == "float16"
