@@ -7,7 +7,7 @@ export WANDB_SILENT ?= true
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast test-tf4 lint typecheck bench gpu-test nightly clean notebooks
+.PHONY: setup demo test test-fast test-tf4 test-frameworks frameworks-setup lint typecheck bench gpu-test nightly clean notebooks
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,7 +33,7 @@ demo: setup
 	$(BIN)/python recipes/lora_llava.py --config recipes/configs/llava/tiny.yaml --report_to wandb
 
 test: setup
-	$(BIN)/python -m pytest -n 2 --dist loadgroup -q
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -m "not frameworks"
 
 # The transformers 4.x leg: its own venv (.venv-tf4) with the 4.57 line and the peft that goes
 # with it; the core, scenario and seed-layout tests run there (see the README's compatibility
@@ -58,7 +58,69 @@ test-tf4: $(TF4_VENV)/.installed
 	$(TF4_VENV)/bin/python -m pytest -n 2 --dist loadgroup -q $(TF4_TESTS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -x -m "not slow and not multiprocess"
+	$(BIN)/python -m pytest -q -x -m "not slow and not multiprocess and not frameworks"
+
+# The framework leg: each framework's real command line on a tiny VLM LoRA job, in its own venv
+# (a framework pins its own transformers/peft/trl). torch is the CPU wheel, pinned on every pip
+# line (an unpinned torch, or a torchvision resolved alone, pulls a multi-GB CUDA build).
+# LLaMA-Factory pulls torchvision/torchaudio, whose PyPI wheels are CUDA builds: their compiled
+# ops cannot load next to the CPU torch (`operator torchvision::nms does not exist`). torchvision
+# is removed (LLaMA-Factory does not import it; transformers then uses its PIL image
+# processors); torchaudio keeps its Python code without its compiled libraries (its loader
+# treats them as not built; LLaMA-Factory only imports it, for audio inputs).
+# hf-precision is installed without deps for its `hf-precision` command and start-up hook; the
+# tests put this checkout first on PYTHONPATH, so the code under test is this tree's.
+LF_VENV ?= .venv-llamafactory
+LF_PINS ?= "llamafactory==0.9.5"
+SWIFT_VENV ?= .venv-swift
+SWIFT_PINS ?= "ms-swift==4.6.0" "transformers==5.19.0" "peft==0.20.0" "trl==0.29.1"
+
+$(LF_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(LF_VENV)
+	$(LF_VENV)/bin/python -m pip install -q "torch==2.13.0"
+	$(LF_VENV)/bin/python -m pip install -q "torch==2.13.0" $(LF_PINS)
+	$(LF_VENV)/bin/python -m pip uninstall -q -y torchvision
+	rm -f $(LF_VENV)/lib/python*/site-packages/torchaudio/lib/*.so
+	$(LF_VENV)/bin/python -m pip install -q --no-deps .
+	touch $@
+
+$(SWIFT_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(SWIFT_VENV)
+	$(SWIFT_VENV)/bin/python -m pip install -q "torch==2.13.0"
+	$(SWIFT_VENV)/bin/python -m pip install -q "torch==2.13.0" $(SWIFT_PINS)
+	$(SWIFT_VENV)/bin/python -m pip install -q --no-deps .
+	touch $@
+
+# axolotl 0.21 declares Python >= 3.12 and pulls CUDA kernels (xformers, triton, liger, fla);
+# the torch CPU wheel here is for 3.11, and axolotl's code runs on 3.11: it is installed without
+# its deps (--ignore-requires-python), beside its own pins of what `axolotl.cli.train` imports
+# for a LoRA job on CPU.
+AXOLOTL_VENV ?= .venv-axolotl
+AXOLOTL_PIN ?= "axolotl==0.21.0"
+AXOLOTL_DEPS ?= "transformers==5.20.1" "peft==0.21.2" "accelerate==1.15.0" "datasets==5.0.1" \
+	"trl==1.14.1" "pydantic==2.13.5" "tokenizers==0.23.3" "bitsandbytes==0.50.2" \
+	"evaluate==0.4.1" "typer==0.25.1" "axolotl-contribs-lgpl==0.0.7" "axolotl-contribs-mit==0.0.6" \
+	addict fire colorama posthog numba einops pyyaml sentencepiece art packaging requests scipy \
+	pillow fastcore wandb
+
+$(AXOLOTL_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(AXOLOTL_VENV)
+	$(AXOLOTL_VENV)/bin/python -m pip install -q "torch==2.13.0"
+	$(AXOLOTL_VENV)/bin/python -m pip install -q "torch==2.13.0" $(AXOLOTL_DEPS)
+	$(AXOLOTL_VENV)/bin/python -m pip install -q --no-deps --ignore-requires-python $(AXOLOTL_PIN)
+	$(AXOLOTL_VENV)/bin/python -m pip install -q --no-deps .
+	touch $@
+
+FRAMEWORK_VENVS := $(LF_VENV)/.installed $(SWIFT_VENV)/.installed $(AXOLOTL_VENV)/.installed
+frameworks-setup: $(FRAMEWORK_VENVS)
+
+# the tests run this tree (PYTHONPATH); its current start-up line is written into each venv
+test-frameworks: setup $(FRAMEWORK_VENVS)
+	for v in $(LF_VENV) $(SWIFT_VENV) $(AXOLOTL_VENV); do PYTHONPATH=$(CURDIR) $$v/bin/python -c \
+		"from hf_precision.integrations.launcher import install_hook; install_hook()" || exit 1; done
+	HF_PRECISION_LLAMAFACTORY_VENV=$(abspath $(LF_VENV)) HF_PRECISION_SWIFT_VENV=$(abspath $(SWIFT_VENV)) \
+	HF_PRECISION_AXOLOTL_VENV=$(abspath $(AXOLOTL_VENV)) \
+		$(BIN)/python -m pytest -n 2 --dist loadgroup -q -m frameworks tests/integrations
 
 lint: setup
 	$(BIN)/ruff check hf_precision tests recipes benchmarks
@@ -77,4 +139,4 @@ nightly: setup
 	HF_PRECISION_PROPERTY_EXAMPLES=1000 $(BIN)/python -m pytest -q -m slow
 
 clean:
-	rm -rf $(VENV) $(TF4_VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) $(TF4_VENV) $(LF_VENV) $(SWIFT_VENV) $(AXOLOTL_VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -6,4 +6,7 @@ loads ``integrations/<package>.py`` by name and calls its ``trainer_models(train
 for the other models the trainer runs); nothing imports them statically, and adding one touches
 nothing else
 (``tests/test_layering.py`` places every module of this folder in the ``frameworks`` layer).
+
+Name no module here after an installed package (``swift``, ``trl``, ``accelerate``...): ms-swift's
+``--external_plugins`` puts this folder first on ``sys.path`` when it imports ``ms_swift.py``.
 """
