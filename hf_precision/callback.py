@@ -245,7 +245,7 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         """The other models the Trainer runs (TRL's ``ref_model``, reward, value and teacher
         models) get this callback's policy, guards and report (``<step>-<event>.<name>.json``),
         each its own engine. They are found by the adapter of the library the Trainer's class
-        comes from (``hf_precision/integrations/<library>.py``, its ``trainer_models``)."""
+        comes from (``hf_precision/integrations/<library>_models.py``, its ``trainer_models``)."""
         trainer, init_args = _find_trainer(self)
         if trainer is None:
             return
@@ -329,7 +329,7 @@ def _trainer_models(trainer: Any, init_args: dict[str, Any]) -> dict[str, nn.Mod
     trainer is a TRL DPOTrainer) for the other models it runs."""
     found: dict[str, nn.Module] = {}
     for library in dict.fromkeys(c.__module__.split(".")[0] for c in type(trainer).__mro__):
-        name = f"{__package__}.integrations.{library}"
+        name = f"{__package__}.integrations.{library}_models"
         if importlib.util.find_spec(name) is None:
             continue
         adapter = importlib.import_module(name)

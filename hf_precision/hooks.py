@@ -49,7 +49,7 @@ from .dtype_maps import receiving, receiving_dtypes
 from .dtypes import dtype_name, is_castable, quantized_compute_dtype
 from .errors import PrecisionError, check_model
 from .groups import LEAF_GUARDED_GROUPS, OTHER, ModuleGroups, find_module_groups
-from .policy import Mode, PrecisionPolicy
+from .policy import Mode, PrecisionPolicy, is_norm_module
 from .view import ModelView
 from .wrappers import unwrap_model, wrapper_compute_dtypes
 
@@ -428,6 +428,15 @@ def _own_weight(mod: nn.Module) -> tuple[torch.dtype, torch.Tensor | None] | Non
     return (castable.dtype, castable) if castable is not None else None
 
 
+def _norm_held_fp32(mod: nn.Module, own: tuple[torch.dtype, torch.Tensor | None]) -> bool:
+    """A normalization layer whose weights are held in float32 (``upcast_layernorm``): it takes
+    half inputs itself (torch's norms and transformers' RMSNorms compute in float32 inside and
+    most return the input's dtype), so no guard casts its input up, which would carry float32
+    into what follows it (Qwen3.5's ``q_norm`` into attention, MiniCPM-V's ``ln_post`` into a
+    bare matmul); the layers after it get the leaf guards."""
+    return own[0] == torch.float32 and is_norm_module(mod)
+
+
 def _group_roots(root: nn.Module, groups: ModuleGroups) -> list[tuple[str, nn.Module]]:
     """(path, module) of every group root, those held outside the module tree included."""
     from .groups import hidden_module
@@ -502,7 +511,7 @@ def _put_entry(
         if sub is mod or isinstance(sub, _SKIP_LEAVES):
             continue
         own = _own_weight(sub)
-        if own is None:
+        if own is None or _norm_held_fp32(sub, own):
             continue
         put(
             sub,
@@ -675,7 +684,7 @@ def install_guards(
             if group not in leaf_groups or id(mod) in wanted or isinstance(mod, _SKIP_LEAVES):
                 continue
             own = _own_weight(mod)
-            if own is not None:
+            if own is not None and not _norm_held_fp32(mod, own):
                 put(mod, _leaf_state("leaf", path, own, policy, compute, move), handle.leaf)
     # guards no longer wanted (a group stopped mixing); hidden modules are in the view
     for _, _, mod in view.modules:

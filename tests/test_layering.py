@@ -175,3 +175,16 @@ def test_tests_mirror_the_package() -> None:
         and not (tests / p.parent.relative_to(PKG) / f"test_{p.stem}.py").is_file()
     ]
     assert missing == [], f"modules without their test file: {missing}"
+
+
+def test_no_integration_module_shadows_a_package() -> None:
+    """ms-swift's ``--external_plugins`` puts hf_precision/integrations/ first on ``sys.path``:
+    a module there named like an installed package (``trl``, ``swift``) would replace it."""
+    import importlib.util
+
+    shadows = [
+        p.stem
+        for p in sorted((PKG / "integrations").glob("*.py"))
+        if p.stem != "__init__" and importlib.util.find_spec(p.stem) is not None
+    ]
+    assert shadows == [], f"rename these (e.g. <tool>_models.py): {shadows}"

@@ -59,15 +59,7 @@ def _norms_kept_fp32(report: dict[str, Any], reports: Any) -> None:
     norms = reports.norm_dtypes(report)
     assert norms, "no norm in the report"
     lowered = {path: dtypes for path, dtypes in norms.items() if dtypes != {"float32"}}
-    if lowered:
-        # Until the `keep` branch (deliberate fp32 norms kept, the trust issue) is merged, the
-        # inferred bf16-true policy casts LLaMA-Factory's fp32 norms to bf16 (training works,
-        # the upcast is lost). Checked with `keep` merged: every norm stays fp32 and the 4
-        # tests pass; the integrator then deletes this `if` to make the assertion strict.
-        pytest.xfail(
-            f"{len(lowered)} norms lowered from fp32 (e.g. {next(iter(lowered))}: "
-            f"{sorted(next(iter(lowered.values())))}): needs the `keep` branch"
-        )
+    assert not lowered, f"{len(lowered)} norms lowered from fp32, e.g. {next(iter(lowered))}"
 
 
 def test_cli_crashes_without_the_guard(llamafactory_venv: Any, job: Path, reports: Any) -> None:

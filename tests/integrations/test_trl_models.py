@@ -1,4 +1,4 @@
-"""hf_precision/integrations/trl.py: the other models a TRL trainer runs (its reference model
+"""hf_precision/integrations/trl_models.py: the other models a TRL trainer runs (its reference model
 here) get the callback's policy, guards and report, on the real DPOTrainer."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 
 from hf_precision import PrecisionGuardCallback
 from hf_precision.hooks import installed_guards
-from hf_precision.integrations.trl import trainer_models
+from hf_precision.integrations.trl_models import trainer_models
 
 
 def _tests_trl() -> ModuleType:
@@ -50,7 +50,7 @@ def test_trainer_models_reads_attributes_then_init_arguments():
 def test_the_adapter_imports_without_trl():
     code = (
         "import sys; sys.modules['trl'] = None\n"  # import trl raises
-        "from hf_precision.integrations.trl import trainer_models\n"
+        "from hf_precision.integrations.trl_models import trainer_models\n"
         "assert 'trl' not in {m.split('.')[0] for m in sys.modules if sys.modules[m]}\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -5,8 +5,10 @@ model (``DPOTrainer``, ``KTOTrainer``, ``GRPOTrainer``, ``RLOOTrainer``, the exp
 ``OnlineDPOTrainer``), reward models (``reward_funcs`` entries that are models: GRPO, RLOO,
 Online DPO), a teacher (``DistillationTrainer``, GKD) and, where a trainer has one, a value
 model. The callback calls :func:`trainer_models` at each of its events (it looks for this
-module because the trainer's class comes from ``trl``) and guards every model found with the
-same policy, hooks and report (files named ``<step>-<event>.<name>.json``).
+module, ``trl_models``, because the trainer's class comes from ``trl``; it is not named ``trl``: a
+module of this folder never shadows a package ms-swift imports when its plugin loader puts this
+folder on ``sys.path``) and guards every model found with the same policy, hooks and report
+(files named ``<step>-<event>.<name>.json``).
 
 When they exist, in TRL 1.16 (read from its source):
 
