@@ -86,7 +86,9 @@ def test_leaf_guards_in_mixed_group_fix_fp32_norm_leak():
     handle = install_guards(model, policy, report)
     assert handle.leaf, "leaf guards go where dtypes mix"
     kinds = guard_targets(model)
-    assert kinds["model.language_model.layers.0.input_layernorm"] == ("leaf", "float32")
+    # the fp32 norm takes bf16 inputs itself: no guard casts them up (its output would carry
+    # fp32 into what follows); the layers after it get the leaf guards
+    assert "model.language_model.layers.0.input_layernorm" not in kinds
     assert kinds["model.language_model.layers.1.self_attn.q_proj"] == ("leaf", "bfloat16")
     out = model(**tiny_batch(model))
     assert torch.isfinite(out.loss)
