@@ -362,6 +362,14 @@ first without the guard, then with it (`PrecisionGuard`, its policy inferred as
   inputs at K module(s)` (modules whose inputs its hooks changed during the run), `restores N
   after evaluate()`, or `watches (nothing to do)`; **still fails** when the guard did not rescue
   the run (a gap, listed as found).
+
+Reading it honestly: transformers' own VLMs (5.x and 4.57 alike for these families) cast
+`pixel_values` and the image features at their boundaries, so a whole model loaded in bf16 with
+an fp32 batch runs without the guard (`bf16` rows: `runs`); there the guard's casts are the
+rotary tables a `model.to(bf16)` rounded (recomputed in float32) and the batch. What fails
+without it is a model whose parts differ: a trained projector or norms held in float32, a
+vision tower in another dtype (the remote-code layouts, which cast nothing themselves), fp16
+trainables under the GradScaler, and what `*_full_eval` rounds.
 """
 
 
