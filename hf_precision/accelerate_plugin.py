@@ -52,7 +52,7 @@ from .distributed import rank
 from .dtypes import dtype_name
 from .enforce import EnforceReport
 from .errors import PrecisionError, PrecisionWarning
-from .guard import GuardFrontEnd, PrecisionGuard, flag_conflict, policy_origin
+from .guard import GuardFrontEnd, PrecisionGuard, policy_origin
 from .policy import LeafGuards, Mode, PrecisionPolicy
 from .reporting import PrecisionReporter
 from .wrappers import unwrap_model
@@ -163,20 +163,7 @@ class PrecisionGuardPlugin(GuardFrontEnd):
 
         said = f"Accelerator(mixed_precision={mp!r})"
         self._said = said if flag else ""
-        if self._policy_arg is not None:
-            conflict = flag_conflict(
-                self.policy,
-                flag,
-                call=self._call,
-                said=said,
-                runner="accelerate",
-                owner="PrecisionGuardPlugin",
-                words=words,
-            )
-            if isinstance(conflict, PrecisionError):
-                raise conflict
-            if conflict:
-                warnings.warn(conflict, PrecisionWarning, stacklevel=3)
+        self._check_flag(flag, said=said, runner="accelerate", words=words, stacklevel=3)
         trainable = model is not None and any(p.requires_grad for p in model.parameters())
         if flag == "fp16" and self.policy.trainable_dtype == torch.float16 and trainable:
             raise PrecisionError(

@@ -37,7 +37,7 @@ from .deepspeed_config import check_training_args
 from .enforce import EnforceReport
 from .errors import PrecisionError, PrecisionWarning
 from .groups import ModuleGroups
-from .guard import GuardFrontEnd, PrecisionGuard, flag_conflict, policy_origin
+from .guard import GuardFrontEnd, PrecisionGuard, policy_origin
 from .hooks import GuardHandle
 from .policy import LeafGuards, Mode, PrecisionPolicy
 from .wrappers import unwrap_model
@@ -170,20 +170,7 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
             return flags.flag(name, value, args=args)
 
         said = words(flag, True) if flag else ""
-        if self._policy_arg is not None:
-            conflict = flag_conflict(
-                policy,
-                flag,
-                call=self._call,
-                said=said,
-                runner="the Trainer",
-                owner="PrecisionGuardCallback",
-                words=words,
-            )
-            if isinstance(conflict, PrecisionError):
-                raise conflict
-            if conflict:
-                warnings.warn(conflict, PrecisionWarning, stacklevel=4)
+        self._check_flag(flag, said=said, runner="the Trainer", words=words, stacklevel=4)
         if (
             flag == "fp16"
             and policy.trainable_dtype == torch.float16

@@ -625,6 +625,28 @@ class GuardFrontEnd:
         given = self._with_overrides(resolve_policy(policy, call=self._call))
         self.policy = None if policy is None else given
 
+    def _check_flag(
+        self, flag: str | None, *, said: str, runner: str, words: Any, stacklevel: int
+    ) -> None:
+        """The user's explicit policy against the run's mixed-precision flag, before anything
+        is cast (:func:`flag_conflict`): refused with a :class:`PrecisionError`, or a warning
+        when it runs but not as asked."""
+        if self._policy_arg is None or self.policy is None:
+            return  # an inferred policy follows the flags
+        conflict = flag_conflict(
+            self.policy,
+            flag,
+            call=self._call,
+            said=said,
+            runner=runner,
+            owner=self._name,
+            words=words,
+        )
+        if isinstance(conflict, PrecisionError):
+            raise conflict
+        if conflict:
+            warnings.warn(conflict, PrecisionWarning, stacklevel=stacklevel + 1)
+
     def _new_guard(self, model: nn.Module, **kwargs: Any) -> PrecisionGuard:
         """The engine for ``model``, owned by this front end, speaking in its user's call and
         reporting through its reporter."""

@@ -296,13 +296,7 @@ def plot_precision(
     give the same bytes.
     """
     fig = precision_figure(rows, title=title, subtitle=subtitle, size=size)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=_DPI, metadata={"Software": None})
-    png = buf.getvalue()
-    if path is not None:
-        with open(path, "wb") as fh:
-            fh.write(png)
-    return png
+    return _png(fig, path)
 
 
 def precision_figure(
@@ -480,6 +474,12 @@ def plot_group_bytes(
         ax.legend(title="dtype", fontsize=8, title_fontsize=8, loc="upper right")
     ax.margins(y=0.12)
     fig.subplots_adjust(left=0.1, right=0.97, top=0.9, bottom=0.2)
+    return _png(fig, path)
+
+
+def _png(fig: Any, path: Any) -> bytes:
+    """The figure's PNG bytes (no software tag: the same figure gives the same bytes), also
+    written to ``path`` when given."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=_DPI, metadata={"Software": None})
     png = buf.getvalue()
