@@ -352,8 +352,10 @@ def apply_stored_dtypes(model: Any, stored: dict[str, Any]) -> tuple[int, int]:
 
 #: --trainable words besides group names
 TRAINABLE_WORDS = ("all", "none", "other")
-#: the one default of every command: what from_pretrained leaves trainable (everything)
-DEFAULT_TRAINABLE = "all"
+#: the one default of every command: nothing trained (LoRA's case, the most common: the
+#: checkpoint's weights stay frozen, so a bf16 checkpoint audited against ``bf16`` is clean);
+#: ``--trainable projector`` / ``all`` for runs that train the checkpoint's own weights
+DEFAULT_TRAINABLE = "none"
 
 
 def trainable_groups(spec: str) -> list[str]:

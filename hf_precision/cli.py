@@ -101,7 +101,7 @@ def _common_options(s: argparse.ArgumentParser) -> None:
         default=DEFAULT_TRAINABLE,
         help=f"comma-separated groups that are trained ({', '.join(GROUP_NAMES)}, or a "
         "registered one), 'other', 'all' or "
-        f"'none' (default: {DEFAULT_TRAINABLE}, what from_pretrained leaves trainable)",
+        f"'none' (default: {DEFAULT_TRAINABLE}: the checkpoint frozen, as under LoRA)",
     )
 
 
@@ -746,9 +746,9 @@ class _Audit:
         up = dtype_name(policy.trainable_dtype) if policy.trainable_dtype is not None else None
         if self.args.trainable == "all" and any(c.after == up for c in report.changes):
             print(
-                f"  (--trainable all, the default: every weight is counted as trained, as "
-                f"from_pretrained leaves them, and the policy keeps trained weights in {up}; "
-                "pass the groups your run trains, e.g. --trainable projector, or none for LoRA)"
+                f"  (--trainable all: every weight is counted as trained, and the policy keeps "
+                f"trained weights in {up}; pass the groups your run trains, e.g. --trainable "
+                "projector, or none for LoRA, the default)"
             )
 
 

@@ -254,6 +254,7 @@ def _diagnose_steps(
     import torch
 
     from .diagnostics import diagnose
+    from .dtypes import dtype_name
     from .hooks import install_guards
 
     def guard(mode: str) -> Any:
@@ -265,8 +266,12 @@ def _diagnose_steps(
     mixed = policy.is_mixed and policy.compute_dtype != torch.float32
     train_mode = "fix" if mixed else args.mode
     handle = guard(train_mode)
-    steps["train"] = f"forward+backward, guard mode {train_mode!r}, " + (
-        f"autocast {policy.compute_dtype}" if mixed else "no autocast"
+    # a backward needs something trained (--trainable); with nothing, the forward alone
+    backward = any(p.requires_grad for p in model.parameters())
+    steps["train"] = (
+        ("forward+backward" if backward else "forward (nothing trainable: --trainable GROUPS)")
+        + f", guard mode {train_mode!r}, "
+        + (f"autocast {dtype_name(policy.compute_dtype)}" if mixed else "no autocast")
     )
     results = {}
     try:
@@ -274,7 +279,7 @@ def _diagnose_steps(
             diagnose,
             model,
             batch,
-            backward=True,
+            backward=backward,
             policy=policy,
             autocast=policy.compute_dtype if mixed else None,
             raise_on_error=False,

@@ -77,7 +77,9 @@ def test_audit_model_type_violation(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_doctor_tiny_checkpoint(checkpoints: dict[str, Path]) -> None:
-    proc = _run("doctor", str(checkpoints["fp32"]), "--policy", "bf16-true", "--json")
+    proc = _run(
+        "doctor", str(checkpoints["fp32"]), "--policy", "bf16-true", "--trainable", "all", "--json"
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(proc.stdout)
     assert data["ok"] and set(data["diagnosis"]) == {"train", "generate"}
@@ -217,7 +219,7 @@ def test_audit_and_doctor_share_their_defaults() -> None:
     doctor = vars(_parser().parse_args(["doctor", "llava"]))
     shared = {"policy", "trainable", "json", "plain"}
     assert {k: audit[k] for k in shared} == {k: doctor[k] for k in shared}
-    assert audit["trainable"] == "all"
+    assert audit["trainable"] == "none"
 
 
 def test_a_policy_typo_names_the_presets(capsys: pytest.CaptureFixture[str]) -> None:

@@ -135,7 +135,22 @@ def test_doctor_runs_text_only_models(
     build: Any, steps: set[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     build(tmp_path)
-    assert main(["doctor", str(tmp_path), "--policy", "bf16", "--text-len", "5", "--json"]) == 0
+    assert (
+        main(
+            [
+                "doctor",
+                str(tmp_path),
+                "--policy",
+                "bf16",
+                "--text-len",
+                "5",
+                "--json",
+                "--trainable",
+                "all",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert set(data["diagnosis"]) == steps
     assert data["diagnosis"]["train"]["passes"] == {"forward": "ok", "backward": "ok"}
@@ -154,12 +169,25 @@ def test_a_text_model_batch_error_names_text_flags_only(
 def test_what_autocast_handled_is_counted_as_information(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["doctor", "llava", "--policy", "bf16", "--no-generate", "--json"]) == 0
+    assert (
+        main(
+            ["doctor", "llava", "--policy", "bf16", "--no-generate", "--json", "--trainable", "all"]
+        )
+        == 0
+    )
     train = json.loads(capsys.readouterr().out)["diagnosis"]["train"]
     handled = [m for m in train["mismatches"] if m["autocast"]]
     assert handled and train["autocast_handled"] == len(handled)
-    assert main(["doctor", "llava", "--policy", "bf16", "--no-generate"]) == 0
+    assert main(["doctor", "llava", "--policy", "bf16", "--no-generate", "--trainable", "all"]) == 0
     out = capsys.readouterr().out
     assert f"info: autocast handled {len(handled)} input/weight dtype difference(s)" in out
     assert "did not fail" not in out  # nothing outside autocast to look at
     assert f"OK: train ok (autocast handled {len(handled)} dtype difference(s))" in out
+
+
+def test_doctor_with_nothing_trained_runs_the_forward_alone(capsys: pytest.CaptureFixture[str]):
+    """The default, ``--trainable none`` (LoRA's case): no backward to run, and it says so."""
+    assert main(["doctor", "llava", "--policy", "bf16", "--no-generate", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["diagnosis"]["train"]["passes"] == {"forward": "ok"}
+    assert "nothing trainable" in out["steps"]["train"]
