@@ -97,6 +97,7 @@ def test_pre_trainer_callback_fires_on_init_end(tiny_args: Any) -> None:
     from transformers import Trainer
 
     model = tiny_text_llama(torch.float32)
+    model.requires_grad_(False)  # frozen (LoRA's base): the split is put back together
     model.model.layers[0].self_attn.to(torch.bfloat16)
     callbacks = plugin.PrecisionGuardPluginMethods().add_callbacks_pre_trainer(
         {"precision_guard": None},

@@ -54,6 +54,7 @@ def test_built_as_swift_builds_callbacks_it_guards_a_trainer(tiny_args: Any) -> 
     cb = ms_swift.SwiftPrecisionGuardCallback(args, None)  # swift: cls(args, trainer)
     assert isinstance(cb, PrecisionGuardCallback) and cb.policy is None  # inferred
     model = tiny_text_llama(torch.float32)
+    model.requires_grad_(False)  # frozen: trainable half weights would keep their dtype
     model.model.layers[0].mlp.to(torch.bfloat16)  # a split the guard puts back together
     Trainer(model=model, args=args, callbacks=[cb])
     assert {p.dtype for p in model.parameters()} == {torch.float32}
