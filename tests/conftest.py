@@ -48,6 +48,12 @@ def _no_leaked_mixed_precision(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
+def list_dataset() -> type[ListDataset]:
+    """The dataset class of :func:`make_trainer`, for tests that build their own Trainer."""
+    return ListDataset
+
+
+@pytest.fixture
 def tiny_args(tmp_path: Any) -> Callable[..., Any]:
     """``tiny_args(**overrides) -> TrainingArguments`` for the tiny models: CPU, two steps of
     batch 2, output in ``tmp_path/out``, no checkpoints, no trackers, no worker processes."""

@@ -60,7 +60,7 @@ ENV_GUARD = autostart.ENV_GUARD
 ENV_MODE = "HF_PRECISION_MODE"
 ENV_KEEP_FP32 = "HF_PRECISION_KEEP_FP32"
 ENV_REPORT_DIR = "HF_PRECISION_REPORT_DIR"
-ENV_TOOL = "HF_PRECISION_TOOL"
+ENV_TOOL = "HF_PRECISION_TOOL"  # = flags.ENV (flags imports torch; --help must not)
 #: how the guard was switched on, for the log line (``hf-precision run`` sets it)
 ENV_VIA = "HF_PRECISION_VIA"
 ENV_VARS = (ENV_GUARD, ENV_MODE, ENV_KEEP_FP32, ENV_REPORT_DIR, ENV_TOOL, ENV_VIA)

@@ -42,18 +42,6 @@ def _guards(trainer: Any) -> list[Any]:
     return [c for c in trainer.callback_handler.callbacks if isinstance(c, PrecisionGuardCallback)]
 
 
-class ListDataset(torch.utils.data.Dataset):
-    def __init__(self, batch: dict[str, torch.Tensor], repeat: int = 1) -> None:
-        n = next(iter(batch.values())).shape[0]
-        self.rows = [{k: v[i] for k, v in batch.items()} for _ in range(repeat) for i in range(n)]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return self.rows[i]
-
-
 def _split_llava() -> Any:
     model = tiny_llava(seed=0)
     model.model.vision_tower.to(torch.float16).requires_grad_(False)
@@ -111,7 +99,7 @@ def test_a_trainer_that_has_a_guard_is_not_guarded_twice(launched, make_trainer,
         assert cb is mine
 
 
-def test_a_subclass_calling_super_init_gets_one_guard(launched, tiny_args):
+def test_a_subclass_calling_super_init_gets_one_guard(launched, tiny_args, list_dataset):
     seen: list[int] = []
 
     class Outer(Trainer):
@@ -124,7 +112,7 @@ def test_a_subclass_calling_super_init_gets_one_guard(launched, tiny_args):
             super().__init__(model=model, **kwargs)
 
     model = _split_llava()
-    trainer = Inner(model, args=tiny_args(), train_dataset=ListDataset(tiny_batch(model)))
+    trainer = Inner(model, args=tiny_args(), train_dataset=list_dataset(tiny_batch(model)))
     assert len(_guards(trainer)) == 1 and seen == [0]
     assert inspect.signature(Inner.__init__) != ORIGINAL_SIGNATURE  # theirs, untouched
 
@@ -202,13 +190,13 @@ def test_keep_fp32_with_the_inferred_policy(launched, make_trainer):
     assert {p.dtype for p in model.model.language_model.parameters()} == {torch.float16}
 
 
-def test_several_trainers_checkpoints_and_resume(launched, tiny_args, tmp_path):
+def test_several_trainers_checkpoints_and_resume(launched, tiny_args, tmp_path, list_dataset):
     """Several Trainers in one process each get their own guard (each infers its own policy);
     checkpoints are written and a resumed Trainer is guarded again, its reports beside the
     first run's."""
     out = tmp_path / "run"
     model = _split_llava()
-    data = ListDataset(tiny_batch(model), repeat=2)
+    data = list_dataset(tiny_batch(model), repeat=2)
     first = Trainer(
         model=model,
         args=tiny_args(output_dir=str(out), save_strategy="steps", save_steps=1, max_steps=2),

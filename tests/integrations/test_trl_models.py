@@ -119,6 +119,23 @@ def test_dpo_reference_model_gets_the_policy_guards_and_report(tmp_path: Path):
     assert (report / "000000-on_init_end.json").is_file()  # the policy model's own
 
 
+def _dpo_config(out: Path, **kw: Any) -> Any:
+    """One DPO step on CPU, no flag (the tests plant the dtypes), nothing saved or logged."""
+    import trl
+
+    return trl.DPOConfig(
+        output_dir=str(out),
+        use_cpu=True,
+        max_steps=1,
+        per_device_train_batch_size=2,
+        report_to=[],
+        save_strategy="no",
+        bf16=False,
+        max_length=None,
+        **kw,
+    )
+
+
 def _text_dpo(tmp_path: Path, callbacks: list[Any]) -> Any:
     """DPO on a tiny text Llama with ``precompute_ref_log_probs=True`` (TRL refuses it for
     vision datasets), a reference loaded separately with its embeddings in fp32."""
@@ -135,17 +152,7 @@ def _text_dpo(tmp_path: Path, callbacks: list[Any]) -> Any:
         {"prompt": "what is in the image ?", "chosen": f"a {c} circle", "rejected": f"a {c} square"}
         for c in ("red", "blue", "green", "yellow")
     ]
-    config = trl.DPOConfig(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        max_steps=1,
-        per_device_train_batch_size=2,
-        report_to=[],
-        save_strategy="no",
-        bf16=False,
-        max_length=None,
-        precompute_ref_log_probs=True,
-    )
+    config = _dpo_config(tmp_path, precompute_ref_log_probs=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return trl.DPOTrainer(
@@ -182,16 +189,7 @@ def test_a_reference_model_trl_loads_itself_is_guarded_from_train_begin(tmp_path
 
     tiny_text_llama().save_pretrained(tmp_path / "policy")
     pairs = [{"prompt": "a red", "chosen": " circle", "rejected": " square"}] * 2
-    config = trl.DPOConfig(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        max_steps=1,
-        per_device_train_batch_size=2,
-        report_to=[],
-        save_strategy="no",
-        bf16=False,
-        max_length=None,
-    )
+    config = _dpo_config(tmp_path / "out")
     cb = PrecisionGuardCallback()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
