@@ -33,7 +33,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from . import flags
-from .deepspeed_config import check_training_args
+from .deepspeed_config import check_training_args, zero_stage
 from .enforce import EnforceReport
 from .errors import PrecisionError, PrecisionWarning
 from .groups import ModuleGroups
@@ -86,6 +86,7 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         self.restored = 0  # tensors given back their exact values after a *_full_eval cast
         self._reporter: Any = None
         self._deepspeed_dtype: torch.dtype | None = None
+        self._deepspeed_stage: int | None = None
         #: one engine per other model the Trainer runs (TRL's ref_model, reward models...)
         self.trainer_guards: dict[str, PrecisionGuard] = {}
 
@@ -141,7 +142,12 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
             self._reporter = PrecisionReporter.from_training_args(
                 args, report_dir=self.report_dir, report_to=self.report_to
             )
-        self.guard = self._new_guard(model, deepspeed_dtype=self._deepspeed_dtype, origin=origin)
+        self.guard = self._new_guard(
+            model,
+            deepspeed_dtype=self._deepspeed_dtype,
+            deepspeed_stage=self._deepspeed_stage,
+            origin=origin,
+        )
         self.trainer_guards = {}
         logger.info(
             "hf-precision: policy %s; groups by rule %r",
@@ -158,6 +164,7 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         assert policy is not None
         # the DeepSpeed JSON's bf16/fp16 sections vs --bf16/--fp16
         self._deepspeed_dtype = check_training_args(args)
+        self._deepspeed_stage = zero_stage(args=args)
         flag = (
             "bf16"
             if getattr(args, "bf16", False)
@@ -242,7 +249,11 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
                 continue
             other = self.trainer_guards.get(name)
             if other is None or other.root is not root:
-                other = self._new_guard(model, deepspeed_dtype=self._deepspeed_dtype)
+                other = self._new_guard(
+                    model,
+                    deepspeed_dtype=self._deepspeed_dtype,
+                    deepspeed_stage=self._deepspeed_stage,
+                )
                 if self.report:
                     from .reporting import PrecisionReporter
 

@@ -268,13 +268,15 @@ def check_wrapped(
     *,
     wrapper: str | None = None,
     deepspeed_dtype: torch.dtype | None = None,
+    master_fp32: torch.dtype | None = None,
 ) -> WrapperCheck:
     """Verify, without casting, a model FSDP (1 or 2) or DeepSpeed holds.
 
     Expected and not drift: FSDP's upcast of trainable parameters to fp32 (accelerate does it,
     the fp32 copy is the master weight); weights stored in one dtype that FSDP mixed precision
     computes in the policy's dtype; DeepSpeed holding every weight in its config's dtype (its
-    optimizer keeps fp32 master weights). Anything else is a violation.
+    optimizer keeps fp32 master weights; ``master_fp32``, the half dtype of a ZeRO-3 run, says
+    so per tensor: rule ``wrapper_master_fp32``). Anything else is a violation.
     """
     settle_shards(model)  # after an evaluation FSDP2's root unit holds unsharded bf16 views
     root, _ = unwrap_model(model)
@@ -300,6 +302,7 @@ def check_wrapped(
             current=zero3_dtype(p) or p.dtype,
             role=tensor_role(mod, key, p, is_buffer=False) if mod is not None else None,
             group_dtype=group_dtype.get(group),
+            master_fp32=master_fp32,
         )
         target, reason = decision.dtype, decision.reason
         storage = zero3_dtype(p) or p.dtype

@@ -12,9 +12,14 @@ Precedence for one parameter (first that applies):
 1. rotary tables (any ``*inv_freq*`` buffer, every floating buffer of a rotary-embedding
    module: :func:`tensor_role`) -> float32 (rule ``rotary``); ``keep_fp32`` patterns and the
    model's ``_keep_in_fp32_modules`` -> float32 (rule ``keep_fp32``);
-2. trainable parameter -> float32 if it is float32 and ``keep_trainable_fp32`` (set when the
-   policy is inferred with no precision flag), else ``trainable_dtype`` (fp32 under mixed
-   presets: the optimizer and the fp16 GradScaler need fp32 weights and gradients);
+2. trainable parameter in the half dtype of a DeepSpeed ZeRO-3 run (the engine, its
+   ``TrainingArguments``/accelerate config) -> left in that dtype (rule ``wrapper_master_fp32``:
+   DeepSpeed keeps fp32 master copies in its optimizer, and TRL passes PEFT
+   ``autocast_adapter_dtype=False`` under ZeRO-3 because fp32 adapters beside bf16 weights in one
+   all-gather bucket raised ``TypeError: output tensor must have the same type as input tensor``);
+   else float32 if it is float32 and ``keep_trainable_fp32`` (set when the policy is inferred
+   with no precision flag), else ``trainable_dtype`` (fp32 under mixed presets: the optimizer and
+   the fp16 GradScaler need fp32 weights and gradients);
 3. its group has an override in ``group_dtypes`` -> that dtype;
 4. a frozen fp32 weight of a normalization layer (recognised by module type) whose group's
    other weights are in a half dtype -> stays float32 (rule ``deliberate_fp32``: LLaMA-Factory's
@@ -51,6 +56,7 @@ LEAF_GUARDS: tuple[LeafGuards, ...] = get_args(LeafGuards)
 Rule = Literal[
     "rotary",
     "keep_fp32",
+    "wrapper_master_fp32",
     "keep_trainable_fp32",
     "trainable",
     "group_dtypes",
@@ -59,6 +65,9 @@ Rule = Literal[
 ]
 #: The rules that keep a tensor in float32 whatever the preset (:attr:`Decision.keeps_fp32`).
 KEEP_RULES: tuple[Rule, ...] = ("rotary", "keep_fp32", "deliberate_fp32")
+#: The rules that keep a tensor in the dtype it has on purpose, said in ``EnforceReport.kept``:
+#: the keep-fp32 rules and a wrapper's half-precision trainable weights (``wrapper_master_fp32``).
+KEPT_RULES: tuple[Rule, ...] = (*KEEP_RULES, "wrapper_master_fp32")
 #: What a tensor is, beyond its name (:func:`tensor_role`): a normalization layer's weight or a
 #: rotary/positional table.
 Role = Literal["norm", "rotary"]
@@ -79,6 +88,11 @@ class Decision:
         deliberate fp32 norm decided: the tensor must stay float32 whatever the wrapper or the
         preset."""
         return self.rule in KEEP_RULES
+
+    @property
+    def kept(self) -> bool:
+        """A rule kept the tensor's dtype on purpose (:data:`KEPT_RULES`): reported as kept."""
+        return self.rule in KEPT_RULES
 
 
 #: preset -> (compute, frozen, trainable)
@@ -574,18 +588,32 @@ class PrecisionPolicy:
         current: torch.dtype | None = None,
         role: Role | None = None,
         group_dtype: torch.dtype | None = None,
+        master_fp32: torch.dtype | None = None,
     ) -> Decision:
         """The dtype the policy wants for one parameter/buffer (now in ``current``) and the
         rule that decided (the precedence at the top of this module). ``role`` is what the
         tensor is (:func:`tensor_role`), ``group_dtype`` the dtype the other weights of its
         group are in (the plan's first pass): together they tell a deliberate fp32 norm from
-        one left in fp32 with its whole group."""
+        one left in fp32 with its whole group. ``master_fp32`` is the half dtype of a DeepSpeed
+        ZeRO-3 run, which keeps fp32 master copies of trainable weights held in it."""
         reason = self.keep_fp32_reason(
             name, is_buffer=is_buffer, model_patterns=model_patterns, role=role
         )
         if reason is not None:
             rule: Rule = "rotary" if reason.startswith("rotary") else "keep_fp32"
             return Decision(torch.float32, rule, reason)
+        if (
+            trainable
+            and master_fp32 is not None
+            and current == master_fp32
+            and self.trainable_dtype not in (None, master_fp32)
+        ):
+            return Decision(
+                master_fp32,
+                "wrapper_master_fp32",
+                f"trainable {dtype_name(master_fp32)} under DeepSpeed ZeRO-3, which keeps fp32 "
+                "master copies: left as is (TRL's autocast_adapter_dtype=False)",
+            )
         if trainable and self.keep_trainable_fp32 and current == torch.float32:
             return Decision(torch.float32, "keep_trainable_fp32", "keep_trainable_fp32")
         if trainable and self.trainable_dtype is not None:
