@@ -33,6 +33,7 @@ True
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import warnings
@@ -40,11 +41,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .distributed import check_model_ranks, check_wrapped, explain_wrapped
 from .dtypes import dtype_name
 from .enforce import EnforceReport, apply_plan, enforce_policy, restore_values
 from .errors import PrecisionError, PrecisionWarning
+from .fsdp2 import bridge_outputs, fsdp2_outputs
 from .groups import ModuleGroups, find_module_groups
 from .hooks import (
     GuardHandle,
@@ -132,6 +135,8 @@ class PrecisionGuard:
         #: hears of the first input each kind of guard casts at run time (said once per kind)
         self.notice = Notice(self._bridged)
         self._wrapper_casts: set[str] = set()
+        #: FSDP2 unit path -> the hooks that cast its outputs to its parent's compute dtype
+        self._bridges: dict[str, list[RemovableHandle]] = {}
         self._stash: dict[str, torch.Tensor] = {}
         if claim:
             claim_model(self.root, self.owner, policy, self.call)
@@ -215,6 +220,8 @@ class PrecisionGuard:
                 optimizer=optimizer,
                 allow_wrapped=wrapper is not None,
             )
+        if wrapper == "FSDP2":
+            report = self._fsdp2_outputs(model, report, where)
         self._say(where, audit, report, found, first=first, held=wrapper in HOLDING_WRAPPERS)
         self.last_report = report
         self.handle = install_guards(
@@ -225,7 +232,7 @@ class PrecisionGuard:
         self.events.append((event, found))
         if self.reporter is not None and (log_clean or found):
             # a wrapper's choice kept (wrapper_master_fp32) is in the event's JSON too
-            noted = found or report.wrapper_casts or _kept_as_is(report)
+            noted = found or report.wrapper_casts or report.wrapper_findings or _kept_as_is(report)
             self.reporter.log_event(
                 event,
                 model,
@@ -316,6 +323,23 @@ class PrecisionGuard:
             warnings.warn(kept.wrapper_note or "", PrecisionWarning, stacklevel=3)
         self._wrapper_casts = casts
         return kept, len(check.violations)
+
+    def _fsdp2_outputs(self, model: nn.Module, report: EnforceReport, where: str) -> EnforceReport:
+        """FSDP2's ``output_dtype`` (:mod:`hf_precision.fsdp2`): a half root output (the loss
+        rounded) is said with the fix; a nested unit returning another dtype than its parent
+        computes in is bridged by a forward hook on its outputs (once per unit) and said."""
+        outputs = fsdp2_outputs(model)
+        messages = outputs.messages(self.name)
+        if not messages:
+            return report
+        for b in outputs.bridges:
+            if b.unit not in self._bridges:
+                self._bridges[b.unit] = bridge_outputs(model, [b])
+        for message in messages:
+            self._warn_once(message)
+        report = copy.copy(report)
+        report.wrapper_findings = [*report.wrapper_findings, *messages]
+        return report
 
     def _check_ddp_restore(self, audit: EnforceReport, where: str) -> None:
         """DDP built its gradient buckets for the dtypes at wrapping time (or, when the guard
@@ -479,6 +503,10 @@ class PrecisionGuard:
     def teardown(self) -> None:
         """Take the guards off and release the model."""
         remove_guards(self.model)
+        for handles in self._bridges.values():
+            for h in handles:
+                h.remove()
+        self._bridges = {}
         release_model(self.root, self.owner)
 
     def __repr__(self) -> str:

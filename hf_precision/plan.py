@@ -121,6 +121,8 @@ class EnforceReport:
     wrapper_casts: list[Change] = field(default_factory=list)
     #: the message (with the fix) that goes with ``wrapper_casts``
     wrapper_note: str | None = None
+    #: what a wrapper's own settings do to the outputs (FSDP2's ``output_dtype``), with fixes
+    wrapper_findings: list[str] = field(default_factory=list)
     device: torch.device | None = None
     #: the plan behind ``changes`` (:func:`apply_plan` carries it out) and the tensors found on
     #: the meta device while the model is elsewhere
@@ -169,6 +171,7 @@ class EnforceReport:
             "applied": self.applied,
             "changes": [c.__dict__ for c in self.changes],
             "wrapper_casts": [c.__dict__ for c in self.wrapper_casts],
+            "wrapper_findings": self.wrapper_findings,
             "kept_fp32": self.kept_fp32,
             "kept": [
                 {"name": n, "group": g, "rule": r, "reason": why} for n, g, r, why in self.kept

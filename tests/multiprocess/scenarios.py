@@ -538,11 +538,14 @@ def ds_zero3_peft_bf16_adapters(out: Path) -> dict[str, Any]:
         seen["kept_rules"] = sorted({k[2] for k in report.kept}) if report is not None else []
 
     def after_train(t: Any) -> dict[str, Any]:  # the guard's diagnose on the engine itself
+        batch = {k: v.unsqueeze(0) for k, v in rows[0].items()}
         try:
-            diagnose(t.model_wrapped, rows[0], autocast="bf16", backward=False)
-            return {"diagnose_autocast": "no error"}
+            diagnose(t.model_wrapped, batch, autocast="bf16", backward=False)
+            return {"diagnose_autocast": "ran under autocast"}
         except PrecisionError as err:
             return {"diagnose_autocast": str(err)}
+        except Exception as err:  # an autocast was opened around the engine: what happened
+            return {"diagnose_autocast": f"ran under autocast: {type(err).__name__}: {err}"}
 
     try:
         res = ds_run(out, peft, args, cb, rows, after_init, after_train)
