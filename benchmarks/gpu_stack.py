@@ -19,6 +19,12 @@ its assertion. A tiny LLaVA, one process, well under 2 minutes once DeepSpeed is
 (``DS_BUILD_OPS=0 pip install deepspeed``)::
 
     PYTHONPATH=. python3 -m benchmarks.gpu_stack --out gpu_stack.json
+
+The lent GPU image has torch, transformers, peft and accelerate but no DeepSpeed: carry wheels
+(a pure-Python DeepSpeed wheel, ``DS_BUILD_OPS=0 pip wheel --no-deps deepspeed==0.19.8``, plus
+``hjson`` and ``pydantic`` with ``pydantic-core``, ``annotated-types``, ``typing-inspection``).
+On the CPU the same arms run with ``DS_ACCELERATOR=cpu`` and ``.cuda()`` as a no-op: autocast
+stays off inside the forward in every arm there (CUDA autocast does nothing on a CPU model).
 """
 
 from __future__ import annotations
