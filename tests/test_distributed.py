@@ -504,7 +504,7 @@ def test_deepspeed_zero3_keeps_bf16_adapters_and_opens_no_autocast(two_ranks):
     adapters beside bf16 weights in one all-gather bucket raised a TypeError in DeepSpeed up to
     PR 8073; DeepSpeed keeps fp32 master copies). The bf16 preset leaves them bf16 and says so;
     the guard opens no autocast around the engine and diagnose(autocast=...) refuses one.
-    About 25 s on 2 CPU ranks (two steps, an evaluation after each)."""
+    About 9 s in the shared launch on 2 CPU ranks (25 s alone: two steps, an evaluation each)."""
     _, results = two_ranks
     r0, r1 = _ok(results, "ds_zero3_peft_bf16_adapters")
     for r in (r0, r1):
