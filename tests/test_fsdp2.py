@@ -79,8 +79,23 @@ def test_accelerates_default_bf16_policy_rounds_the_loss_and_is_said(one_rank, t
     event = json.loads(path.read_text())
     assert event["wrapper_findings"] == [msg]
     loss = model(**tiny_batch(model)).loss
-    assert loss.dtype == torch.bfloat16  # the rounding the message names (not repairable)
     guard.remove()
+    # the rounding the message names: the same model with output_dtype=fp32 at the root
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    fixed = tiny_llava(seed=0)
+    second = PrecisionGuardPlugin("bf16", report=False)
+    second.setup(fixed)
+    fp32_out = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.float32
+    )
+    _shard(fixed, default, fp32_out)
+    assert fsdp2_outputs(fixed).rounded == []
+    assert _verify(second, fixed)[0].wrapper_findings == []
+    exact = fixed(**tiny_batch(fixed)).loss
+    second.remove()
+    assert (loss.dtype, exact.dtype) == (torch.bfloat16, torch.float32)
+    assert loss.item() == exact.to(torch.bfloat16).item() != exact.item()
 
 
 def test_nested_unit_returning_fp32_into_a_bf16_parent_is_bridged(one_rank, tmp_path):
