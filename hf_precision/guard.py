@@ -54,6 +54,7 @@ from .hooks import (
     release_model,
     remove_guards,
 )
+from .keep_rules import model_keep_lists
 from .policy import LeafGuards, Mode, PrecisionPolicy, policy_call, resolve_policy, with_overrides
 from .view import ModelView
 from .wrappers import detect_wrapper, settle_shards, unwrap_model
@@ -370,7 +371,7 @@ class PrecisionGuard:
         rounded values."""
         if eval_dtype is None:
             return
-        model_keep = tuple(getattr(self.root, "_keep_in_fp32_modules", None) or ())
+        model_keep, strict = model_keep_lists(self.root)
         # what the last plan kept in fp32 (rotary tables by module, deliberate fp32 norms)
         kept = {k[0] for k in self.last_report.kept} if self.last_report is not None else set()
         tiers: tuple[list[tuple[str, torch.Tensor]], ...] = ([], [], [])
@@ -384,7 +385,10 @@ class PrecisionGuard:
                 if kind == "param" and t.requires_grad:
                     tiers[0].append((name, t))
                 elif name in kept or self.policy.keep_fp32_reason(
-                    name, is_buffer=kind == "buffer", model_patterns=model_keep
+                    name,
+                    is_buffer=kind == "buffer",
+                    model_patterns=model_keep,
+                    strict_patterns=strict,
                 ):
                     tiers[1].append((name, t))
                 else:

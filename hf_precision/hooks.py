@@ -49,6 +49,7 @@ from .dtype_maps import receiving, receiving_dtypes
 from .dtypes import dtype_name, is_castable, quantized_compute_dtype
 from .errors import PrecisionError, check_model
 from .groups import LEAF_GUARDED_GROUPS, OTHER, ModuleGroups, find_module_groups
+from .keep_rules import strict_modules
 from .policy import Mode, PrecisionPolicy, is_norm_module
 from .view import ModelView
 from .wrappers import unwrap_model, wrapper_compute_dtypes
@@ -680,8 +681,12 @@ def install_guards(
     if leaf_groups is None:
         leaf_groups = _leaf_groups(policy, groups, report)
     if leaf_groups:
+        # modules holding a _keep_in_fp32_modules_strict tensor (routers) compute on their own
+        strict = strict_modules(report.kept) if report is not None else set()
         for path, group, mod in view.modules:
             if group not in leaf_groups or id(mod) in wanted or isinstance(mod, _SKIP_LEAVES):
+                continue
+            if path in strict:
                 continue
             own = _own_weight(mod)
             if own is not None and not _norm_held_fp32(mod, own):

@@ -40,6 +40,7 @@ from .dtypes import (
 )
 from .errors import did_you_mean
 from .groups import ModuleGroups, hidden_module
+from .keep_rules import model_keep_lists
 from .policy import PrecisionPolicy, Role, Rule, tensor_role
 from .view import ModelView
 from .wrappers import is_sharded
@@ -109,7 +110,8 @@ class EnforceReport:
     changes: list[Change] = field(default_factory=list)
     kept_fp32: list[tuple[str, str]] = field(default_factory=list)
     #: every tensor a keep rule held in float32: (name, group, rule, reason), the rule one of
-    #: ``rotary``, ``keep_fp32``, ``deliberate_fp32`` (:data:`~hf_precision.policy.KEEP_RULES`)
+    #: ``rotary``, ``keep_fp32``, ``keep_fp32_strict``, ``deliberate_fp32``
+    #: (:data:`~hf_precision.policy.KEEP_RULES`)
     kept: list[tuple[str, str, Rule, str]] = field(default_factory=list)
     overflow: list[tuple[str, float]] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
@@ -232,11 +234,11 @@ def _unmatched_patterns(
 def plan_policy(root: nn.Module, policy: PrecisionPolicy, view: ModelView) -> EnforceReport:
     """What ``policy`` wants changed in ``root`` (the walk ``view``); changes nothing."""
     groups = view.groups
-    model_keep = tuple(getattr(root, "_keep_in_fp32_modules", None) or ())
+    model_keep, strict = model_keep_lists(root)
     device_mapped = bool(getattr(root, "hf_device_map", None))
     device = model_device(root, groups) if policy.move_devices and not device_mapped else None
     report = EnforceReport(policy, groups, applied=False, device=device)
-    planner = _Planner(report, policy, model_keep, device)
+    planner = _Planner(report, policy, model_keep, device, strict=strict)
     planner.walk(root, groups, view.modules)
     if report.overflow:
         planner.keep_with_overflowed(root)
@@ -324,6 +326,8 @@ class _Planner:
     policy: PrecisionPolicy
     model_keep: tuple[str, ...]
     device: torch.device | None
+    #: the model's ``_keep_in_fp32_modules_strict`` (``model_keep``: its non-strict list)
+    strict: tuple[str, ...] = ()
     todo: list[PlannedCast] = field(default_factory=list)
     meta: list[str] = field(default_factory=list)
     #: group -> (dtype its quantized layers compute in, their format), from a first pass
@@ -418,7 +422,12 @@ class _Planner:
     ) -> None:
         def want(name: str, group: str) -> torch.dtype:
             return self.policy.decide(
-                name, group, trainable=trainable, model_patterns=self.model_keep, current=p.dtype
+                name,
+                group,
+                trainable=trainable,
+                model_patterns=self.model_keep,
+                current=p.dtype,
+                strict_patterns=self.strict,
             ).dtype
 
         mine, theirs = want(full, group), want(*first)
@@ -482,6 +491,7 @@ class _Planner:
             trainable=trainable,
             is_buffer=kind == "buffer",
             model_patterns=self.model_keep,
+            strict_patterns=self.strict,
             current=t.dtype,
             role=role,
             group_dtype=self.group_dtype.get(group),
