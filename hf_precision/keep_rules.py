@@ -15,7 +15,8 @@ transformers declares two lists on a model class (``PreTrainedModel``):
 Patterns match as :func:`~hf_precision.policy.match_pattern` does (exact name, path prefix,
 whole path components: ``"gate.weight"`` selects ``model.layers.0.mlp.gate.weight``).
 A composite model (a VLM holding a text and a vision model) declares them on its parts too;
-:func:`model_keep_lists` reads them from every module, as transformers' ``post_init`` merges them.
+transformers' ``post_init`` merges them into the top model's lists, which
+:func:`model_keep_lists` reads (no walk of the model).
 
 >>> from torch import nn
 >>> m = nn.Module()
@@ -43,14 +44,12 @@ def _declared(mod: nn.Module, attr: str) -> tuple[str, ...]:
 
 def model_keep_lists(root: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(non_strict, strict)``: the ``_keep_in_fp32_modules`` and
-    ``_keep_in_fp32_modules_strict`` patterns ``root`` and its parts declare, in order, once
-    each."""
-    loose: dict[str, None] = {}
-    strict: dict[str, None] = {}
-    for mod in root.modules():
-        loose.update(dict.fromkeys(_declared(mod, "_keep_in_fp32_modules")))
-        strict.update(dict.fromkeys(_declared(mod, "_keep_in_fp32_modules_strict")))
-    return tuple(loose), tuple(strict)
+    ``_keep_in_fp32_modules_strict`` patterns ``root`` declares (sorted: transformers keeps
+    them in sets)."""
+    return (
+        tuple(sorted(_declared(root, "_keep_in_fp32_modules"))),
+        tuple(sorted(_declared(root, "_keep_in_fp32_modules_strict"))),
+    )
 
 
 def strict_modules(kept: list[tuple[str, str, str, str]]) -> set[str]:
