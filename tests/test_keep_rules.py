@@ -279,3 +279,20 @@ def test_optimizer_state_and_an_ema_copy_keep_their_dtypes_and_identity() -> Non
         ref, dtype, value = shadow[n]
         assert t.data_ptr() == ref.data_ptr() and t.dtype == dtype and torch.equal(t, value)
     assert model.model.vision_tower.embeddings.patch_embedding.weight.dtype == torch.bfloat16
+
+
+def test_an_fp32_head_is_kept_only_when_the_trainer_asks() -> None:
+    """``keep_fp32_head`` (set from ``cast_lm_head_to_fp32=True``): an fp32 ``lm_head`` beside
+    a half model stays fp32; without it, fp32 shared by the whole head group is cast."""
+    model = tiny_llava(torch.bfloat16)
+    model.requires_grad_(False)
+    model.lm_head.float()
+    exact = model.lm_head.weight.detach().clone()
+    enforce_policy(model, PrecisionPolicy.from_preset("bf16"))
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    model.lm_head.weight.data = exact.clone()
+    report = enforce_policy(model, PrecisionPolicy.from_preset("bf16", keep_fp32_head=True))
+    assert model.lm_head.weight.dtype == torch.float32
+    assert torch.equal(model.lm_head.weight, exact)
+    rules = {n: r for n, _, r, _ in report.kept}
+    assert rules["lm_head.weight"] == "deliberate_fp32"
