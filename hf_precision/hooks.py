@@ -49,7 +49,7 @@ from .dtype_maps import receiving, receiving_dtypes
 from .dtypes import dtype_name, is_castable, quantized_compute_dtype
 from .errors import PrecisionError, check_model
 from .groups import LEAF_GUARDED_GROUPS, OTHER, ModuleGroups, find_module_groups
-from .keep_rules import strict_modules
+from .keep_rules import first_parameter_kept, strict_modules
 from .policy import Mode, PrecisionPolicy, is_norm_module
 from .view import ModelView
 from .wrappers import unwrap_model, wrapper_compute_dtypes
@@ -677,6 +677,19 @@ def install_guards(
         for path, mod in _handover_roots(root, groups):
             exits.add(id(mod))
             handle.added += _install_exit(mod, _ExitState(path, emb, notice=notice))
+            handle.exit.append(path)
+    first = first_parameter_kept(view.modules, report.kept) if report is not None else None
+    if (
+        first is not None
+        and first[3] is not None
+        and policy.mode == "fix"
+        and policy.boundary_guards
+    ):
+        # model.dtype reads an fp32 kept parameter: its module hands over in the next layer's dtype
+        path, mod = first[0].rpartition(".")[0], first[2]
+        if id(mod) not in exits:
+            exits.add(id(mod))
+            handle.added += _install_exit(mod, _ExitState(path, first[3], notice=notice))
             handle.exit.append(path)
     if leaf_groups is None:
         leaf_groups = _leaf_groups(policy, groups, report)

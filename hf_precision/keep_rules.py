@@ -27,9 +27,15 @@ transformers' ``post_init`` merges them into the top model's lists, which
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
+import torch
 from torch import nn
 
-__all__ = ["model_keep_lists", "strict_modules"]
+from .dtypes import dtype_name
+
+__all__ = ["first_parameter_kept", "model_dtype_note", "model_keep_lists", "strict_modules"]
 
 #: the rule of a tensor held in float32 by a model's ``_keep_in_fp32_modules_strict``
 STRICT_RULE = "keep_fp32_strict"
@@ -56,3 +62,61 @@ def strict_modules(kept: list[tuple[str, str, str, str]]) -> set[str]:
     """The module paths holding a tensor the plan kept by ``_keep_in_fp32_modules_strict``
     (``EnforceReport.kept`` rows): no leaf guard goes there."""
     return {name.rpartition(".")[0] for name, _, rule, _ in kept if rule == STRICT_RULE}
+
+
+#: transformers models whose forward casts an input to ``self.dtype`` (the first floating
+#: parameter), as ``pixel_values.to(self.dtype)``
+DTYPE_CONSUMERS = "Idefics2/Idefics3/SmolVLM/InternVL (`pixel_values.to(self.dtype)`)"
+
+
+def _floating(walk: list[tuple[str, str, nn.Module]]) -> Iterator[tuple[str, nn.Module, Any]]:
+    for path, _, mod in walk:
+        for key, p in mod._parameters.items():
+            if p is not None and p.is_floating_point():
+                yield (f"{path}.{key}" if path else key), mod, p
+
+
+def first_parameter_kept(
+    walk: list[tuple[str, str, nn.Module]], kept: list[tuple[str, str, str, str]]
+) -> tuple[str, str, nn.Module, torch.Tensor | None] | None:
+    """``(name, rule, module, next_half)`` when a keep rule holds the model's first floating
+    parameter (what ``model.dtype`` reads) in float32: its module, and the first weight after
+    it in a half dtype (the layers it feeds compute in that one), or ``None``."""
+    params = _floating(walk)
+    first = next(params, None)
+    if first is None:
+        return None
+    rule = next((r for name, _, r, _ in kept if name == first[0]), None)
+    if rule is None:
+        return None
+    half = next((p for _, _, p in params if p.dtype.itemsize < 4), None)
+    return first[0], rule, first[1], half
+
+
+def model_dtype_note(
+    root: nn.Module,
+    walk: list[tuple[str, str, nn.Module]],
+    kept: list[tuple[str, str, str, str]],
+    half: torch.dtype | None,
+) -> str | None:
+    """What to say when a keep rule holds the model's first floating parameter in float32 while
+    the policy puts the rest in ``half``: ``model.dtype`` (transformers reads the first floating
+    parameter) then says float32, and code that casts its inputs to it feeds float32 into the
+    half layers after that parameter. The guard bridges it (:func:`first_parameter_kept`: the
+    module holding it hands its outputs over in the dtype of the next half weight); the message
+    names the parameter, the rule and the consumers. ``walk`` is the event's
+    :class:`~hf_precision.view.ModelView` modules, in ``named_parameters`` order."""
+    if half is None or not half.is_floating_point or half.itemsize >= 4:
+        return None
+    found = first_parameter_kept(walk, kept)
+    if found is None:
+        return None
+    first, rule = found[0], found[1]
+    return (
+        f"{type(root).__name__}.dtype reads float32: its first floating parameter {first} is "
+        f"kept in float32 (rule {rule}) while the other weights are {dtype_name(half)}. Code "
+        f"that casts inputs to model.dtype ({DTYPE_CONSUMERS}) feeds float32 to it; the guard "
+        f"hands its outputs on in {dtype_name(half)}, so the {dtype_name(half)} layers after "
+        "it get their own dtype. Fix, to silence this: keep a parameter other than the first "
+        "in float32."
+    )

@@ -40,7 +40,7 @@ from .dtypes import (
 )
 from .errors import did_you_mean
 from .groups import ModuleGroups, hidden_module
-from .keep_rules import model_keep_lists
+from .keep_rules import model_dtype_note, model_keep_lists
 from .policy import PrecisionPolicy, Role, Rule, tensor_role
 from .view import ModelView
 from .wrappers import is_sharded
@@ -243,6 +243,9 @@ def plan_policy(root: nn.Module, policy: PrecisionPolicy, view: ModelView) -> En
     if report.overflow:
         planner.keep_with_overflowed(root)
     report.warnings += _unmatched_patterns(root, policy, groups, report)
+    note = model_dtype_note(root, view.modules, report.kept, policy.frozen_dtype)
+    if note is not None:  # a keep rule on the first floating parameter: model.dtype says fp32
+        report.warnings.append(note)
     report.planned, report.meta = planner.todo, planner.meta
     return report
 

@@ -296,3 +296,44 @@ def test_an_fp32_head_is_kept_only_when_the_trainer_asks() -> None:
     assert torch.equal(model.lm_head.weight, exact)
     rules = {n: r for n, _, r, _ in report.kept}
     assert rules["lm_head.weight"] == "deliberate_fp32"
+
+
+# ---------------------------------------------------------------- model.dtype must not lie
+
+
+def test_a_kept_first_parameter_is_bridged_and_said_with_model_dtype() -> None:
+    """Idefics2 casts ``pixel_values.to(self.dtype)``, and ``model.dtype`` is the first floating
+    parameter: the patch embedding. Pinned fp32 (``keep_fp32``) under bf16, it makes
+    ``model.dtype`` float32; the guard hands the patch embedding's output on in bf16 (the tower
+    gets bf16 activations) and says it once, naming ``model.dtype``, the parameter and the
+    consumers."""
+    from hf_precision.tiny import tiny_batch, tiny_idefics2
+
+    model = tiny_idefics2(torch.float32)
+    model.requires_grad_(False)
+    first = "model.vision_model.embeddings.patch_embedding.weight"
+    assert next(iter(model.named_parameters()))[0] == first
+    policy = PrecisionPolicy.from_preset(
+        "bf16", keep_fp32=["model.vision_model.embeddings.patch_embedding"]
+    )
+    with pytest.warns(Warning, match=r"\.dtype reads float32") as said:
+        report = enforce_policy(model, policy)
+    text = next(str(w.message) for w in said if "dtype reads" in str(w.message))
+    assert first in text and "pixel_values.to(self.dtype)" in text and "keep_fp32" in text
+    assert model.dtype == torch.float32  # what the user pinned stays pinned
+    seen: dict[str, torch.dtype] = {}
+    layer = model.model.vision_model.encoder.layers[0]
+
+    def record(mod: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        seen.setdefault("tower", (args[0] if args else kwargs["hidden_states"]).dtype)
+
+    hook = layer.register_forward_pre_hook(record, with_kwargs=True)
+    install_guards(model, policy, report)
+    try:
+        out = model(**tiny_batch(model))
+    finally:
+        hook.remove()
+        remove_guards(model)
+    assert seen["tower"] == torch.bfloat16  # no fp32 activations into the bf16 tower
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.loss)
+    assert model.model.vision_model.embeddings.patch_embedding.weight.dtype == torch.float32
