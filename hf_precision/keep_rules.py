@@ -27,7 +27,7 @@ transformers' ``post_init`` merges them into the top model's lists, which
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -58,7 +58,7 @@ def model_keep_lists(root: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]
     )
 
 
-def strict_modules(kept: list[tuple[str, str, str, str]]) -> set[str]:
+def strict_modules(kept: Sequence[tuple[str, str, str, str]]) -> set[str]:
     """The module paths holding a tensor the plan kept by ``_keep_in_fp32_modules_strict``
     (``EnforceReport.kept`` rows): no leaf guard goes there."""
     return {name.rpartition(".")[0] for name, _, rule, _ in kept if rule == STRICT_RULE}
@@ -77,7 +77,7 @@ def _floating(walk: list[tuple[str, str, nn.Module]]) -> Iterator[tuple[str, nn.
 
 
 def first_parameter_kept(
-    walk: list[tuple[str, str, nn.Module]], kept: list[tuple[str, str, str, str]]
+    walk: list[tuple[str, str, nn.Module]], kept: Sequence[tuple[str, str, str, str]]
 ) -> tuple[str, str, nn.Module, torch.Tensor | None] | None:
     """``(name, rule, module, next_half)`` when a keep rule holds the model's first floating
     parameter (what ``model.dtype`` reads) in float32: its module, and the first weight after
@@ -96,7 +96,7 @@ def first_parameter_kept(
 def model_dtype_note(
     root: nn.Module,
     walk: list[tuple[str, str, nn.Module]],
-    kept: list[tuple[str, str, str, str]],
+    kept: Sequence[tuple[str, str, str, str]],
     half: torch.dtype | None,
 ) -> str | None:
     """What to say when a keep rule holds the model's first floating parameter in float32 while
