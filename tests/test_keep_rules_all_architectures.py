@@ -31,7 +31,7 @@ from torch import nn
 from hf_precision import PrecisionPolicy, enforce_policy
 
 transformers = pytest.importorskip("transformers")
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("keep_rules_all_architectures")]
+pytestmark = pytest.mark.xdist_group("keep_rules_all_architectures")  # built once per worker
 
 _DECLARES = re.compile(r"_keep_in_fp32_modules(_strict)?\s*=\s*[\[{(]\s*[\"']")
 #: config fields set to at most these values (on the config and its sub-configs)
