@@ -679,17 +679,13 @@ def install_guards(
             handle.added += _install_exit(mod, _ExitState(path, emb, notice=notice))
             handle.exit.append(path)
     first = first_parameter_kept(view.modules, report.kept) if report is not None else None
-    if (
-        first is not None
-        and first[3] is not None
-        and policy.mode == "fix"
-        and policy.boundary_guards
-    ):
+    after = first[3] if first is not None and policy.mode == "fix" else None
+    if first is not None and after is not None and after[1].dtype.itemsize < 4:
         # model.dtype reads an fp32 kept parameter: its module hands over in the next layer's dtype
         path, mod = first[0].rpartition(".")[0], first[2]
-        if id(mod) not in exits:
+        if policy.boundary_guards and id(mod) not in exits:
             exits.add(id(mod))
-            handle.added += _install_exit(mod, _ExitState(path, first[3], notice=notice))
+            handle.added += _install_exit(mod, _ExitState(path, after[1], notice=notice))
             handle.exit.append(path)
     if leaf_groups is None:
         leaf_groups = _leaf_groups(policy, groups, report)

@@ -78,10 +78,10 @@ def _floating(walk: list[tuple[str, str, nn.Module]]) -> Iterator[tuple[str, nn.
 
 def first_parameter_kept(
     walk: list[tuple[str, str, nn.Module]], kept: Sequence[tuple[str, str, str, str]]
-) -> tuple[str, str, nn.Module, torch.Tensor | None] | None:
-    """``(name, rule, module, next_half)`` when a keep rule holds the model's first floating
-    parameter (what ``model.dtype`` reads) in float32: its module, and the first weight after
-    it in a half dtype (the layers it feeds compute in that one), or ``None``."""
+) -> tuple[str, str, nn.Module, tuple[str, torch.Tensor] | None] | None:
+    """``(name, rule, module, next)`` when a keep rule holds the model's first floating
+    parameter (what ``model.dtype`` reads) in float32: its module, and ``(name, tensor)`` of the
+    first weight of the next module (the layer its output feeds), or ``None``."""
     params = _floating(walk)
     first = next(params, None)
     if first is None:
@@ -89,8 +89,10 @@ def first_parameter_kept(
     rule = next((r for name, _, r, _ in kept if name == first[0]), None)
     if rule is None:
         return None
-    half = next((p for _, _, p in params if p.dtype.itemsize < 4), None)
-    return first[0], rule, first[1], half
+    # the first weight of the next module: the layer its output feeds (a whole tower kept in
+    # fp32, as an audio tower on a strict list, feeds fp32 layers: nothing to bridge there)
+    after = next(((n, p) for n, mod, p in params if mod is not first[1]), None)
+    return first[0], rule, first[1], after
 
 
 def model_dtype_note(
@@ -111,12 +113,19 @@ def model_dtype_note(
     found = first_parameter_kept(walk, kept)
     if found is None:
         return None
-    first, rule = found[0], found[1]
+    after = found[3]
+    kept_names = {name for name, _, _, _ in kept}
+    first, rule, bridged = found[0], found[1], after is not None and after[0] not in kept_names
+    how = (
+        f"the guard hands its outputs on in {dtype_name(half)}, so the {dtype_name(half)} layers "
+        "after it get their own dtype"
+        if bridged
+        else "the layers after it are kept in float32 too; the guards bridge at the group "
+        "boundaries"
+    )
     return (
         f"{type(root).__name__}.dtype reads float32: its first floating parameter {first} is "
         f"kept in float32 (rule {rule}) while the other weights are {dtype_name(half)}. Code "
-        f"that casts inputs to model.dtype ({DTYPE_CONSUMERS}) feeds float32 to it; the guard "
-        f"hands its outputs on in {dtype_name(half)}, so the {dtype_name(half)} layers after "
-        "it get their own dtype. Fix, to silence this: keep a parameter other than the first "
-        "in float32."
+        f"that casts inputs to model.dtype ({DTYPE_CONSUMERS}) feeds float32 to it; {how}. "
+        "Fix, to silence this: keep a parameter other than the first in float32."
     )

@@ -326,6 +326,7 @@ def test_a_kept_first_parameter_is_bridged_and_said_with_model_dtype() -> None:
         report = enforce_policy(model, policy)
     text = next(str(w.message) for w in said if "dtype reads" in str(w.message))
     assert first in text and "pixel_values.to(self.dtype)" in text and "keep_fp32" in text
+    assert "hands its outputs on in bfloat16" in text
     assert model.dtype == torch.float32  # what the user pinned stays pinned
     seen: dict[str, torch.dtype] = {}
     layer = model.model.vision_model.encoder.layers[0]
@@ -334,7 +335,8 @@ def test_a_kept_first_parameter_is_bridged_and_said_with_model_dtype() -> None:
         seen.setdefault("tower", (args[0] if args else kwargs["hidden_states"]).dtype)
 
     hook = layer.register_forward_pre_hook(record, with_kwargs=True)
-    install_guards(model, policy, report)
+    handle = install_guards(model, policy, report)
+    assert "model.vision_model.embeddings.patch_embedding" in handle.exit
     try:
         out = model(**tiny_batch(model))
     finally:
@@ -343,3 +345,23 @@ def test_a_kept_first_parameter_is_bridged_and_said_with_model_dtype() -> None:
     assert seen["tower"] == torch.bfloat16  # no fp32 activations into the bf16 tower
     assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.loss)
     assert model.model.vision_model.embeddings.patch_embedding.weight.dtype == torch.float32
+
+
+def test_a_whole_tower_kept_fp32_is_not_handed_over_in_half() -> None:
+    """The layers after a kept first parameter are kept too (a whole tower on a keep list, as
+    an audio tower on a strict list): its output must stay fp32 for them; no exit hook there."""
+    from hf_precision.tiny import tiny_batch, tiny_idefics2
+
+    model = tiny_idefics2(torch.float32)
+    model.requires_grad_(False)
+    policy = PrecisionPolicy.from_preset("bf16", keep_fp32=["model.vision_model"])
+    with pytest.warns(Warning, match="kept in float32 too"):
+        report = enforce_policy(model, policy)
+    handle = install_guards(model, policy, report)
+    try:
+        assert "model.vision_model.embeddings.patch_embedding" not in handle.exit
+        out = model(**tiny_batch(model))
+    finally:
+        remove_guards(model)
+    assert torch.isfinite(out.loss)
+    assert model.model.vision_model.encoder.layers[0].mlp.fc1.weight.dtype == torch.float32
