@@ -134,6 +134,8 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
             from_flags = PrecisionPolicy.from_training_args(args)
             self.policy = self.policy.replace(full_eval_dtype=from_flags.full_eval_dtype)
         assert self.policy is not None
+        if getattr(args, "cast_lm_head_to_fp32", False) and not self.policy.keep_fp32_head:
+            self.policy = self.policy.replace(keep_fp32_head=True)  # TRL's fp32 lm_head, kept
         said = self._check_args(args, root)
         origin = policy_origin(self.policy, self._policy_arg is None, said, self._call)
         if self.report and self._reporter is None:

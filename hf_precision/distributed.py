@@ -39,6 +39,7 @@ from .dtypes import dtype_name, is_castable, zero3_dtype
 from .enforce import Change, EnforceReport
 from .errors import PrecisionError
 from .groups import ModuleGroups, find_module_groups
+from .keep_rules import model_keep_lists
 from .plan import group_compute_dtypes
 from .policy import PrecisionPolicy, tensor_role
 from .view import walk_modules
@@ -283,7 +284,7 @@ def check_wrapped(
     groups = groups or find_module_groups(root)
     wrapper = wrapper or wrapper_of(model) or "the wrapper"
     compute = wrapper_compute_dtypes(model)
-    keep = tuple(getattr(root, "_keep_in_fp32_modules", None) or ())
+    keep, strict = model_keep_lists(root)
     out = WrapperCheck(wrapper)
     walk = list(walk_modules(root, groups))
     owners = {id(p): (m, k) for _, _, m in walk for k, p in m._parameters.items() if p is not None}
@@ -299,6 +300,7 @@ def check_wrapped(
             group,
             trainable=p.requires_grad,
             model_patterns=keep,
+            strict_patterns=strict,
             current=zero3_dtype(p) or p.dtype,
             role=tensor_role(mod, key, p, is_buffer=False) if mod is not None else None,
             group_dtype=group_dtype.get(group),

@@ -57,6 +57,7 @@ from .hooks import (
     release_model,
     remove_guards,
 )
+from .keep_rules import model_keep_lists
 from .policy import (
     KEEP_RULES,
     LeafGuards,
@@ -438,7 +439,7 @@ class PrecisionGuard:
         rounded values."""
         if eval_dtype is None:
             return
-        model_keep = tuple(getattr(self.root, "_keep_in_fp32_modules", None) or ())
+        model_keep, strict = model_keep_lists(self.root)
         # what the last plan kept in fp32 (rotary tables by module, deliberate fp32 norms)
         kept = {k[0] for k in self.last_report.kept} if self.last_report is not None else set()
         tiers: tuple[list[tuple[str, torch.Tensor]], ...] = ([], [], [])
@@ -452,7 +453,10 @@ class PrecisionGuard:
                 if kind == "param" and t.requires_grad:
                     tiers[0].append((name, t))
                 elif name in kept or self.policy.keep_fp32_reason(
-                    name, is_buffer=kind == "buffer", model_patterns=model_keep
+                    name,
+                    is_buffer=kind == "buffer",
+                    model_patterns=model_keep,
+                    strict_patterns=strict,
                 ):
                     tiers[1].append((name, t))
                 else:

@@ -40,6 +40,7 @@ from .dtypes import (
 )
 from .errors import did_you_mean
 from .groups import ModuleGroups, hidden_module
+from .keep_rules import model_dtype_note, model_keep_lists
 from .policy import PrecisionPolicy, Role, Rule, tensor_role
 from .view import ModelView
 from .wrappers import is_sharded
@@ -109,7 +110,7 @@ class EnforceReport:
     changes: list[Change] = field(default_factory=list)
     kept_fp32: list[tuple[str, str]] = field(default_factory=list)
     #: every tensor a keep rule held on purpose: (name, group, rule, reason), the rule one of
-    #: ``rotary``, ``keep_fp32``, ``deliberate_fp32`` (float32,
+    #: ``rotary``, ``keep_fp32``, ``keep_fp32_strict``, ``deliberate_fp32`` (float32,
     #: :data:`~hf_precision.policy.KEEP_RULES`) or ``wrapper_master_fp32`` (a trainable half
     #: weight DeepSpeed ZeRO-3 keeps fp32 master copies of, left in its dtype)
     kept: list[tuple[str, str, Rule, str]] = field(default_factory=list)
@@ -246,15 +247,18 @@ def plan_policy(
     ``master_fp32``: the half dtype of a DeepSpeed ZeRO-3 run (trainable weights in it are left
     as they are, rule ``wrapper_master_fp32``)."""
     groups = view.groups
-    model_keep = tuple(getattr(root, "_keep_in_fp32_modules", None) or ())
+    model_keep, strict = model_keep_lists(root)
     device_mapped = bool(getattr(root, "hf_device_map", None))
     device = model_device(root, groups) if policy.move_devices and not device_mapped else None
     report = EnforceReport(policy, groups, applied=False, device=device)
-    planner = _Planner(report, policy, model_keep, device, master_fp32=master_fp32)
+    planner = _Planner(report, policy, model_keep, device, strict=strict, master_fp32=master_fp32)
     planner.walk(root, groups, view.modules)
     if report.overflow:
         planner.keep_with_overflowed(root)
     report.warnings += _unmatched_patterns(root, policy, groups, report)
+    note = model_dtype_note(root, view.modules, report.kept, policy.frozen_dtype)
+    if note is not None:  # a keep rule on the first floating parameter: model.dtype says fp32
+        report.warnings.append(note)
     report.planned, report.meta = planner.todo, planner.meta
     return report
 
@@ -340,6 +344,8 @@ class _Planner:
     device: torch.device | None
     #: the half dtype of a DeepSpeed ZeRO-3 run (:meth:`PrecisionPolicy.decide`)
     master_fp32: torch.dtype | None = None
+    #: the model's ``_keep_in_fp32_modules_strict`` (``model_keep``: its non-strict list)
+    strict: tuple[str, ...] = ()
     todo: list[PlannedCast] = field(default_factory=list)
     meta: list[str] = field(default_factory=list)
     #: group -> (dtype its quantized layers compute in, their format), from a first pass
@@ -434,7 +440,12 @@ class _Planner:
     ) -> None:
         def want(name: str, group: str) -> torch.dtype:
             return self.policy.decide(
-                name, group, trainable=trainable, model_patterns=self.model_keep, current=p.dtype
+                name,
+                group,
+                trainable=trainable,
+                model_patterns=self.model_keep,
+                current=p.dtype,
+                strict_patterns=self.strict,
             ).dtype
 
         mine, theirs = want(full, group), want(*first)
@@ -498,6 +509,7 @@ class _Planner:
             trainable=trainable,
             is_buffer=kind == "buffer",
             model_patterns=self.model_keep,
+            strict_patterns=self.strict,
             current=t.dtype,
             role=role,
             group_dtype=self.group_dtype.get(group),

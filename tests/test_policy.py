@@ -6,7 +6,7 @@ import torch
 from transformers import TrainingArguments
 
 from hf_precision import PrecisionError, PrecisionPolicy, PrecisionWarning
-from hf_precision.policy import PRESETS, match_pattern
+from hf_precision.policy import PRESETS, Decision, match_pattern
 from hf_precision.tiny import tiny_llava
 
 
@@ -144,13 +144,19 @@ def test_target_dtype_precedence():
         )[0]
         == torch.float32
     )
-    # the model's own _keep_in_fp32_modules (component match, transformers style)
-    assert (
-        policy.target_dtype(
-            "encoder.block.0.wo.weight", "language_model", trainable=False, model_patterns=["wo"]
-        )[0]
-        == torch.float32
+    # the model's own _keep_in_fp32_modules (component match): fp32 where the weight would be
+    # fp16, as transformers' loader keeps it for fp16 loads only; under bf16 it follows the rules
+    wo = "encoder.block.0.wo.weight"
+    assert policy.decide(wo, "language_model", trainable=False, model_patterns=["wo"]) == (
+        Decision(torch.bfloat16, "frozen", "frozen")
     )
+    fp16 = PrecisionPolicy.from_preset("fp16")
+    d = fp16.decide(wo, "language_model", trainable=False, model_patterns=["wo"])
+    assert (d.dtype, d.rule) == (torch.float32, "keep_fp32")
+    # _keep_in_fp32_modules_strict: fp32 under every preset, its own rule
+    for p in (policy, fp16, PrecisionPolicy.from_preset("bf16-true")):
+        d = p.decide(wo, "language_model", trainable=True, strict_patterns=["wo"])
+        assert (d.dtype, d.rule, d.keeps_fp32) == (torch.float32, "keep_fp32_strict", True)
 
 
 def test_match_pattern_precedence():
