@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from .batch import cast_batch, cast_tensor, eager_when_compiled_alone, key_dtypes_for
+from .batch_keys import batch_key_kind, notice_unknown
 from .dtype_maps import receiving, receiving_dtypes
 from .dtypes import dtype_name, is_castable, quantized_compute_dtype
 from .errors import PrecisionError, check_model
@@ -149,6 +150,12 @@ def _cast_arg(st: _GuardState, module: nn.Module, i: int, value: Any) -> Any:
     key = st.arg_names[i] if i < len(st.arg_names) else ""
     if key in st.skip_keys:
         return value
+    if key and key not in st.key_dtypes and isinstance(value, torch.Tensor):
+        kind = batch_key_kind(key, value) if value.is_floating_point() else "activation"
+        if kind != "activation":  # metadata keeps its dtype, follows the device
+            if kind == "unknown_small":
+                notice_unknown(key, value, f"batch -> {type(module).__name__}")
+            return value if st.device is None else value.to(st.device)
     if key in st.key_dtypes:
         return cast_batch(
             value,
