@@ -54,6 +54,7 @@ from .hooks import (
     release_model,
     remove_guards,
 )
+from .outside_reads import find_outside_reads, install_fused_head_check
 from .policy import LeafGuards, Mode, PrecisionPolicy, policy_call, resolve_policy, with_overrides
 from .view import ModelView
 from .wrappers import detect_wrapper, settle_shards, unwrap_model
@@ -201,11 +202,12 @@ class PrecisionGuard:
         self.handle = install_guards(
             model, policy, report, groups=self.groups, view=view, notice=self.notice
         )
+        self._outside_reads(report, where)
         self.params = tuple(view.parameters())
         self.dtypes = tuple(p.dtype for p in self.params)
         self.events.append((event, found))
         if self.reporter is not None and (log_clean or found):
-            noted = found or report.wrapper_casts
+            noted = found or report.wrapper_casts or report.outside_reads
             self.reporter.log_event(
                 event,
                 model,
@@ -218,6 +220,17 @@ class PrecisionGuard:
         if check_ranks:  # a collective: every rank reaches the same events
             check_model_ranks(model, self.groups, policy=policy, where=where)
         return report
+
+    def _outside_reads(self, report: EnforceReport, where: str) -> None:
+        """Weights read outside their module: in the report; a fused LM head also on the
+        console, once, and checked before each forward where its kernel does not cast."""
+        report.outside_reads = find_outside_reads(self.root)
+        if self.policy.mode != "audit":
+            install_fused_head_check(self.root, report.outside_reads)
+        for read in report.outside_reads:
+            if read.kind == "fused_head" and read.tensor not in self._said:
+                self._said.add(read.tensor)
+                logger.warning(f"{where}: {read.describe()}; report: {self._report_dir() or 'off'}")
 
     def _renamed(self, policy: PrecisionPolicy) -> PrecisionPolicy:
         """``policy`` with the former group names the model's rule renamed

@@ -120,6 +120,9 @@ class EnforceReport:
     #: the message (with the fix) that goes with ``wrapper_casts``
     wrapper_note: str | None = None
     device: torch.device | None = None
+    #: weights read outside their module (fused LM heads, raw parameters): set by the guard
+    #: (:mod:`hf_precision.outside_reads`), reported, never cast for it
+    outside_reads: list[Any] = field(default_factory=list)
     #: the plan behind ``changes`` (:func:`apply_plan` carries it out) and the tensors found on
     #: the meta device while the model is elsewhere
     planned: list[PlannedCast] = field(default_factory=list, repr=False, compare=False)
@@ -174,6 +177,7 @@ class EnforceReport:
             "skipped": self.skipped,
             "mixed_groups": list(self.mixed_groups),
             "rule": self.groups.rule,
+            "outside_reads": [r.to_dict() for r in self.outside_reads],
         }
 
 

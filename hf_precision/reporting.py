@@ -544,6 +544,7 @@ class PrecisionReporter:
             "changes": report.get("changes", []),
             "wrapper_casts": report.get("wrapper_casts", []),
             "kept": report.get("kept", []),
+            "outside_reads": report.get("outside_reads", []),
             "picture": png_path.name if png_path is not None else None,
         }
         path.write_text(json.dumps(payload, indent=1))

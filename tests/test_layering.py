@@ -95,7 +95,15 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "policy",
     ),
     "model": ("view", "dtype_maps"),
-    "core": ("plan", "enforce", "batch", "hooks", "deepspeed_config", "distributed"),
+    "core": (
+        "plan",
+        "enforce",
+        "batch",
+        "hooks",
+        "outside_reads",
+        "deepspeed_config",
+        "distributed",
+    ),
     "engine": ("guard",),
     "frontends": (
         "callback",
