@@ -98,10 +98,11 @@ def cast_tensor(
     return out
 
 
-def _is_activation(t: torch.Tensor, key: str, where: str) -> bool:
+def _is_activation(t: torch.Tensor, key: str, dtype: torch.dtype, where: str) -> bool:
     """A floating tensor at ``key`` is an activation the policy casts; metadata (registered
-    names) and unknown 0-D/1-D tensors keep their dtype (see :mod:`hf_precision.batch_keys`)."""
-    if not key or not t.is_floating_point():
+    names) and unknown 0-D/1-D tensors keep their dtype (see :mod:`hf_precision.batch_keys`).
+    Asked only when there is a cast to decide (nothing said for a tensor already in ``dtype``)."""
+    if not key or t.dtype == dtype or not t.is_floating_point():
         return True
     kind = batch_key_kind(key, t)
     if kind == "unknown_small":
@@ -129,7 +130,7 @@ def cast_batch(
     if isinstance(batch, torch.Tensor):
         target = (key_dtypes or {}).get(_key)
         if target is None:
-            target = dtype if _is_activation(batch, _key, where) else batch.dtype
+            target = dtype if _is_activation(batch, _key, dtype, where) else batch.dtype
         return cast_tensor(batch, target, device, key=_key, mode=mode, where=where)
     if not isinstance(batch, (Mapping, list, tuple)):
         return batch

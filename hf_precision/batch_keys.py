@@ -69,6 +69,8 @@ METADATA_KEYS: list[str] = [
     # SDXL micro-conditioning: original size, crop, target size (ints beyond bf16's 256)
     "time_ids",
     "add_time_ids",
+    # Trainer's token count for the loss (a 0-D tensor passed to forward and down to modules)
+    "num_items_in_batch",
     # frame rates, durations, lengths, ratios, guidance
     "fps",
     "*_fps",

@@ -202,7 +202,7 @@ class PrecisionGuard:
         self.handle = install_guards(
             model, policy, report, groups=self.groups, view=view, notice=self.notice
         )
-        self._outside_reads(report, where)
+        self._outside_reads(report, where, view)
         self.params = tuple(view.parameters())
         self.dtypes = tuple(p.dtype for p in self.params)
         self.events.append((event, found))
@@ -221,12 +221,13 @@ class PrecisionGuard:
             check_model_ranks(model, self.groups, policy=policy, where=where)
         return report
 
-    def _outside_reads(self, report: EnforceReport, where: str) -> None:
+    def _outside_reads(self, report: EnforceReport, where: str, view: ModelView) -> None:
         """Weights read outside their module: in the report; a fused LM head also on the
         console, once, and checked before each forward where its kernel does not cast."""
-        report.outside_reads = find_outside_reads(self.root)
+        walk = ((path, mod) for path, _, mod in view.modules)
+        report.outside_reads = find_outside_reads(view.root, walk)
         if self.policy.mode != "audit":
-            install_fused_head_check(self.root, report.outside_reads)
+            install_fused_head_check(view.root, report.outside_reads)
         for read in report.outside_reads:
             if read.kind == "fused_head" and read.tensor not in self._said:
                 self._said.add(read.tensor)

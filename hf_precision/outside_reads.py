@@ -35,6 +35,7 @@ What the guard does about it:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any, Literal
@@ -126,27 +127,33 @@ def fused_head_reader(model: nn.Module) -> tuple[str, bool] | None:
     return None
 
 
-def _output_weight(model: nn.Module) -> tuple[str, nn.Parameter] | None:
+Modules = Iterable[tuple[str, nn.Module]]
+
+
+def _output_weight(model: nn.Module, modules: Modules) -> tuple[str, torch.Tensor] | None:
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     weight = getattr(head, "weight", None)
     if not isinstance(head, nn.Module) or not isinstance(weight, torch.Tensor):
         return None
-    for name, mod in model.named_modules():
+    for name, mod in modules:
         if mod is head:
-            return (f"{name}.weight" if name else "weight"), weight  # type: ignore[return-value]
+            return (f"{name}.weight" if name else "weight"), weight
     return None
 
 
-def find_outside_reads(model: nn.Module) -> list[OutsideRead]:
-    """Every weight of ``model`` read outside its module (see the module docstring)."""
+def find_outside_reads(model: nn.Module, modules: Modules | None = None) -> list[OutsideRead]:
+    """Every weight of ``model`` read outside its module (see the module docstring);
+    ``modules`` is the event's walk of the model, ``(path, module)`` pairs (the guard passes
+    its view's, so the model is walked once per event), else ``model.named_modules()``."""
+    walk = list(modules) if modules is not None else list(model.named_modules())
     out: list[OutsideRead] = []
     lib = fused_head_reader(model)
-    head = _output_weight(model) if lib is not None else None
+    head = _output_weight(model, walk) if lib is not None else None
     if lib is not None and head is not None:
         what = f"{lib[0]} ({type(model).__name__}.forward patched)"
         out.append(OutsideRead(head[0], head[1].dtype, what, "fused_head", lib[1]))
-    for path, mod in model.named_modules():
+    for path, mod in walk:
         if not mod._modules:
             continue  # a leaf: its own hook sees its inputs
         for key, p in mod._parameters.items():

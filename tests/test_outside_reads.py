@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from hf_precision import PrecisionError, PrecisionGuardCallback, PrecisionWarning
-from hf_precision.outside_reads import find_outside_reads, fused_head_reader
 
 
 def _count_calls(module: nn.Module) -> list[int]:
@@ -139,6 +138,8 @@ def _batch() -> dict[str, torch.Tensor]:
 
 
 def test_liger_patched_forward_is_found_without_importing_liger() -> None:
+    from hf_precision.outside_reads import find_outside_reads, fused_head_reader
+
     model = _liger_patched()
     assert fused_head_reader(model) == ("Liger's fused linear cross-entropy", False)
     read = next(r for r in find_outside_reads(model) if r.kind == "fused_head")
@@ -175,6 +176,24 @@ def test_liger_fp32_head_beside_bf16_hidden_is_refused_with_the_fix(tmp_args: An
         callbacks=[PrecisionGuardCallback()],
     )
     assert math.isfinite(trainer.train().training_loss)
+
+
+def test_cut_cross_entropy_patched_class_forward_is_found() -> None:
+    """``cce_patch`` replaces the class's ``forward`` with one from
+    ``cut_cross_entropy.transformers.*`` (a stand-in: the package needs Triton)."""
+    from hf_precision.outside_reads import find_outside_reads, fused_head_reader
+
+    def cce_forward(self: Any, *args: Any, **kw: Any) -> Any:
+        return _liger_like_lce_forward(self, *args, **kw)
+
+    cce_forward.__module__ = "cut_cross_entropy.transformers.llama"
+    model = _tiny_llama()
+    patched = type("LlamaForCausalLM", (type(model),), {"forward": cce_forward})
+    model.__class__ = patched
+    assert fused_head_reader(model) == ("cut-cross-entropy (linear_cross_entropy)", False)
+    assert [r.tensor for r in find_outside_reads(model) if r.kind == "fused_head"] == [
+        "lm_head.weight"
+    ]
 
 
 @pytest.fixture
