@@ -116,3 +116,24 @@ def test_positional_metadata_arguments_of_the_model_keep_their_dtype() -> None:
 def test_module_doctests() -> None:
     result = doctest.testmod(bk, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted >= 6 and result.failed == 0
+
+
+def test_metadata_passed_down_by_name_is_kept_at_the_module_guards() -> None:
+    """Trainer passes ``num_items_in_batch`` (the loss's token count) to ``forward``, and
+    LLaVA hands its kwargs down to the vision tower: neither the batch hook nor the tower's
+    boundary guard rounds it (1001 is 1000 in bf16)."""
+    from hf_precision import enforce_policy
+    from hf_precision.tiny import tiny_batch, tiny_llava
+
+    model = tiny_llava(torch.bfloat16)
+    model.model.multi_modal_projector.float()  # a mixed model: boundary guards at work
+    report = enforce_policy(model, "bf16-true")
+    install_guards(model, "bf16-true", report)
+    seen: list[torch.Tensor] = []
+    model.model.vision_tower.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw["num_items_in_batch"]), with_kwargs=True
+    )
+    count = torch.tensor(1001.0)
+    with torch.no_grad():
+        model(**tiny_batch(model), num_items_in_batch=count)
+    assert seen and seen[-1].dtype == torch.float32 and float(seen[-1]) == 1001.0
