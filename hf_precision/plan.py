@@ -159,6 +159,8 @@ class EnforceReport:
             lines.append(f"  kept {name}: max |value| {value:g} exceeds fp16 range")
         for name, why in self.skipped[:_MAX_LISTED]:
             lines.append(f"  skipped {name}: {why}")
+        for read in self.outside_reads[:_MAX_LISTED]:
+            lines.append(f"  read outside its module: {read.describe()}")
         return "\n".join(lines)
 
     __str__ = summary

@@ -290,3 +290,25 @@ def test_module_doctests() -> None:
     from hf_precision import outside_reads
 
     assert doctest.testmod(outside_reads).failed == 0
+
+
+def test_the_report_says_it_in_text_and_json() -> None:
+    from hf_precision import enforce_policy
+    from hf_precision.outside_reads import find_outside_reads
+
+    model = _liger_patched()
+    report = enforce_policy(model, "bf16-true", mode="audit")
+    report.outside_reads = find_outside_reads(model)
+    assert (
+        "read outside its module: lm_head.weight (float32) is read outside its module by "
+        "Liger's fused linear cross-entropy (LlamaForCausalLM.forward patched)"
+    ) in report.summary()
+    assert report.to_dict()["outside_reads"] == [
+        {
+            "tensor": "lm_head.weight",
+            "dtype": "float32",
+            "reader": "Liger's fused linear cross-entropy (LlamaForCausalLM.forward patched)",
+            "kind": "fused_head",
+            "casts_itself": False,
+        }
+    ]
