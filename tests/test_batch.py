@@ -324,3 +324,38 @@ def test_trainer_bf16_with_the_callback_keeps_the_position_ids(family: str, tiny
         result = trainer.train()
     assert seen and all(torch.equal(s, expected) for s in seen)
     assert math.isfinite(result.training_loss)
+
+
+def test_accelerate_plugin_loader_keeps_the_video_seconds(tmp_path: Any) -> None:
+    """The accelerate plugin wraps the loader's ``collate_fn`` in ``PrecisionCollator``: the
+    patches follow the vision encoder (bf16), the seconds per grid stay float32, and the
+    position ids equal those of float32 metadata, bit-exact."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from hf_precision import PrecisionGuardPlugin
+
+    model, batch, key = _qwen_video("qwen2_5_vl")
+    model.model.visual.requires_grad_(False)  # a frozen tower: bf16 under the bf16 preset
+    expected = _rope_ids(model, batch, batch[key])
+    loader = torch.utils.data.DataLoader([batch], batch_size=1, collate_fn=lambda f: f[0])
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        accelerator = Accelerator(cpu=True, mixed_precision="bf16", project_dir=str(tmp_path))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PrecisionWarning)
+            model, optimizer, loader = PrecisionGuardPlugin().prepare(
+                accelerator, model, optimizer, loader
+            )
+        out = next(iter(loader))
+        assert out["pixel_values_videos"].dtype == torch.bfloat16
+        assert out[key].dtype == torch.float32 and torch.equal(out[key], batch[key])
+        seen = _position_ids_seen(model)
+        with torch.no_grad(), accelerator.autocast():
+            model(**out)
+        assert torch.equal(seen[-1], expected)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
