@@ -117,12 +117,28 @@ def _library_of(fn: Any) -> tuple[str, bool] | None:
     return None
 
 
+def _closure_value(fn: Any, name: str) -> Any:
+    """A variable the patched ``forward`` closes over (TRL's ``cast_lm_head_to_fp32``)."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    names = code.co_freevars if code is not None else ()
+    for var, cell in zip(names, cells, strict=False):
+        if var == name:
+            try:
+                return cell.cell_contents
+            except ValueError:  # an empty cell
+                return None
+    return None
+
+
 def fused_head_reader(model: nn.Module) -> tuple[str, bool] | None:
     """``(kernel in words, casts the weight itself)`` when ``model``'s forward is a fused LM
-    head patched in by TRL, Liger or cut-cross-entropy; ``None`` otherwise."""
+    head patched in by TRL, Liger or cut-cross-entropy; ``None`` otherwise. TRL's with
+    ``cast_lm_head_to_fp32=True`` says so (it computes the head in float32 on purpose)."""
     for fn in _forward_functions(model):
         lib = _library_of(fn)
         if lib is not None:
+            if lib[1] and _closure_value(fn, "cast_lm_head_to_fp32") is True:
+                return f"{lib[0]} with cast_lm_head_to_fp32=True (float32, on purpose)", lib[1]
             return lib
     return None
 

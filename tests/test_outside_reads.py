@@ -312,3 +312,24 @@ def test_the_report_says_it_in_text_and_json() -> None:
             "casts_itself": False,
         }
     ]
+
+
+def test_trl_fused_head_with_fp32_cast_is_named() -> None:
+    """``trl.trainer.add_fused_lm_head(model, cast_lm_head_to_fp32=True)`` (GRPO, ScaleRL):
+    the reader says the head computes in float32 on purpose."""
+    trainer = pytest.importorskip("trl.trainer")
+    from hf_precision.outside_reads import find_outside_reads, fused_head_reader
+
+    model = _tiny_llama()
+    trainer.add_fused_lm_head(model, cast_lm_head_to_fp32=True)
+    reader, casts = fused_head_reader(model) or ("", False)
+    assert casts and reader == (
+        "TRL's fused LM head (add_fused_lm_head) with cast_lm_head_to_fp32=True "
+        "(float32, on purpose)"
+    )
+    plain = _tiny_llama()
+    trainer.add_fused_lm_head(plain)
+    assert fused_head_reader(plain) == ("TRL's fused LM head (add_fused_lm_head)", True)
+    assert [r.tensor for r in find_outside_reads(model) if r.kind == "fused_head"] == [
+        "lm_head.weight"
+    ]
