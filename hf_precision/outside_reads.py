@@ -103,16 +103,21 @@ def _forward_functions(model: nn.Module) -> list[Any]:
     return out
 
 
+#: the name of TRL's patched forward: TRL's own model classes (``trl.models``' value heads)
+#: have forwards of their own that are not fused heads
+_TRL_FUSED = "_fused_forward"
+
+
 def _library_of(fn: Any) -> tuple[str, bool] | None:
     """The fused-head library ``fn`` comes from: by its module, or (``functools.wraps`` copies
     ``__module__`` from the function it wraps, as TRL's does) by the file its code is in."""
-    top = (getattr(fn, "__module__", None) or "").split(".")[0]
-    if top in FUSED_HEAD_LIBRARIES:
-        return FUSED_HEAD_LIBRARIES[top]
     code = getattr(fn, "__code__", None)
+    top = (getattr(fn, "__module__", None) or "").split(".")[0]
     parts = PurePath(code.co_filename).parts[:-1] if code is not None else ()
-    for package in parts:
+    for package in (top, *parts):
         if package in FUSED_HEAD_LIBRARIES:
+            if package == "trl" and getattr(code, "co_name", None) != _TRL_FUSED:
+                return None
             return FUSED_HEAD_LIBRARIES[package]
     return None
 

@@ -333,3 +333,16 @@ def test_trl_fused_head_with_fp32_cast_is_named() -> None:
     assert [r.tensor for r in find_outside_reads(model) if r.kind == "fused_head"] == [
         "lm_head.weight"
     ]
+
+
+def test_trl_models_of_its_own_are_not_fused_heads() -> None:
+    """A forward written in TRL that is not its fused head (a value-head model) is no reader."""
+    from hf_precision.outside_reads import fused_head_reader
+
+    def forward(self: Any, *args: Any, **kw: Any) -> Any:
+        return None
+
+    forward.__module__ = "trl.models.modeling_value_head"
+    model = _tiny_llama()
+    model.forward = types.MethodType(forward, model)
+    assert fused_head_reader(model) is None
