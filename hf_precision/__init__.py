@@ -49,6 +49,7 @@ def _load() -> None:
 _EAGER = {
     "PrecisionCollator": "batch",
     "cast_batch": "batch",
+    "register_metadata_key": "batch_keys",
     "DtypeMap": "dtype_maps",
     "dtype_map": "dtype_maps",
     "EnforceReport": "enforce",
@@ -71,6 +72,7 @@ if not _cli_process():
 
 if TYPE_CHECKING:
     from .batch import PrecisionCollator, cast_batch
+    from .batch_keys import register_metadata_key
     from .callback import PrecisionGuardCallback
     from .diagnostics import diagnose
     from .dtype_maps import DtypeMap, dtype_map
@@ -118,6 +120,7 @@ __all__ = [
     "install_guards",
     "register_group",
     "register_group_rule",
+    "register_metadata_key",
     "remove_guards",
 ]
 

@@ -1,5 +1,6 @@
 """Batch fixing: floating tensors built by collators, processors and eval scripts follow the
-policy; integer/bool tensors and labels are left alone.
+policy; integer/bool tensors, labels and metadata (``second_per_grid_ts``, timesteps, fps:
+:mod:`hf_precision.batch_keys`) are left alone.
 
 >>> import torch
 >>> from hf_precision import PrecisionCollator
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .batch_keys import batch_key_kind, notice_unknown
 from .dtypes import dtype_name, is_castable, narrows_range
 from .errors import PrecisionError, PrecisionWarning, check_model
 from .policy import Mode, PrecisionPolicy
@@ -96,6 +98,18 @@ def cast_tensor(
     return out
 
 
+def _is_activation(t: torch.Tensor, key: str, dtype: torch.dtype, where: str) -> bool:
+    """A floating tensor at ``key`` is an activation the policy casts; metadata (registered
+    names) and unknown 0-D/1-D tensors keep their dtype (see :mod:`hf_precision.batch_keys`).
+    Asked only when there is a cast to decide (nothing said for a tensor already in ``dtype``)."""
+    if not key or t.dtype == dtype or not t.is_floating_point():
+        return True
+    kind = batch_key_kind(key, t)
+    if kind == "unknown_small":
+        notice_unknown(key, t, where)
+    return kind == "activation"
+
+
 def cast_batch(
     batch: Any,
     dtype: torch.dtype,
@@ -110,10 +124,13 @@ def cast_batch(
     """Cast every floating tensor in a (nested) batch; containers keep their types.
 
     ``key_dtypes`` gives per-key dtypes (e.g. ``pixel_values`` -> the vision encoder's dtype);
-    keys in ``skip_keys`` (labels) are returned unchanged.
+    keys in ``skip_keys`` (labels) are returned unchanged; metadata keys (``second_per_grid_ts``,
+    timesteps, fps …: :mod:`hf_precision.batch_keys`) keep their dtype and follow ``device``.
     """
     if isinstance(batch, torch.Tensor):
-        target = (key_dtypes or {}).get(_key, dtype)
+        target = (key_dtypes or {}).get(_key)
+        if target is None:
+            target = dtype if _is_activation(batch, _key, dtype, where) else batch.dtype
         return cast_tensor(batch, target, device, key=_key, mode=mode, where=where)
     if not isinstance(batch, (Mapping, list, tuple)):
         return batch
@@ -171,7 +188,17 @@ def eager_when_compiled_alone(*fns: Callable[..., Any]) -> None:
         from torch._dynamo.eval_frame import skip_code
     except ImportError:  # pragma: no cover - another torch: one more graph, still correct
         return
-    for fn in (cast_batch, cast_tensor, _all_finite, is_mask_key, is_castable, narrows_range, *fns):
+    for fn in (
+        cast_batch,
+        cast_tensor,
+        _all_finite,
+        _is_activation,
+        batch_key_kind,
+        is_mask_key,
+        is_castable,
+        narrows_range,
+        *fns,
+    ):
         skip_code(fn.__code__)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .batch_keys import TIMESTEP_KEYS
 from .dtypes import is_castable
 from .errors import PrecisionError, PrecisionWarning
 from .groups import (
@@ -48,7 +49,6 @@ DENOISER_GROUPS: tuple[str, ...] = ("unet", "transformer")
 DIFFUSION_GROUPS: tuple[str, ...] = (*TEXT_ENCODER_GROUPS, *DENOISER_GROUPS, "vae")
 #: Children of a VAE that ``encode()`` / ``decode()`` call directly.
 VAE_ENTRY_POINTS: tuple[str, ...] = ("encoder", "quant_conv", "post_quant_conv", "decoder")
-TIMESTEP_KEYS: tuple[str, ...] = ("timestep", "timesteps")
 #: Batch keys that follow the VAE's dtype (images are encoded by it).
 DIFFUSION_KEY_GROUPS: dict[str, str] = {"pixel_values": "vae", "images": "vae", "image": "vae"}
 #: What the diffusion presets do with each batch key (documentation and tests).

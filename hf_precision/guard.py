@@ -58,6 +58,7 @@ from .hooks import (
     remove_guards,
 )
 from .keep_rules import model_keep_lists
+from .outside_reads import find_outside_reads, install_fused_head_check
 from .policy import (
     KEEP_RULES,
     LeafGuards,
@@ -228,12 +229,19 @@ class PrecisionGuard:
         self.handle = install_guards(
             model, policy, report, groups=self.groups, view=view, notice=self.notice
         )
+        self._outside_reads(report, where, view)
         self.params = tuple(view.parameters())
         self.dtypes = tuple(p.dtype for p in self.params)
         self.events.append((event, found))
         if self.reporter is not None and (log_clean or found):
             # a wrapper's choice kept (wrapper_master_fp32) is in the event's JSON too
-            noted = found or report.wrapper_casts or report.wrapper_findings or _kept_as_is(report)
+            noted = (
+                found
+                or report.wrapper_casts
+                or report.wrapper_findings
+                or report.outside_reads
+                or _kept_as_is(report)
+            )
             self.reporter.log_event(
                 event,
                 model,
@@ -259,6 +267,18 @@ class PrecisionGuard:
             return half
         params = view.parameters() if view is not None else self.root.parameters()
         return half if any(hasattr(p, "ds_id") for p in params) else None
+
+    def _outside_reads(self, report: EnforceReport, where: str, view: ModelView) -> None:
+        """Weights read outside their module: in the report; a fused LM head also on the
+        console, once, and checked before each forward where its kernel does not cast."""
+        walk = ((path, mod) for path, _, mod in view.modules)
+        report.outside_reads = find_outside_reads(view.root, walk)
+        if self.policy.mode != "audit":
+            install_fused_head_check(view.root, report.outside_reads)
+        for read in report.outside_reads:
+            if read.kind == "fused_head" and read.tensor not in self._said:
+                self._said.add(read.tensor)
+                logger.warning(f"{where}: {read.describe()}; report: {self._report_dir() or 'off'}")
 
     def _renamed(self, policy: PrecisionPolicy) -> PrecisionPolicy:
         """``policy`` with the former group names the model's rule renamed

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from .batch import cast_batch, cast_tensor, eager_when_compiled_alone, key_dtypes_for
+from .batch_keys import batch_key_kind, is_metadata_key, notice_unknown
 from .dtype_maps import receiving, receiving_dtypes
 from .dtypes import dtype_name, is_castable, quantized_compute_dtype
 from .errors import PrecisionError, check_model
@@ -150,6 +151,13 @@ def _cast_arg(st: _GuardState, module: nn.Module, i: int, value: Any) -> Any:
     key = st.arg_names[i] if i < len(st.arg_names) else ""
     if key in st.skip_keys:
         return value
+    if key and key not in st.key_dtypes and isinstance(value, torch.Tensor):
+        floating = value.is_floating_point() and value.dtype != st.dtype
+        kind = batch_key_kind(key, value) if floating else "activation"
+        if kind != "activation":  # metadata keeps its dtype, follows the device
+            if kind == "unknown_small":
+                notice_unknown(key, value, f"batch -> {type(module).__name__}")
+            return value if st.device is None else value.to(st.device)
     if key in st.key_dtypes:
         return cast_batch(
             value,
@@ -249,8 +257,19 @@ def _guard_hook(
     if not hit or st.mode == "audit":
         return None
     new_args = tuple(_cast_value(st, module, a, f"input {i}") for i, a in enumerate(args))
-    new_kwargs = {k: _cast_value(st, module, v, k) for k, v in kwargs.items()}
+    new_kwargs = {
+        k: _follow_device(st, v) if is_metadata_key(k) else _cast_value(st, module, v, k)
+        for k, v in kwargs.items()
+    }
     return new_args, new_kwargs
+
+
+def _follow_device(st: _GuardState, value: Any) -> Any:
+    """Metadata passed down by name (``num_items_in_batch``, ``second_per_grid_ts``): its
+    dtype is kept at every guard, only the device follows the receiver."""
+    if isinstance(value, torch.Tensor) and st.device is not None and value.device != st.device:
+        return value.to(st.device)
+    return value
 
 
 @dataclass(slots=True)
@@ -347,7 +366,7 @@ def _eager_when_compiled_alone() -> None:
     the model's graph (see :func:`~hf_precision.batch.eager_when_compiled_alone`)."""
     if not _EAGER_ALONE:
         _EAGER_ALONE.append(True)
-        eager_when_compiled_alone(_guard_hook, _cast_value, _cast_arg)
+        eager_when_compiled_alone(_guard_hook, _cast_value, _cast_arg, _follow_device)
 
 
 def _uninstall(module: nn.Module) -> None:

@@ -125,6 +125,9 @@ class EnforceReport:
     #: what a wrapper's own settings do to the outputs (FSDP2's ``output_dtype``), with fixes
     wrapper_findings: list[str] = field(default_factory=list)
     device: torch.device | None = None
+    #: weights read outside their module (fused LM heads, raw parameters): set by the guard
+    #: (:mod:`hf_precision.outside_reads`), reported, never cast for it
+    outside_reads: list[Any] = field(default_factory=list)
     #: the plan behind ``changes`` (:func:`apply_plan` carries it out) and the tensors found on
     #: the meta device while the model is elsewhere
     planned: list[PlannedCast] = field(default_factory=list, repr=False, compare=False)
@@ -162,6 +165,8 @@ class EnforceReport:
             lines.append(f"  kept {name}: max |value| {value:g} exceeds fp16 range")
         for name, why in self.skipped[:_MAX_LISTED]:
             lines.append(f"  skipped {name}: {why}")
+        for read in self.outside_reads[:_MAX_LISTED]:
+            lines.append(f"  read outside its module: {read.describe()}")
         return "\n".join(lines)
 
     __str__ = summary
@@ -181,6 +186,7 @@ class EnforceReport:
             "skipped": self.skipped,
             "mixed_groups": list(self.mixed_groups),
             "rule": self.groups.rule,
+            "outside_reads": [r.to_dict() for r in self.outside_reads],
         }
 
 

@@ -545,6 +545,7 @@ class PrecisionReporter:
             "wrapper_casts": report.get("wrapper_casts", []),
             "wrapper_findings": report.get("wrapper_findings", []),
             "kept": report.get("kept", []),
+            "outside_reads": report.get("outside_reads", []),
             "picture": png_path.name if png_path is not None else None,
         }
         path.write_text(json.dumps(payload, indent=1))

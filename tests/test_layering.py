@@ -88,6 +88,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "values": (
         "dtypes",
         "flags",
+        "batch_keys",
         "groups",
         "group_rules",
         "diffusion_rules",
@@ -95,7 +96,16 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "policy",
     ),
     "model": ("view", "dtype_maps"),
-    "core": ("plan", "enforce", "batch", "hooks", "deepspeed_config", "distributed", "fsdp2"),
+    "core": (
+        "plan",
+        "enforce",
+        "batch",
+        "hooks",
+        "outside_reads",
+        "deepspeed_config",
+        "distributed",
+        "fsdp2",
+    ),
     "engine": ("guard",),
     "frontends": (
         "callback",
