@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .errors import did_you_mean
+from .names import unknown_groups
 
 
 def fail(message: str) -> NoReturn:
@@ -350,8 +351,6 @@ def apply_stored_dtypes(model: Any, stored: dict[str, Any]) -> tuple[int, int]:
     return matched, len(stored)
 
 
-#: --trainable words besides group names
-TRAINABLE_WORDS = ("all", "none", "other")
 #: the one default of every command: nothing trained (LoRA's case, the most common: the
 #: checkpoint's weights stay frozen, so a bf16 checkpoint audited against ``bf16`` is clean);
 #: ``--trainable projector`` / ``all`` for runs that train the checkpoint's own weights
@@ -363,14 +362,10 @@ def trainable_groups(spec: str) -> list[str]:
     error before anything is built)."""
     from .groups import group_names
 
-    want = [s.strip() for s in spec.split(",") if s.strip()]
-    for w in want:
-        if w not in (*group_names(), *TRAINABLE_WORDS):
-            fail(
-                f"--trainable: unknown group {w!r}.{did_you_mean(w, group_names())} "
-                f"Allowed: {', '.join(group_names())}, {', '.join(TRAINABLE_WORDS)}"
-            )
-    return want
+    error = unknown_groups(spec, group_names())
+    if error:
+        fail(error)
+    return [s.strip() for s in spec.split(",") if s.strip()]
 
 
 def set_trainable(model: Any, spec: str) -> None:

@@ -23,24 +23,10 @@ from typing import Any, NoReturn
 from . import checkpoint
 from .checkpoint import DEFAULT_TRAINABLE, fail
 from .errors import PrecisionError
+from .names import GROUP_NAMES, PRESET_NAMES, preset_hint, unknown_groups
 
-# What --help says needs no engine (torch, the registries): these lists are checked against
-# the registries by tests/test_cli.py; the values themselves are checked after parsing.
-PRESET_NAMES = ("bf16", "bf16-true", "fp16", "fp16-true", "fp32", "fp16-vae32", "bf16-vae32")
-GROUP_NAMES = (
-    "vision_encoder",
-    "resampler",
-    "projector",
-    "audio_encoder",
-    "language_model",
-    "lm_head",
-    "text_encoder",
-    "text_encoder_2",
-    "text_encoder_3",
-    "unet",
-    "transformer",
-    "vae",
-)
+# What --help says and the argument checks need no engine (torch, the registries): the names
+# live in hf_precision.names, checked against the registries by tests/test_cli.py.
 _DTYPES = ("auto", "fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
 _SOURCES = """PATH_OR_MODEL_TYPE is a checkpoint folder (config.json inside, sharded or not), a
 config.json file, a Hub id (org/name: its config and safetensors headers, no weights; offline,
@@ -71,7 +57,8 @@ PATH_OR_MODEL_TYPE is a local checkpoint folder (loaded with its weights, each t
 dtype it is stored in), a config.json (built with random weights, small configs only) or a
 model type, built tiny. Vision-language models get a synthetic image+text batch; text-only
 models (causal LM, seq2seq, classifiers) a text batch. The doctor enforces the policy (as
-PrecisionGuardCallback does at on_init_end), installs the guard in raise mode, runs one training
+PrecisionGuardCallback does at on_init_end), installs the guard in --mode fix (as the
+callback runs it; --mode raise: every input it would cast is an error), runs one training
 forward+backward (under autocast for mixed presets, as Trainer does; there the guard fixes
 instead of raising, and what autocast handled is counted as information, not as a problem)
 and a generate() (generative models), and prints the diagnosis. Exit code 0: clean; 1: a
@@ -129,10 +116,11 @@ def _doctor_options(s: argparse.ArgumentParser) -> None:
     )
     s.add_argument(
         "--mode",
-        default="raise",
-        choices=("raise", "fix"),
-        help="guard mode outside autocast (default raise: every input the "
-        "guard would have to cast is an error)",
+        default="fix",
+        choices=("fix", "raise"),
+        help="guard mode outside autocast (default fix: the guard casts at the boundaries, as "
+        "PrecisionGuardCallback does; raise: every input the guard would have to cast is an "
+        "error)",
     )
     s.add_argument("--no-generate", action="store_true", help="skip generate()")
     for flag, what in (
@@ -238,21 +226,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check_values(args: argparse.Namespace) -> None:
-    """The values argparse cannot check without the engine: the preset and the groups, before
-    anything is read or built."""
-    import hf_precision
-
-    hf_precision._load()  # the registries: presets and groups, registered ones included
-    from .policy import PRESETS, preset_name
-
-    if hasattr(args, "policy"):
-        try:
-            preset_name(args.policy, call="--policy")
-        except PrecisionError as err:  # the one vocabulary of preset names, said as argparse does
-            said = str(err).split(": ", 1)[1].split("\n")[0]
-            fail(f"argument --policy: {said} Allowed: {', '.join(PRESETS)}")
-    if hasattr(args, "trainable"):
-        checkpoint.trainable_groups(args.trainable)
+    """The values argparse cannot check alone: the preset and the groups, before anything is
+    read or built, from the names alone (no torch: an argument error answers at once)."""
+    if hasattr(args, "policy") and args.policy not in PRESET_NAMES:
+        fail(
+            f"argument --policy: unknown preset {args.policy!r}."
+            f"{preset_hint(args.policy, PRESET_NAMES)} Allowed: {', '.join(PRESET_NAMES)}"
+        )
+    error = unknown_groups(args.trainable) if hasattr(args, "trainable") else None
+    if error:
+        fail(error)
 
 
 # ---------------------------------------------------------------------------- output
@@ -754,7 +737,6 @@ class _Audit:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hf-precision`` command; returns the exit code."""
-    from .errors import PrecisionError
 
     try:
         parser = _parser()

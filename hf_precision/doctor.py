@@ -1,6 +1,7 @@
 """``hf-precision doctor``: load the model (a checkpoint with each tensor in the dtype it is
 stored in, a config with random weights, or a tiny build of a model type), enforce the policy
-(as ``PrecisionGuardCallback`` does at ``on_init_end``), install the guard in raise mode, run
+(as ``PrecisionGuardCallback`` does at ``on_init_end``), install the guard (``--mode fix`` by
+default, as the callback runs it; ``--mode raise`` makes every cast it would need an error), run
 one training forward+backward and a ``generate()`` (generative models) on a synthetic batch
 (image+text for vision-language models, text for causal LM / seq2seq / classifiers), and print
 the diagnosis.
@@ -8,7 +9,7 @@ the diagnosis.
 Mixed presets (``bf16``, ``fp16``) train under autocast, as ``Trainer`` does; autocast resolves
 dtype differences itself, so there the guard works as in training (mode ``"fix"``) and what
 autocast handled is counted as information, apart from failures and from mismatches outside
-autocast; ``generate()`` runs without autocast and the guard in ``--mode`` (``raise`` by
+autocast; ``generate()`` runs without autocast and the guard in ``--mode`` (``fix`` by
 default).
 
 >>> from hf_precision.cli import main

@@ -32,6 +32,8 @@ def test_doctor_fixes_minicpmv_and_names_the_internvl_bug(
                 "bf16-true",
                 "--batch",
                 "raw",
+                "--mode",
+                "raise",
                 "--no-generate",
                 "--json",
             ]
@@ -44,7 +46,8 @@ def test_doctor_fixes_minicpmv_and_names_the_internvl_bug(
 
 
 def test_doctor_mixed_preset_lists_what_autocast_hides(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["doctor", "llava", "--policy", "fp16", "--trainable", "projector", "--json"]) == 1
+    argv = ["doctor", "llava", "--policy", "fp16", "--trainable", "projector", "--mode", "raise"]
+    assert main([*argv, "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
     train, gen = data["diagnosis"]["train"], data["diagnosis"]["generate"]
     assert train["ok"] and any(m["autocast"] for m in train["mismatches"])
