@@ -1,7 +1,9 @@
 """``hf-precision``: audit a checkpoint against a precision policy, or run a doctor pass.
 
 Exit codes: 0 the model matches the policy / the doctor pass ran clean; 1 it violates the policy
-/ a dtype or device error was diagnosed; 2 bad arguments or a source that cannot be read.
+/ a dtype or device error was diagnosed; 2 bad arguments, or a source that does not exist or whose
+config cannot be read; 3 weight files that cannot be read (empty, truncated, corrupt, not
+safetensors). 1 is never an input error.
 
 >>> from hf_precision.cli import main
 >>> main(["audit", "llava", "--dtype", "bf16", "--json"])  # doctest: +SKIP
@@ -33,6 +35,12 @@ config.json file, a Hub id (org/name: its config and safetensors headers, no wei
 HF_HUB_OFFLINE=1, from the local Hugging Face cache only), a PEFT adapter folder
 (adapter_config.json: the adapter's dtypes and its base model), a diffusers folder
 (model_index.json: the dtypes of each component) or a transformers model type."""
+_EXIT_CODES = """exit codes:
+  0  the model matches the policy (doctor: the guarded step ran clean)
+  1  it violates the policy (doctor: a dtype/device error was diagnosed); nothing else exits 1
+  2  bad arguments, or a source that does not exist or whose config cannot be read
+  3  weight files that cannot be read: empty, truncated, corrupt, not safetensors (one line
+     names the file and what is wrong)"""
 _EXAMPLES_AUDIT = f"""examples:
   hf-precision audit ./my-llava-checkpoint --policy bf16
   hf-precision audit Qwen/Qwen2-VL-7B-Instruct --policy bf16-true
@@ -40,14 +48,18 @@ _EXAMPLES_AUDIT = f"""examples:
   hf-precision audit llava --policy fp16 --trainable projector,language_model
   hf-precision audit ./lora-adapter --policy bf16
   hf-precision audit ./sd-pipeline --policy fp16-vae32 --trainable none
+  hf-precision audit ./sd-pipeline/unet --policy fp16      # one diffusers component
   hf-precision audit ./ckpt --weights          # read the real weights instead of the meta build
 
 {_SOURCES}
 Without --weights the model is built on the meta device from its config: nothing is read but
 the config and the safetensors headers (each tensor in the dtype it is stored in), or without
-weight files the dtype from_pretrained would load (config dtype, or --dtype).
-Exit code 0: matches the policy; 1: violates it; 2: bad arguments."""
-_EXAMPLES_DOCTOR = """examples:
+weight files the dtype from_pretrained would load (config dtype, or --dtype). A relative path
+that does not exist is a missing folder, never looked up on the Hub (owner/name is a Hub id only
+where no folder owner/ is).
+
+{_EXIT_CODES}"""
+_EXAMPLES_DOCTOR = f"""examples:
   hf-precision doctor llava --policy bf16
   hf-precision doctor ./my-tiny-checkpoint --policy bf16-true --json
   hf-precision doctor ./my-tiny-bert --policy bf16 --text-len 8
@@ -61,8 +73,9 @@ PrecisionGuardCallback does at on_init_end), installs the guard in --mode fix (a
 callback runs it; --mode raise: every input it would cast is an error), runs one training
 forward+backward (under autocast for mixed presets, as Trainer does; there the guard fixes
 instead of raising, and what autocast handled is counted as information, not as a problem)
-and a generate() (generative models), and prints the diagnosis. Exit code 0: clean; 1: a
-dtype/device error was diagnosed; 2: bad arguments."""
+and a generate() (generative models), and prints the diagnosis.
+
+{_EXIT_CODES}"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -195,7 +208,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Audit and diagnose the precision (dtypes, "
         "devices) of transformers models against an hf-precision policy.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="run 'hf-precision audit --help' or 'hf-precision doctor --help' for examples",
+        epilog="run 'hf-precision audit --help' or 'hf-precision doctor --help' for examples\n\n"
+        + _EXIT_CODES,
     )
     from . import __version__  # the package's, read from the installed metadata
 
@@ -273,7 +287,8 @@ def _open_source(text: str) -> _Source:
         return _Source(kind, where)
     folder, via, headers = checkpoint.resolve_hub(where)
     kind = next((k for m, k in checkpoint.MARKERS if (folder / m).is_file()), "path")
-    if kind == "diffusers" and headers is not None:
+    kind = "component" if kind == "path" and checkpoint.is_component(folder) else kind
+    if kind in ("diffusers", "component") and headers is not None:
         fail(
             f"{where}: a diffusers repository on the Hub keeps its components' headers in "
             f"subfolders, which the Hub's metadata does not read: download it (hf download "
@@ -374,7 +389,7 @@ def _audit(args: argparse.Namespace) -> int:
 
     policy = PrecisionPolicy.from_preset(args.policy)
     src = _open_source(args.source)
-    if src.kind in ("adapter", "diffusers"):
+    if src.kind in ("adapter", "diffusers", "component"):
         if args.weights:
             fail(f"--weights reads checkpoint folders, not {src.kind} folders")
         table = (_adapter_audit if src.kind == "adapter" else _diffusers_audit)(args, policy, src)
@@ -566,13 +581,16 @@ def _diffusers_audit(args: argparse.Namespace, policy: Any, src: _Source) -> _Fi
     transformer, vae, text encoders), as its diffusion group, against the policy."""
     from .diffusion_rules import DIFFUSION_GROUPS
 
-    components = checkpoint.read_diffusers(src.where)
+    if src.kind == "component":
+        components = checkpoint.read_component(src.where)
+    else:
+        components = checkpoint.read_diffusers(src.where)
     if not components:
         fail(f"{src.where}: no component of model_index.json stores *.safetensors weights")
     train = _trainable_set(args.trainable)
     rows: list[dict[str, Any]] = []
     for name, comp in components.items():
-        group = name if name in DIFFUSION_GROUPS else "other"
+        group = comp.get("group") or (name if name in DIFFUSION_GROUPS else "other")
         trainable = "all" in train or group in train
 
         def want_of(_: str, group: str = group, trainable: bool = trainable) -> tuple[Any, bool]:

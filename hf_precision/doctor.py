@@ -46,7 +46,7 @@ def _doctor_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str | 
                 "(HF_HUB_OFFLINE=1) or the folder"
             )
         kind = next((k for m, k in checkpoint.MARKERS if (where / m).is_file()), "path")
-    if kind in ("adapter", "diffusers"):
+    if kind in ("adapter", "diffusers", "component"):
         checkpoint.fail(
             f"doctor: {args.source} is a {kind} folder; the doctor runs a transformers model "
             f"(a checkpoint folder, a config.json or a model type). 'hf-precision audit "

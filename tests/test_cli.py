@@ -92,7 +92,8 @@ def test_doctor_tiny_checkpoint(checkpoints: dict[str, Path]) -> None:
 def test_help_has_examples(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([command, "--help"]) == 0
     out = capsys.readouterr().out
-    assert "examples:" in out and f"hf-precision {command} " in out and "Exit code" in out
+    assert "examples:" in out and f"hf-precision {command} " in out and "exit codes:" in out
+    assert "3  weight files that cannot be read" in out
 
 
 @pytest.mark.parametrize(
