@@ -81,7 +81,16 @@ def _doctor_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str | 
                 loaded,
             )
         return model, text_batch(model, text_len=args.text_len), loaded
-    except (KeyError, ValueError) as err:
+    except KeyError:  # no recipe: no flag would help
+        from .tiny.vlm import BATCH_TYPES
+
+        checkpoint.fail(
+            f"doctor: no synthetic image+text batch for model type "
+            f"{getattr(model.config, 'model_type', None)!r} ({type(model).__name__}); the doctor "
+            f"builds them for {', '.join(BATCH_TYPES)}. 'hf-precision audit {args.source}' "
+            "reads the dtypes of any"
+        )
+    except ValueError as err:
         checkpoint.fail(
             f"doctor: cannot build a synthetic batch for {type(model).__name__}: {err}. "
             f"{_batch_fix(model)}"
