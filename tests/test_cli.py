@@ -188,7 +188,7 @@ def _imported(*args: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
         (["doctor", "llava", "--image-size", "x"], 2, "invalid int value: 'x'"),
         (["doctor", "llava", "--max-params", "1e9"], 2, "invalid int value: '1e9'"),
         (["run", "--policy", "bf61", "--", "python"], 2, "Did you mean 'bf16'?"),
-        (["run", "--policy", "{bad", "--", "python"], 2, "the policy JSON does not parse"),
+        (["run", "--policy", "{bad", "--", "python"], 2, "the policy is not valid JSON"),
         (["run", "--mode", "strict", "--", "python"], 2, "unknown mode 'strict'"),
         (["run", "--keep-fp32", "re:[", "--", "python"], 2, "bad regex"),
         (["run"], 2, "no command to run"),

@@ -168,7 +168,7 @@ class LaunchConfig:
             try:
                 json.loads(text)
             except json.JSONDecodeError as err:
-                raise PrecisionError(f"{call}: the policy JSON does not parse ({err})") from None
+                raise PrecisionError(f"{call}: the policy is not valid JSON ({err})") from None
         elif text not in PRESET_NAMES and not Path(text).expanduser().is_file():
             hint = did_you_mean(text, ["auto", *PRESET_NAMES])
             raise PrecisionError(
