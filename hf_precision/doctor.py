@@ -48,7 +48,8 @@ def _doctor_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str | 
         kind = next((k for m, k in checkpoint.MARKERS if (where / m).is_file()), "path")
     if kind in ("adapter", "diffusers", "component"):
         checkpoint.fail(
-            f"doctor: {args.source} is a {kind} folder; the doctor runs a transformers model "
+            f"doctor: {args.source} is a {kind.replace('component', 'diffusers component')} "
+            "folder; the doctor runs a transformers model "
             f"(a checkpoint folder, a config.json or a model type). 'hf-precision audit "
             f"{args.source}' reads its dtypes."
         )

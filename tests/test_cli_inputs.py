@@ -95,6 +95,26 @@ def test_a_truncated_file_stops_every_command_that_reads_it(
     assert "truncated" in capsys.readouterr().err
 
 
+def test_a_broken_adapter_or_component_file_is_said_alike(
+    good: Path, components: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A PEFT adapter (saved by peft) and a diffusers component (saved by diffusers) whose
+    weights were cut: the same one line and exit code 3, not a verdict from the header."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlavaForConditionalGeneration
+
+    base = LlavaForConditionalGeneration.from_pretrained(good)
+    adapter = tmp_path / "adapter"
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(adapter)
+    unet = tmp_path / "unet"
+    shutil.copytree(components / "unet", unet)
+    for weights in (adapter / "adapter_model.safetensors", *unet.glob("*.safetensors")):
+        _truncated(weights)
+        assert main(["audit", str(weights.parent)]) == 3
+        out, err = capsys.readouterr()
+        assert f"{weights}: cannot read the weights: truncated" in err and not out
+
+
 # ------------------------------------------------------------------ a missing relative path
 @pytest.fixture
 def no_hub(monkeypatch: pytest.MonkeyPatch) -> list[str]:
