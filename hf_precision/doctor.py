@@ -231,6 +231,12 @@ def doctor(args: argparse.Namespace) -> int:
     for k, d in results.items():
         print(f"\n[{k}] " + str(d))
     print(f"\n{'OK' if ok else 'FAILED'}: " + ", ".join(_summary(k, d) for k, d in results.items()))
+    if not ok and args.mode == "raise":
+        print(
+            "note: --mode raise makes every cast the guard would need an error; "
+            "PrecisionGuardCallback runs mode 'fix' (the doctor's default): drop --mode raise "
+            "to see what a training run meets"
+        )
     return 0 if ok else 1
 
 

@@ -292,7 +292,9 @@ def test_the_demo_setup_passes_doctor_as_the_callback_runs_it(
     assert main(["doctor", str(tmp_path), "--trainable", "projector"]) == 0
     out = capsys.readouterr().out
     assert "OK: train ok" in out and "generate ok" in out and "mode='fix'" not in out
-    argv = ["doctor", str(tmp_path), "--trainable", "projector", "--mode", "raise", "--json"]
-    assert main(argv) == 1
+    argv = ["doctor", str(tmp_path), "--trainable", "projector", "--mode", "raise"]
+    assert main([*argv, "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert "mode='fix'" in data["diagnosis"]["generate"]["fix"]
+    assert main(argv) == 1
+    assert "note: --mode raise makes every cast" in capsys.readouterr().out
