@@ -345,8 +345,26 @@ def torch_dtypes(stored: dict[str, str]) -> dict[str, Any]:
 def stored_dtypes(folder: Path) -> dict[str, Any]:
     """name -> dtype of every floating tensor in the folder's ``*.safetensors`` files, read
     from their headers (metadata only: no tensor data is read)."""
+    _check_shards(Path(folder))
     headers = safetensors_headers(weight_files(folder))
     return torch_dtypes({k: v["dtype"] for k, v in headers.items()})
+
+
+def _check_shards(folder: Path) -> None:
+    """Every shard ``*.safetensors.index.json`` names is in the folder (exit code 3 if not: a
+    partial download would otherwise read as a model with fewer tensors)."""
+    for index in folder.glob("*.safetensors.index.json"):
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError) as err:
+            bad_weights(index, f"not a shard index ({type(err).__name__}: {err})")
+        missing = sorted(f for f in shards if not (folder / f).is_file())
+        if missing:
+            bad_weights(
+                index,
+                f"{len(missing)} of its {len(shards)} shards are missing ({', '.join(missing[:3])}"
+                f"{', ...' if len(missing) > 3 else ''}): an interrupted download or copy",
+            )
 
 
 def checkpoint_key_map(model: Any, keys: list[str]) -> dict[str, tuple[str, ...]]:

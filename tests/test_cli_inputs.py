@@ -84,6 +84,19 @@ def test_unreadable_weights_give_one_line_and_exit_3(
     assert "OK" not in out and "VIOLATES" not in out  # no verdict on weights it could not read
 
 
+def test_a_missing_shard_is_said_before_any_verdict(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tiny_llava(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="20KB")
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "model.safetensors.index.json").is_file()
+    shards[1].unlink()
+    assert main(["audit", str(tmp_path)]) == 3
+    out, err = capsys.readouterr()
+    assert f"model.safetensors.index.json: cannot read the weights: 1 of its {len(shards)}" in err
+    assert shards[1].name in err and "OK" not in out and "VIOLATES" not in out
+
+
 @pytest.mark.parametrize("command", [["audit", "--weights"], ["doctor", "--no-generate"]])
 def test_a_truncated_file_stops_every_command_that_reads_it(
     command: list[str], good: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -112,7 +125,8 @@ def test_a_broken_adapter_or_component_file_is_said_alike(
         _truncated(weights)
         assert main(["audit", str(weights.parent)]) == 3
         out, err = capsys.readouterr()
-        assert f"{weights}: cannot read the weights: truncated" in err and not out
+        assert f"{weights}: cannot read the weights: truncated" in err
+        assert "OK" not in out and "VIOLATES" not in out
 
 
 # ------------------------------------------------------------------ a missing relative path
