@@ -95,6 +95,10 @@ def test_a_missing_shard_is_said_before_any_verdict(
     out, err = capsys.readouterr()
     assert f"model.safetensors.index.json: cannot read the weights: 1 of its {len(shards)}" in err
     assert shards[1].name in err and "OK" not in out and "VIOLATES" not in out
+    for shard in shards:  # the JSON files alone (hf download --include '*.json'): no weights
+        shard.unlink(missing_ok=True)
+    assert main(["audit", str(tmp_path), "--json"]) == 0
+    assert "the config's dtype" in json.loads(capsys.readouterr().out)["dtype_from"]
 
 
 @pytest.mark.parametrize("command", [["audit", "--weights"], ["doctor", "--no-generate"]])
