@@ -307,11 +307,11 @@ def read_header(path: Path) -> dict[str, Any]:
         (n,) = struct.unpack("<Q", head)
         kind = next((v for k, v in _MAGIC.items() if head.startswith(k)), None)
         if n > size - 8 or n < 2:  # the magic bytes only name what the file is instead
+            what = kind or f"its header length {n:,} does not fit the file of {size:,} bytes"
             bad_weights(
                 path,
-                f"not a safetensors file ({kind or f'its header length {n:,} does not fit the'}"
-                f"{'' if kind else f' file of {size:,} bytes'}); save it with "
-                "save_pretrained(..., safe_serialization=True) or safetensors.torch.save_file",
+                f"not a safetensors file ({what}); save it with save_pretrained(..., "
+                "safe_serialization=True) or safetensors.torch.save_file",
             )
         try:
             header = json.loads(fh.read(n))
