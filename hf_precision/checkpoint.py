@@ -18,11 +18,22 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .errors import did_you_mean
+from .names import unknown_groups
+
+#: exit codes of every command (``--help`` says them): 1 is only ever "violates the policy" /
+#: "a dtype or device error was diagnosed"
+EXIT_BAD_INPUT = 2  # bad arguments, a source that does not exist or whose config cannot be read
+EXIT_BAD_WEIGHTS = 3  # weight files that cannot be read: empty, truncated, corrupt, wrong format
 
 
-def fail(message: str) -> NoReturn:
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
     print(f"hf-precision: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(code)
+
+
+def bad_weights(path: Path, what: str) -> NoReturn:
+    """The one line for a weight file that cannot be read, and its own exit code (3)."""
+    fail(f"{path}: cannot read the weights: {what}", EXIT_BAD_WEIGHTS)
 
 
 # ---------------------------------------------------------------------------- sources
@@ -43,7 +54,7 @@ def resolve_source(source: str) -> tuple[str, Any]:
     if path.is_dir():
         for marker, kind in MARKERS:
             if (path / marker).is_file():
-                return kind, path
+                return ("component" if is_component(path) else kind), path
         fail(
             f"{source}: no config.json, adapter_config.json or model_index.json in this folder "
             "(expected a checkpoint, PEFT adapter or diffusers folder, a config.json, a Hub id "
@@ -53,11 +64,35 @@ def resolve_source(source: str) -> tuple[str, Any]:
         if path.suffix != ".json":
             fail(f"{source}: expected a config.json, a checkpoint folder or a model type")
         return "path", path
-    if _HUB_ID.match(source) and not source.endswith(".json"):
-        return "hub", source
-    if os.sep in source or source.endswith(".json"):
+    if source.endswith(".json"):
         fail(f"{source}: no such file or folder")
+    if _HUB_ID.match(source) and not Path(source.split("/")[0]).is_dir():
+        return "hub", source
+    if "/" in source or os.sep in source:  # a path, or owner/name whose owner is a local folder
+        fail(f"no such folder: {source}{_hub_hint(source)}")
     return "type", source
+
+
+def _hub_hint(source: str) -> str:
+    """What a missing path says about Hub ids: ``work/ckpt`` next to a folder ``work/`` is a
+    path (the Hub is not asked); a Hub id is ``owner/name`` run where no folder ``owner/`` is."""
+    if not _HUB_ID.match(source):
+        return ""
+    owner = source.split("/")[0]
+    return (
+        f" (the folder {owner}/ is here, so this is read as a path and the Hub is not asked; "
+        f"if you meant the Hub id {source}, run the command from another folder)"
+    )
+
+
+def is_component(folder: Path) -> bool:
+    """A diffusers component folder (``unet/``, ``vae/``, ``transformer/``): a config.json
+    with diffusers' ``_class_name`` and no transformers ``model_type``."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "_class_name" in config and "model_type" not in config
 
 
 def resolve_hub(repo_id: str) -> tuple[Path, str, dict[str, dict[str, Any]] | None]:
@@ -76,10 +111,12 @@ def resolve_hub(repo_id: str) -> tuple[Path, str, dict[str, dict[str, Any]] | No
             folder = Path(snapshot_download(repo_id, local_files_only=True))
         except (LocalEntryNotFoundError, OSError, ValueError) as err:
             fail(
-                f"{repo_id}: not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
-                f"the Hub is offline (HF_HUB_OFFLINE=1): {type(err).__name__}. Fix: unset "
-                f"HF_HUB_OFFLINE, or fetch its config and headers once (hf download {repo_id} "
-                "--include '*.json' '*.safetensors'), or pass a local checkpoint folder"
+                f"no such folder: {repo_id}, and as a Hub id it is not in the local Hugging Face "
+                f"cache ({constants.HF_HUB_CACHE}) while the Hub is offline (HF_HUB_OFFLINE=1): "
+                f"{type(err).__name__}. Fix: pass an existing checkpoint folder; or unset "
+                f"HF_HUB_OFFLINE; or fetch its config once (hf download {repo_id} --include "
+                "'*.json': no weights; the stored dtypes then come from the config, as "
+                "'*.safetensors' would download the whole weights)"
             )
         return folder, f"the local Hugging Face cache, offline (HF_HUB_OFFLINE=1): {folder}", None
     found: Path | None = None
@@ -89,6 +126,13 @@ def resolve_hub(repo_id: str) -> tuple[Path, str, dict[str, dict[str, Any]] | No
             break
         except EntryNotFoundError:
             continue
+        except (OSError, ValueError) as err:  # not found, gated, no network (all OSErrors)
+            fail(
+                f"no such folder: {repo_id}, and the Hub did not give it as a Hub id "
+                f"({type(err).__name__}: {str(err).splitlines()[0][:160]}). Fix: pass an "
+                "existing checkpoint folder, or a Hub id this machine can reach (no network: "
+                "HF_HUB_OFFLINE=1 reads the local cache)"
+            )
     if found is None:
         fail(f"{repo_id}: no config.json, adapter_config.json or model_index.json on the Hub")
     return found, f"the Hub ({repo_id}: config and safetensors headers)", remote_headers(repo_id)
@@ -238,15 +282,56 @@ def weight_files(folder: Path, stem: str = "") -> list[Path]:
 def safetensors_headers(files: list[Path]) -> dict[str, dict[str, Any]]:
     """name -> header entry (``dtype``, ``shape``) of every tensor in ``files``: the 8-byte
     length and the JSON header of each, no tensor data."""
-    import struct
-
     out: dict[str, dict[str, Any]] = {}
     for path in files:
-        with open(path, "rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(size))
+        header = read_header(Path(path))
         out.update({k: v for k, v in header.items() if isinstance(v, dict) and "dtype" in v})
     return out
+
+
+#: the first bytes of what is often saved under a .safetensors name by mistake
+_MAGIC = {b"PK": "a zip archive (torch.save's format, a .bin/.pt file)", b"\x80": "a pickle"}
+
+
+def read_header(path: Path) -> dict[str, Any]:
+    """The JSON header of one safetensors file, checked against the file itself: an empty,
+    truncated, corrupt or wrong-format file ends in one line and exit code 3 (no tensor data is
+    read: the data offsets are compared with the file's size)."""
+    import struct
+
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if size < 8:
+            bad_weights(path, "the file is empty" if not size else f"only {size} bytes")
+        (n,) = struct.unpack("<Q", head)
+        kind = next((v for k, v in _MAGIC.items() if head.startswith(k)), None)
+        if n > size - 8 or n < 2:  # the magic bytes only name what the file is instead
+            what = kind or f"its header length {n:,} does not fit the file of {size:,} bytes"
+            bad_weights(
+                path,
+                f"not a safetensors file ({what}); save it with save_pretrained(..., "
+                "safe_serialization=True) or safetensors.torch.save_file",
+            )
+        try:
+            header = json.loads(fh.read(n))
+        except (UnicodeDecodeError, ValueError) as err:
+            bad_weights(path, f"the header is not JSON ({err}): a corrupt or partial file")
+    if not isinstance(header, dict):
+        bad_weights(path, "the header is not a JSON object: a corrupt file")
+    ends = [
+        v["data_offsets"][1]
+        for v in header.values()
+        if isinstance(v, dict) and isinstance(v.get("data_offsets"), list)
+    ]
+    have = size - 8 - n
+    if ends and max(ends) > have:
+        bad_weights(
+            path,
+            f"truncated: the header places tensor data up to byte {max(ends):,}, the file holds "
+            f"{have:,} bytes of data (an interrupted download or copy: fetch it again)",
+        )
+    return header
 
 
 def torch_dtypes(stored: dict[str, str]) -> dict[str, Any]:
@@ -260,8 +345,28 @@ def torch_dtypes(stored: dict[str, str]) -> dict[str, Any]:
 def stored_dtypes(folder: Path) -> dict[str, Any]:
     """name -> dtype of every floating tensor in the folder's ``*.safetensors`` files, read
     from their headers (metadata only: no tensor data is read)."""
+    _check_shards(Path(folder))
     headers = safetensors_headers(weight_files(folder))
     return torch_dtypes({k: v["dtype"] for k, v in headers.items()})
+
+
+def _check_shards(folder: Path) -> None:
+    """Every shard ``*.safetensors.index.json`` names is in the folder, or none is (the JSON
+    files alone, as ``hf download --include '*.json'`` leaves them: the dtypes then come from
+    the config); some but not all is exit code 3 (a partial download would otherwise read as a
+    model with fewer tensors)."""
+    for index in folder.glob("*.safetensors.index.json"):
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError) as err:
+            bad_weights(index, f"not a shard index ({type(err).__name__}: {err})")
+        missing = sorted(f for f in shards if not (folder / f).is_file())
+        if missing and len(missing) < len(shards):
+            bad_weights(
+                index,
+                f"{len(missing)} of its {len(shards)} shards are missing ({', '.join(missing[:3])}"
+                f"{', ...' if len(missing) > 3 else ''}): an interrupted download or copy",
+            )
 
 
 def checkpoint_key_map(model: Any, keys: list[str]) -> dict[str, tuple[str, ...]]:
@@ -350,8 +455,6 @@ def apply_stored_dtypes(model: Any, stored: dict[str, Any]) -> tuple[int, int]:
     return matched, len(stored)
 
 
-#: --trainable words besides group names
-TRAINABLE_WORDS = ("all", "none", "other")
 #: the one default of every command: nothing trained (LoRA's case, the most common: the
 #: checkpoint's weights stay frozen, so a bf16 checkpoint audited against ``bf16`` is clean);
 #: ``--trainable projector`` / ``all`` for runs that train the checkpoint's own weights
@@ -363,14 +466,10 @@ def trainable_groups(spec: str) -> list[str]:
     error before anything is built)."""
     from .groups import group_names
 
-    want = [s.strip() for s in spec.split(",") if s.strip()]
-    for w in want:
-        if w not in (*group_names(), *TRAINABLE_WORDS):
-            fail(
-                f"--trainable: unknown group {w!r}.{did_you_mean(w, group_names())} "
-                f"Allowed: {', '.join(group_names())}, {', '.join(TRAINABLE_WORDS)}"
-            )
-    return want
+    error = unknown_groups(spec, group_names())
+    if error:
+        fail(error)
+    return [s.strip() for s in spec.split(",") if s.strip()]
 
 
 def set_trainable(model: Any, spec: str) -> None:
@@ -431,3 +530,29 @@ def read_diffusers(folder: Path) -> dict[str, dict[str, Any]]:
                 "tensors": safetensors_headers(files),
             }
     return out
+
+
+#: a diffusers component class -> its diffusion group, when the folder's name does not say it
+_COMPONENT_GROUPS = (("UNet", "unet"), ("Autoencoder", "vae"), ("Transformer", "transformer"))
+
+
+def read_component(folder: Path) -> dict[str, dict[str, Any]]:
+    """One diffusers component folder (``unet/``, ``vae/``, ``transformer/``: a config.json with
+    ``_class_name``, ``diffusion_pytorch_model*.safetensors``), in the shape of
+    :func:`read_diffusers`; its group is the folder's name, else the one its class names."""
+    folder = Path(folder)
+    cls = str(json.loads((folder / "config.json").read_text()).get("_class_name"))
+    files = weight_files(folder)
+    if not files:
+        fail(f"{folder}: a diffusers component ({cls}) with no *.safetensors weights")
+    group = folder.resolve().name
+    if group not in ("unet", "vae", "transformer") and not group.startswith("text_encoder"):
+        group = next((g for k, g in _COMPONENT_GROUPS if k in cls), "other")
+    return {
+        folder.resolve().name: {
+            "class": f"diffusers.{cls}",
+            "files": [f.name for f in files],
+            "tensors": safetensors_headers(files),
+            "group": group,
+        }
+    }

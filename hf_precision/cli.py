@@ -1,7 +1,9 @@
 """``hf-precision``: audit a checkpoint against a precision policy, or run a doctor pass.
 
 Exit codes: 0 the model matches the policy / the doctor pass ran clean; 1 it violates the policy
-/ a dtype or device error was diagnosed; 2 bad arguments or a source that cannot be read.
+/ a dtype or device error was diagnosed; 2 bad arguments, or a source that does not exist or whose
+config cannot be read; 3 weight files that cannot be read (empty, truncated, corrupt, not
+safetensors). 1 is never an input error.
 
 >>> from hf_precision.cli import main
 >>> main(["audit", "llava", "--dtype", "bf16", "--json"])  # doctest: +SKIP
@@ -23,30 +25,22 @@ from typing import Any, NoReturn
 from . import checkpoint
 from .checkpoint import DEFAULT_TRAINABLE, fail
 from .errors import PrecisionError
+from .names import GROUP_NAMES, PRESET_NAMES, preset_hint, unknown_groups
 
-# What --help says needs no engine (torch, the registries): these lists are checked against
-# the registries by tests/test_cli.py; the values themselves are checked after parsing.
-PRESET_NAMES = ("bf16", "bf16-true", "fp16", "fp16-true", "fp32", "fp16-vae32", "bf16-vae32")
-GROUP_NAMES = (
-    "vision_encoder",
-    "resampler",
-    "projector",
-    "audio_encoder",
-    "language_model",
-    "lm_head",
-    "text_encoder",
-    "text_encoder_2",
-    "text_encoder_3",
-    "unet",
-    "transformer",
-    "vae",
-)
+# What --help says and the argument checks need no engine (torch, the registries): the names
+# live in hf_precision.names, checked against the registries by tests/test_cli.py.
 _DTYPES = ("auto", "fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
 _SOURCES = """PATH_OR_MODEL_TYPE is a checkpoint folder (config.json inside, sharded or not), a
 config.json file, a Hub id (org/name: its config and safetensors headers, no weights; offline,
 HF_HUB_OFFLINE=1, from the local Hugging Face cache only), a PEFT adapter folder
 (adapter_config.json: the adapter's dtypes and its base model), a diffusers folder
 (model_index.json: the dtypes of each component) or a transformers model type."""
+_EXIT_CODES = """exit codes:
+  0  the model matches the policy (doctor: the guarded step ran clean)
+  1  it violates the policy (doctor: a dtype/device error was diagnosed); nothing else exits 1
+  2  bad arguments, or a source that does not exist or whose config cannot be read
+  3  weight files that cannot be read: empty, truncated, corrupt, not safetensors (one line
+     names the file and what is wrong)"""
 _EXAMPLES_AUDIT = f"""examples:
   hf-precision audit ./my-llava-checkpoint --policy bf16
   hf-precision audit Qwen/Qwen2-VL-7B-Instruct --policy bf16-true
@@ -54,14 +48,18 @@ _EXAMPLES_AUDIT = f"""examples:
   hf-precision audit llava --policy fp16 --trainable projector,language_model
   hf-precision audit ./lora-adapter --policy bf16
   hf-precision audit ./sd-pipeline --policy fp16-vae32 --trainable none
+  hf-precision audit ./sd-pipeline/unet --policy fp16      # one diffusers component
   hf-precision audit ./ckpt --weights          # read the real weights instead of the meta build
 
 {_SOURCES}
 Without --weights the model is built on the meta device from its config: nothing is read but
 the config and the safetensors headers (each tensor in the dtype it is stored in), or without
-weight files the dtype from_pretrained would load (config dtype, or --dtype).
-Exit code 0: matches the policy; 1: violates it; 2: bad arguments."""
-_EXAMPLES_DOCTOR = """examples:
+weight files the dtype from_pretrained would load (config dtype, or --dtype). A relative path
+that does not exist is a missing folder, never looked up on the Hub (owner/name is a Hub id only
+where no folder owner/ is).
+
+{_EXIT_CODES}"""
+_EXAMPLES_DOCTOR = f"""examples:
   hf-precision doctor llava --policy bf16
   hf-precision doctor ./my-tiny-checkpoint --policy bf16-true --json
   hf-precision doctor ./my-tiny-bert --policy bf16 --text-len 8
@@ -71,11 +69,13 @@ PATH_OR_MODEL_TYPE is a local checkpoint folder (loaded with its weights, each t
 dtype it is stored in), a config.json (built with random weights, small configs only) or a
 model type, built tiny. Vision-language models get a synthetic image+text batch; text-only
 models (causal LM, seq2seq, classifiers) a text batch. The doctor enforces the policy (as
-PrecisionGuardCallback does at on_init_end), installs the guard in raise mode, runs one training
+PrecisionGuardCallback does at on_init_end), installs the guard in --mode fix (as the
+callback runs it; --mode raise: every input it would cast is an error), runs one training
 forward+backward (under autocast for mixed presets, as Trainer does; there the guard fixes
 instead of raising, and what autocast handled is counted as information, not as a problem)
-and a generate() (generative models), and prints the diagnosis. Exit code 0: clean; 1: a
-dtype/device error was diagnosed; 2: bad arguments."""
+and a generate() (generative models), and prints the diagnosis.
+
+{_EXIT_CODES}"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -129,10 +129,11 @@ def _doctor_options(s: argparse.ArgumentParser) -> None:
     )
     s.add_argument(
         "--mode",
-        default="raise",
-        choices=("raise", "fix"),
-        help="guard mode outside autocast (default raise: every input the "
-        "guard would have to cast is an error)",
+        default="fix",
+        choices=("fix", "raise"),
+        help="guard mode outside autocast (default fix: the guard casts at the boundaries, as "
+        "PrecisionGuardCallback does; raise: every input the guard would have to cast is an "
+        "error)",
     )
     s.add_argument("--no-generate", action="store_true", help="skip generate()")
     for flag, what in (
@@ -207,7 +208,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Audit and diagnose the precision (dtypes, "
         "devices) of transformers models against an hf-precision policy.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="run 'hf-precision audit --help' or 'hf-precision doctor --help' for examples",
+        epilog="run 'hf-precision audit --help' or 'hf-precision doctor --help' for examples\n\n"
+        + _EXIT_CODES,
     )
     from . import __version__  # the package's, read from the installed metadata
 
@@ -238,21 +240,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check_values(args: argparse.Namespace) -> None:
-    """The values argparse cannot check without the engine: the preset and the groups, before
-    anything is read or built."""
-    import hf_precision
-
-    hf_precision._load()  # the registries: presets and groups, registered ones included
-    from .policy import PRESETS, preset_name
-
-    if hasattr(args, "policy"):
-        try:
-            preset_name(args.policy, call="--policy")
-        except PrecisionError as err:  # the one vocabulary of preset names, said as argparse does
-            said = str(err).split(": ", 1)[1].split("\n")[0]
-            fail(f"argument --policy: {said} Allowed: {', '.join(PRESETS)}")
-    if hasattr(args, "trainable"):
-        checkpoint.trainable_groups(args.trainable)
+    """The values argparse cannot check alone: the preset and the groups, before anything is
+    read or built, from the names alone (no torch: an argument error answers at once)."""
+    if hasattr(args, "policy") and args.policy not in PRESET_NAMES:
+        fail(
+            f"argument --policy: unknown preset {args.policy!r}."
+            f"{preset_hint(args.policy, PRESET_NAMES)} Allowed: {', '.join(PRESET_NAMES)}"
+        )
+    error = unknown_groups(args.trainable) if hasattr(args, "trainable") else None
+    if error:
+        fail(error)
 
 
 # ---------------------------------------------------------------------------- output
@@ -290,7 +287,8 @@ def _open_source(text: str) -> _Source:
         return _Source(kind, where)
     folder, via, headers = checkpoint.resolve_hub(where)
     kind = next((k for m, k in checkpoint.MARKERS if (folder / m).is_file()), "path")
-    if kind == "diffusers" and headers is not None:
+    kind = "component" if kind == "path" and checkpoint.is_component(folder) else kind
+    if kind in ("diffusers", "component") and headers is not None:
         fail(
             f"{where}: a diffusers repository on the Hub keeps its components' headers in "
             f"subfolders, which the Hub's metadata does not read: download it (hf download "
@@ -391,7 +389,7 @@ def _audit(args: argparse.Namespace) -> int:
 
     policy = PrecisionPolicy.from_preset(args.policy)
     src = _open_source(args.source)
-    if src.kind in ("adapter", "diffusers"):
+    if src.kind in ("adapter", "diffusers", "component"):
         if args.weights:
             fail(f"--weights reads checkpoint folders, not {src.kind} folders")
         table = (_adapter_audit if src.kind == "adapter" else _diffusers_audit)(args, policy, src)
@@ -583,13 +581,16 @@ def _diffusers_audit(args: argparse.Namespace, policy: Any, src: _Source) -> _Fi
     transformer, vae, text encoders), as its diffusion group, against the policy."""
     from .diffusion_rules import DIFFUSION_GROUPS
 
-    components = checkpoint.read_diffusers(src.where)
+    if src.kind == "component":
+        components = checkpoint.read_component(src.where)
+    else:
+        components = checkpoint.read_diffusers(src.where)
     if not components:
         fail(f"{src.where}: no component of model_index.json stores *.safetensors weights")
     train = _trainable_set(args.trainable)
     rows: list[dict[str, Any]] = []
     for name, comp in components.items():
-        group = name if name in DIFFUSION_GROUPS else "other"
+        group = comp.get("group") or (name if name in DIFFUSION_GROUPS else "other")
         trainable = "all" in train or group in train
 
         def want_of(_: str, group: str = group, trainable: bool = trainable) -> tuple[Any, bool]:
@@ -754,7 +755,6 @@ class _Audit:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hf-precision`` command; returns the exit code."""
-    from .errors import PrecisionError
 
     try:
         parser = _parser()

@@ -1,6 +1,7 @@
 """``hf-precision doctor``: load the model (a checkpoint with each tensor in the dtype it is
 stored in, a config with random weights, or a tiny build of a model type), enforce the policy
-(as ``PrecisionGuardCallback`` does at ``on_init_end``), install the guard in raise mode, run
+(as ``PrecisionGuardCallback`` does at ``on_init_end``), install the guard (``--mode fix`` by
+default, as the callback runs it; ``--mode raise`` makes every cast it would need an error), run
 one training forward+backward and a ``generate()`` (generative models) on a synthetic batch
 (image+text for vision-language models, text for causal LM / seq2seq / classifiers), and print
 the diagnosis.
@@ -8,7 +9,7 @@ the diagnosis.
 Mixed presets (``bf16``, ``fp16``) train under autocast, as ``Trainer`` does; autocast resolves
 dtype differences itself, so there the guard works as in training (mode ``"fix"``) and what
 autocast handled is counted as information, apart from failures and from mismatches outside
-autocast; ``generate()`` runs without autocast and the guard in ``--mode`` (``raise`` by
+autocast; ``generate()`` runs without autocast and the guard in ``--mode`` (``fix`` by
 default).
 
 >>> from hf_precision.cli import main
@@ -45,9 +46,10 @@ def _doctor_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str | 
                 "(HF_HUB_OFFLINE=1) or the folder"
             )
         kind = next((k for m, k in checkpoint.MARKERS if (where / m).is_file()), "path")
-    if kind in ("adapter", "diffusers"):
+    if kind in ("adapter", "diffusers", "component"):
         checkpoint.fail(
-            f"doctor: {args.source} is a {kind} folder; the doctor runs a transformers model "
+            f"doctor: {args.source} is a {kind.replace('component', 'diffusers component')} "
+            "folder; the doctor runs a transformers model "
             f"(a checkpoint folder, a config.json or a model type). 'hf-precision audit "
             f"{args.source}' reads its dtypes."
         )
@@ -80,7 +82,16 @@ def _doctor_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str | 
                 loaded,
             )
         return model, text_batch(model, text_len=args.text_len), loaded
-    except (KeyError, ValueError) as err:
+    except KeyError:  # no recipe: no flag would help
+        from .tiny.vlm import BATCH_TYPES
+
+        checkpoint.fail(
+            f"doctor: no synthetic image+text batch for model type "
+            f"{getattr(model.config, 'model_type', None)!r} ({type(model).__name__}); the doctor "
+            f"builds them for {', '.join(BATCH_TYPES)}. 'hf-precision audit {args.source}' "
+            "reads the dtypes of any"
+        )
+    except ValueError as err:
         checkpoint.fail(
             f"doctor: cannot build a synthetic batch for {type(model).__name__}: {err}. "
             f"{_batch_fix(model)}"
@@ -220,6 +231,12 @@ def doctor(args: argparse.Namespace) -> int:
     for k, d in results.items():
         print(f"\n[{k}] " + str(d))
     print(f"\n{'OK' if ok else 'FAILED'}: " + ", ".join(_summary(k, d) for k, d in results.items()))
+    if not ok and args.mode == "raise":
+        print(
+            "note: --mode raise makes every cast the guard would need an error; "
+            "PrecisionGuardCallback runs mode 'fix' (the doctor's default): drop --mode raise "
+            "to see what a training run meets"
+        )
     return 0 if ok else 1
 
 

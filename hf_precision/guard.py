@@ -400,6 +400,14 @@ class PrecisionGuard:
             grown = memory_line(report)
             if grown:
                 logger.warning(grown)
+        elif first and policy.mode == "audit" and audit.changes and not held:
+            # audit mode: the same line, said as findings (nothing was cast), on the console
+            line = cast_line(audit, origin=self.origin, report_dir=self._report_dir())
+            logger.warning(
+                f"hf-precision: audit found {len(audit.changes)} tensor(s) off the policy, "
+                f"nothing cast (mode 'audit'); the policy would cast "
+                + line.removeprefix("hf-precision: ")
+            )
         elif first and not found and _kept_as_is(report):
             # nothing to cast, but a wrapper's choice was kept: said once, at setup
             logger.warning(

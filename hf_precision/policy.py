@@ -50,6 +50,7 @@ from torch import nn
 from .dtypes import dtype_name, majority_dtype, parse_dtype
 from .errors import PrecisionError, PrecisionWarning, did_you_mean
 from .groups import group_names
+from .names import PRESET_MISNAMES, preset_hint
 
 POLICY_VERSION = 1
 #: What an event does with drift: report it, fix it, or raise.
@@ -119,27 +120,6 @@ PRESET_HELP = {
 }
 #: preset -> PrecisionPolicy fields it sets beyond the three dtypes (see :func:`register_preset`)
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {}
-_BF16 = "'bf16' (frozen bf16, trainable fp32) or 'bf16-true' (all bf16)"
-_FP16 = "'fp16' (frozen fp16, trainable fp32) or 'fp16-true' (all fp16)"
-#: Names other tools use that are not preset names, with the preset(s) they may mean. They are
-#: refused everywhere (Python and the CLI): ``bfloat16`` alone does not say whether trainable
-#: weights stay fp32, so no name is silently read as one preset.
-PRESET_MISNAMES: dict[str, str] = {
-    "bfloat16": _BF16,
-    "bf16-mixed": "'bf16' (Lightning's bf16-mixed: frozen bf16, trainable fp32)",
-    "bf16-mixed-fp32": "'bf16'",
-    "float16": _FP16,
-    "half": _FP16,
-    "fp16-mixed": "'fp16' (frozen fp16, trainable fp32)",
-    "16-mixed": "'fp16' (Lightning's 16-mixed: frozen fp16, trainable fp32)",
-    "16-true": "'fp16-true'",
-    "bf16-true-mixed": _BF16,
-    "float32": "'fp32'",
-    "fp32-true": "'fp32'",
-    "32": "'fp32'",
-    "32-true": "'fp32'",
-    "no": "'fp32' (accelerate's mixed_precision='no')",
-}
 
 
 def preset_name(name: object, *, call: str = "PrecisionPolicy.from_preset") -> str:
@@ -157,13 +137,7 @@ def preset_name(name: object, *, call: str = "PrecisionPolicy.from_preset") -> s
     """
     if isinstance(name, str) and name in PRESETS:
         return name
-    key = str(name).strip().lower()
-    if key in PRESET_MISNAMES:
-        hint = f" Did you mean {PRESET_MISNAMES[key]}?"
-    elif key in PRESETS:
-        hint = f" Did you mean {key!r}? (preset names are lower case)"
-    else:
-        hint = did_you_mean(key, PRESETS)
+    hint = preset_hint(name, PRESETS)
     listing = "\n".join(f"  {k:<10} {v}" for k, v in PRESET_HELP.items())
     raise PrecisionError(
         f"{call}({name!r}): unknown preset {name!r}.{hint}\n"

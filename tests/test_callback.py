@@ -122,6 +122,28 @@ def test_audit_mode_changes_nothing_but_reports(make_trainer):
     assert torch.float32 in _dtypes(model.parameters())
 
 
+def test_audit_mode_says_what_it_found_on_the_console(make_trainer, caplog):
+    """Mode audit casts nothing, and says so on the console with counts, dtypes, first names and
+    the report's path (issue 28: the findings sat only in precision.log)."""
+    model = _fp32_rotary(tiny_llava(torch.bfloat16))
+    model.model.vision_tower.to(torch.float16)
+    cb = PrecisionGuardCallback("bf16-true", mode="audit")
+    with caplog.at_level("WARNING", logger="hf_precision"):
+        trainer = make_trainer(model, tiny_batch(model), callbacks=[cb])
+    n_tower = len(cb.last_report.changes)
+    assert n_tower and {c.group for c in cb.last_report.changes} == {"vision_encoder"}
+    lines = [line for line in _said(caplog) if "audit found" in line]
+    assert len(lines) == 1, _said(caplog)
+    line = lines[0]
+    assert line.startswith("hf-precision: audit found ") and "nothing cast (mode 'audit')" in line
+    assert line.startswith(f"hf-precision: audit found {n_tower} tensor(s) off the policy")
+    assert "float16 → bfloat16" in line and "in vision_encoder (e.g." in line
+    first = next(n for n, _ in model.named_parameters() if "vision_tower" in n)
+    assert f"(e.g. {first} " in line
+    assert line.endswith(f"report: {trainer.args.output_dir}/precision/"), line
+    assert {p.dtype for p in model.model.vision_tower.parameters()} == {torch.float16}  # not cast
+
+
 def test_raise_mode_stops_at_construction(make_trainer):
     model = tiny_llava()
     model.model.vision_tower.to(torch.float16)

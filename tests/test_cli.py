@@ -92,7 +92,8 @@ def test_doctor_tiny_checkpoint(checkpoints: dict[str, Path]) -> None:
 def test_help_has_examples(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([command, "--help"]) == 0
     out = capsys.readouterr().out
-    assert "examples:" in out and f"hf-precision {command} " in out and "Exit code" in out
+    assert "examples:" in out and f"hf-precision {command} " in out and "exit codes:" in out
+    assert "3  weight files that cannot be read" in out
 
 
 @pytest.mark.parametrize(
@@ -108,7 +109,7 @@ def test_help_has_examples(command: str, capsys: pytest.CaptureFixture[str]) -> 
         (["audit", "llava", "--trainable", "projecter"], "Did you mean 'projector'"),
         (["audit", "./missing/config.json"], "no such file or folder"),
         (["doctor", "nosuchmodel"], "allowed: "),
-        (["doctor", "llava", "--mode", "strict"], "choose from 'raise', 'fix'"),
+        (["doctor", "llava", "--mode", "strict"], "choose from 'fix', 'raise'"),
         (["lint", "llava"], "choose from 'architectures', 'audit', 'doctor'"),
     ],
 )
@@ -176,6 +177,21 @@ def _imported(*args: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
         (["audit"], 2, "the following arguments are required: PATH_OR_MODEL_TYPE"),
         (["audit", "llava", "--dtype", "bf61"], 2, "choose from 'auto'"),
         (["lint"], 2, "invalid choice: 'lint'"),
+        # every flag's error (issue 28: --policy/--trainable typos imported torch)
+        (["audit", "llava", "--policy", "bf61"], 2, "Did you mean 'bf16'?"),
+        (["audit", "llava", "--policy", "bfloat16"], 2, "Did you mean 'bf16' (frozen bf16"),
+        (["doctor", "llava", "--policy", "BF16"], 2, "(preset names are lower case)"),
+        (["audit", "llava", "--trainable", "projecter"], 2, "Did you mean 'projector'"),
+        (["doctor", "llava", "--trainable", "all,visoin"], 2, "unknown group 'visoin'"),
+        (["doctor", "llava", "--mode", "strict"], 2, "choose from 'fix', 'raise'"),
+        (["doctor", "llava", "--batch", "cooked"], 2, "choose from 'fixed', 'raw'"),
+        (["doctor", "llava", "--image-size", "x"], 2, "invalid int value: 'x'"),
+        (["doctor", "llava", "--max-params", "1e9"], 2, "invalid int value: '1e9'"),
+        (["run", "--policy", "bf61", "--", "python"], 2, "Did you mean 'bf16'?"),
+        (["run", "--policy", "{bad", "--", "python"], 2, "the policy is not valid JSON"),
+        (["run", "--mode", "strict", "--", "python"], 2, "unknown mode 'strict'"),
+        (["run", "--keep-fp32", "re:[", "--", "python"], 2, "bad regex"),
+        (["run"], 2, "no command to run"),
     ],
 )
 def test_help_version_and_argument_errors_import_neither_torch_nor_transformers(
@@ -204,8 +220,8 @@ def test_python_m_hf_precision_runs_the_command(checkpoints: dict[str, Path]) ->
 
 
 def test_help_lists_match_the_registries(capsys: pytest.CaptureFixture[str]) -> None:
-    from hf_precision.cli import GROUP_NAMES, PRESET_NAMES
     from hf_precision.groups import group_names
+    from hf_precision.names import GROUP_NAMES, PRESET_NAMES
     from hf_precision.policy import PRESETS
 
     assert tuple(PRESETS) == PRESET_NAMES

@@ -32,6 +32,8 @@ def test_doctor_fixes_minicpmv_and_names_the_internvl_bug(
                 "bf16-true",
                 "--batch",
                 "raw",
+                "--mode",
+                "raise",
                 "--no-generate",
                 "--json",
             ]
@@ -44,7 +46,8 @@ def test_doctor_fixes_minicpmv_and_names_the_internvl_bug(
 
 
 def test_doctor_mixed_preset_lists_what_autocast_hides(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["doctor", "llava", "--policy", "fp16", "--trainable", "projector", "--json"]) == 1
+    argv = ["doctor", "llava", "--policy", "fp16", "--trainable", "projector", "--mode", "raise"]
+    assert main([*argv, "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
     train, gen = data["diagnosis"]["train"], data["diagnosis"]["generate"]
     assert train["ok"] and any(m["autocast"] for m in train["mismatches"])
@@ -191,3 +194,107 @@ def test_doctor_with_nothing_trained_runs_the_forward_alone(capsys: pytest.Captu
     out = json.loads(capsys.readouterr().out)
     assert out["diagnosis"]["train"]["passes"] == {"forward": "ok"}
     assert "nothing trainable" in out["steps"]["train"]
+
+
+# ------------------------------------------- every family's batch from its own vision config
+def _qwen2_vl_patch14() -> Any:
+    """Qwen2-VL with the released patch size 14 (the tiny config's is 4)."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from hf_precision.tiny import tiny_config
+
+    config = tiny_config("qwen2_vl")
+    config.vision_config.patch_size = 14
+    return Qwen2VLForConditionalGeneration(config)
+
+
+def _qwen2_5_vl_patch14() -> Any:
+    """Qwen2.5-VL (window attention, patch 14, merge 2), its text model the tiny Qwen2-VL's."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from hf_precision.tiny import tiny_config
+
+    tiny = tiny_config("qwen2_vl")
+    text = {**tiny.text_config.to_dict(), "model_type": "qwen2_5_vl_text"}
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=14)
+    vision.update(window_size=56, out_hidden_size=tiny.text_config.hidden_size)
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config={**vision, "fullatt_block_indexes": [1]},
+        image_token_id=250,
+        video_token_id=251,
+        vision_start_token_id=252,
+        vision_end_token_id=253,
+    )
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def _tiny(model_type: str) -> Any:
+    from hf_precision.tiny import build_tiny
+
+    return lambda: build_tiny(model_type)
+
+
+#: one checkpoint per model type the doctor builds a batch for (tiny_batch's BATCH_TYPES)
+FAMILIES = {
+    "llava": _tiny("llava"),
+    "llava_next": _tiny("llava_next"),
+    "idefics2": _tiny("idefics2"),
+    "idefics3": _tiny("idefics3"),
+    "qwen2_vl": _tiny("qwen2_vl"),
+    "qwen2_vl-patch14": _qwen2_vl_patch14,
+    "qwen2_5_vl-patch14": _qwen2_5_vl_patch14,
+    "paligemma": _tiny("paligemma"),
+    "minicpmv4_6": _tiny("minicpmv4_6"),
+    "blip-2": _tiny("blip-2"),
+    "kosmos-2": _tiny("kosmos-2"),
+    "llama": _tiny("llama"),
+}
+
+
+def test_every_batch_recipe_has_a_checkpoint_case() -> None:
+    from hf_precision.tiny.vlm import BATCH_TYPES
+
+    assert {k.split("-patch")[0] for k in FAMILIES} == set(BATCH_TYPES)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_doctor_builds_its_batch_from_the_checkpoints_vision_config(
+    family: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tiny checkpoint of each family saved to disk, language model bf16: the doctor's batch
+    follows the checkpoint's own patch size, merge size, image size and channels."""
+    torch.manual_seed(0)
+    model = FAMILIES[family]()
+    model.save_pretrained(tmp_path)
+    code = main(["doctor", str(tmp_path), "--trainable", "projector", "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-2000:] + out.out[-2000:]
+    data = json.loads(out.out[out.out.index("{\n") :])
+    assert data["ok"] and data["diagnosis"]["train"]["passes"]["forward"] == "ok"
+    if family.startswith("qwen"):  # its own patch: 14 x 14 x 2 frames x 3 channels per row
+        from hf_precision.tiny.vlm import qwen_grid
+
+        assert qwen_grid(model.config)[1] == 3 * 2 * model.config.vision_config.patch_size**2
+        # --image-size sets the grid (a multiple of the merge size), and the tokens follow it
+        side = 4 * model.config.vision_config.patch_size
+        assert main(["doctor", str(tmp_path), "--image-size", str(side), "--no-generate"]) == 0
+        assert "OK: train ok" in capsys.readouterr().out
+
+
+def test_the_demo_setup_passes_doctor_as_the_callback_runs_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The demo's own setup (a bf16 checkpoint, the projector trained): the default --mode fix
+    is what PrecisionGuardCallback does, so the doctor passes and prints no fix it already made;
+    --mode raise on request names the boundary and the mode that fixes it."""
+    tiny_llava(torch.bfloat16).save_pretrained(tmp_path)
+    assert main(["doctor", str(tmp_path), "--trainable", "projector"]) == 0
+    out = capsys.readouterr().out
+    assert "OK: train ok" in out and "generate ok" in out and "mode='fix'" not in out
+    argv = ["doctor", str(tmp_path), "--trainable", "projector", "--mode", "raise"]
+    assert main([*argv, "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert "mode='fix'" in data["diagnosis"]["generate"]["fix"]
+    assert main(argv) == 1
+    assert "note: --mode raise makes every cast" in capsys.readouterr().out

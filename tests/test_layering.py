@@ -84,7 +84,7 @@ def test_no_import_cycles() -> None:
 #: The layers of docs/architecture.md ("Layout"), top first: a module imports only modules of
 #: its own layer or of the layers above it.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "base": ("errors", "tables", "wrappers"),
+    "base": ("errors", "names", "tables", "wrappers"),
     "values": (
         "dtypes",
         "flags",

@@ -44,6 +44,7 @@ import functools
 import inspect
 import json
 import os
+import re
 import shutil
 import sys
 import sysconfig
@@ -54,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PrecisionError, did_you_mean
+from ..names import PRESET_NAMES
 from . import autostart
 
 ENV_GUARD = autostart.ENV_GUARD
@@ -129,9 +131,10 @@ class LaunchConfig:
         that names ``call`` and the fix."""
         if self.policy.lower() == "auto":
             return None
+        text = self.policy
+        self._check_names(call=call)
         from ..policy import PRESETS, PrecisionPolicy
 
-        text = self.policy
         try:
             if text in PRESETS:
                 policy = PrecisionPolicy.from_preset(text)
@@ -155,6 +158,34 @@ class LaunchConfig:
             policy = policy.replace(keep_fp32=(*policy.keep_fp32, *self.keep_fp32))
         return policy
 
+    def _check_names(self, *, call: str) -> None:
+        """What needs no engine (torch): a policy that is no preset name, no JSON text and no
+        file, JSON text that does not parse, a bad ``re:`` pattern; said before torch loads."""
+        text = self.policy
+        if text.lower() == "auto":
+            pass
+        elif text.lstrip().startswith("{"):
+            try:
+                json.loads(text)
+            except json.JSONDecodeError as err:
+                raise PrecisionError(f"{call}: the policy is not valid JSON ({err})") from None
+        elif text not in PRESET_NAMES and not Path(text).expanduser().is_file():
+            hint = did_you_mean(text, ["auto", *PRESET_NAMES])
+            raise PrecisionError(
+                f"{call}: {text!r} is neither 'auto', a preset ({', '.join(PRESET_NAMES)}), a "
+                f"policy JSON string nor an existing policy JSON file.{hint} Fix: "
+                f"--policy auto, --policy bf16, or --policy path/to/policy.json "
+                f"(PrecisionPolicy.to_json() writes one)."
+            )
+        for pat in self.keep_fp32:
+            try:
+                re.compile(pat[3:]) if pat.startswith("re:") else None
+            except re.error as err:
+                raise PrecisionError(
+                    f"{call}: --keep-fp32 {pat!r}: bad regex: {err}. Fix: escape it or drop the "
+                    "'re:' prefix for a plain path."
+                ) from None
+
     def check(self, *, call: str) -> None:
         """Validate everything before any process starts (``hf-precision run``)."""
         if self.mode is not None and self.mode not in MODES:
@@ -162,6 +193,7 @@ class LaunchConfig:
                 f"{call}: unknown mode {self.mode!r}.{did_you_mean(self.mode, MODES)} Fix: "
                 f"--mode {' / --mode '.join(MODES)} ({ENV_MODE})."
             )
+        self._check_names(call=call)
         self.resolved_policy(call=call)
         if self.keep_fp32:
             from ..policy import PrecisionPolicy

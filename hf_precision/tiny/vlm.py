@@ -208,6 +208,45 @@ def _vision(config: Any) -> tuple[int, int]:
     )
 
 
+#: Qwen-VL families whose batch is flattened patches with a (t, h, w) grid, and their classes
+QWEN_VL_TYPES = {
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+}
+#: the model types :func:`tiny_batch` builds a batch for
+BATCH_TYPES = (
+    "llava",
+    "llava_next",
+    "idefics2",
+    "idefics3",
+    *QWEN_VL_TYPES,
+    "paligemma",
+    "minicpmv4_6",
+    "blip-2",
+    "kosmos-2",
+    "llama",
+)
+
+
+def _vision_int(config: Any, key: str, default: int) -> int:
+    value = getattr(getattr(config, "vision_config", None), key, None)
+    if isinstance(value, (list, tuple)):
+        value = value[0]
+    return int(value) if value else default
+
+
+def qwen_grid(config: Any, image_size: int | None = None) -> tuple[int, int]:
+    """(patches per side, patch length) of one image for a Qwen-VL config: its patch size,
+    temporal patch size, spatial merge size and channels; the side is ``image_size`` in patches
+    (a multiple of the merge size), else two merged tokens per side."""
+    patch = _vision_int(config, "patch_size", 14)
+    merge = _vision_int(config, "spatial_merge_size", 2)
+    temporal = _vision_int(config, "temporal_patch_size", 2)
+    channels = _vision_int(config, "in_channels", 0) or _vision_int(config, "in_chans", 3)
+    side = max(merge, (image_size // patch) // merge * merge) if image_size else 2 * merge
+    return side, channels * temporal * patch * patch
+
+
 def num_image_tokens(config: PreTrainedConfig, image_size: int | None = None) -> int:
     """Placeholder tokens one image expands to (what a processor inserts), from the config."""
     mt = config.model_type
@@ -224,8 +263,11 @@ def num_image_tokens(config: PreTrainedConfig, image_size: int | None = None) ->
         return int(config.perceiver_config.resampler_n_latents)
     if mt == "idefics3":
         return int(side**2 // config.scale_factor**2)
-    if mt == "qwen2_vl":  # grid (1, 4, 4) merged 2x2
-        return 4
+    if mt in QWEN_VL_TYPES:  # grid (1, side, side) merged merge x merge
+        return int(
+            qwen_grid(config, image_size)[0] ** 2
+            // _vision_int(config, "spatial_merge_size", 2) ** 2
+        )
     if mt == "paligemma":
         return int(side**2)
     if mt == "minicpmv4_6":  # 8x8 patches, 2x2 window merger then 2x2 merger
@@ -272,10 +314,13 @@ def tiny_batch(
     mt = cfg.model_type
     g = torch.Generator().manual_seed(seed)
     size = image_size or _vision(cfg)[0]
-    b, n_img = batch_size, num_image_tokens(cfg, size)
+    # Qwen-VL: no image size in the config; its grid follows --image-size alone
+    b, n_img = batch_size, num_image_tokens(cfg, image_size if mt in QWEN_VL_TYPES else size)
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     vocab = int(getattr(text_cfg, "vocab_size", None) or 256)
-    default_img = {"qwen2_vl": QWEN_IMAGE, "kosmos-2": 4}.get(mt, IMAGE_TOKEN_ID)
+    default_img = {"qwen2_vl": QWEN_IMAGE, "qwen2_5_vl": QWEN_IMAGE, "kosmos-2": 4}.get(
+        mt, IMAGE_TOKEN_ID
+    )
     img_id = (
         image_token_id
         if image_token_id is not None
@@ -291,8 +336,9 @@ def tiny_batch(
     text = torch.where(torch.isin(text, special), torch.full_like(text, 4), text)
     prefix: list[int] = [BOS_ID]
     suffix: list[int] = []
-    if mt == "qwen2_vl":
-        prefix, suffix = [QWEN_VISION_START], [QWEN_VISION_END]
+    if mt in QWEN_VL_TYPES:  # the config's vision start/end ids (a real checkpoint's, or ours)
+        prefix = [getattr(cfg, "vision_start_token_id", None) or QWEN_VISION_START]
+        suffix = [getattr(cfg, "vision_end_token_id", None) or QWEN_VISION_END]
     elif mt == "kosmos-2":  # <s> <image> latents </image>; ids are arbitrary in the tiny vocab
         prefix, suffix = [0, 5], [6]
     head = torch.tensor(prefix + [img_id] * n_img + suffix).expand(b, -1)
@@ -308,28 +354,31 @@ def tiny_batch(
     def pixels(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g, dtype=torch.float32)
 
+    ch = _vision_int(cfg, "num_channels", 3)  # the vision config's channels
     if mt in ("llava", "blip-2", "kosmos-2"):
-        batch["pixel_values"] = pixels(b, 3, size, size)
+        batch["pixel_values"] = pixels(b, ch, size, size)
     elif mt == "llava_next":
-        batch["pixel_values"] = pixels(b, 2, 3, size, size)  # (B, tiles, C, H, W)
+        batch["pixel_values"] = pixels(b, 2, ch, size, size)  # (B, tiles, C, H, W)
         batch["image_sizes"] = torch.tensor([[size, size]] * b)
     elif mt in ("idefics2", "idefics3"):
-        batch["pixel_values"] = pixels(b, 1, 3, size, size)  # (B, images, C, H, W)
+        batch["pixel_values"] = pixels(b, 1, ch, size, size)  # (B, images, C, H, W)
         batch["pixel_attention_mask"] = torch.ones(b, 1, size, size, dtype=torch.bool)
-    elif mt == "qwen2_vl":
-        batch["pixel_values"] = pixels(b * 16, 3 * 2 * 4 * 4)  # flattened patches
-        batch["image_grid_thw"] = torch.tensor([[1, 4, 4]] * b)
-        if _accepts("Qwen2VLForConditionalGeneration", "mm_token_type_ids", "forward"):
+    elif mt in QWEN_VL_TYPES:  # flattened patches, (side x side) per image, from the config
+        side, patch_len = qwen_grid(cfg, image_size)
+        batch["pixel_values"] = pixels(b * side * side, patch_len)
+        batch["image_grid_thw"] = torch.tensor([[1, side, side]] * b)
+        if _accepts(QWEN_VL_TYPES[mt], "mm_token_type_ids", "forward"):
             batch["mm_token_type_ids"] = is_img.long()  # text 0, image 1 (drives M-RoPE)
     elif mt == "paligemma":
-        batch["pixel_values"] = pixels(b, 3, size, size)
+        batch["pixel_values"] = pixels(b, ch, size, size)
         # prefix (image + bos + first half of the text) is bidirectional, the rest is the suffix
         tt = torch.ones_like(input_ids)
         tt[:, : len(prefix) + n_img + _TEXT_LEN // 2] = 0
         batch["token_type_ids"] = tt
     elif mt == "minicpmv4_6":
         # NaViT packing: all images' 4x4 patches side by side in one (1, C, P, L*P) row.
-        batch["pixel_values"] = pixels(1, 3, 4, b * 64 * 4)
+        p = _vision(cfg)[1]  # the config's patch size
+        batch["pixel_values"] = pixels(1, ch, p, b * 64 * p)
         batch["target_sizes"] = torch.tensor([[8, 8]] * b, dtype=torch.int32)
     if mt == "kosmos-2":
         batch["image_embeds_position_mask"] = is_img.long()

@@ -400,6 +400,26 @@ def test_a_script_that_knows_nothing_is_guarded(how, tmp_path):
     assert (out / "precision" / "000002-on_train_end.json").is_file()
 
 
+@pytest.mark.slow
+def test_run_in_audit_mode_says_its_findings_on_the_console(tmp_path):
+    """``hf-precision run --mode audit``: nothing cast, and the findings (count, dtypes, first
+    names, the report's path) on the console, not only in the report folder."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "hf_precision.cli", "run", "--mode", "audit", "--"]
+    proc = subprocess.run(
+        [*cmd, sys.executable, str(SCRIPT), str(out)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # the run itself may then fail on the dtypes it was not asked to fix: not checked here
+    lines = [x for x in proc.stderr.splitlines() if "hf-precision: audit found" in x]
+    assert len(lines) == 1, proc.stderr[-4000:]
+    assert "nothing cast (mode 'audit')" in lines[0] and "float16 → float32" in lines[0]
+    assert lines[0].endswith(f"report: {out / 'precision'}/")
+
+
 _OURS = ("hf_precision", "_hf_precision_autostart", "torch", "transformers")
 _PROBE = f"import sys; print(sorted(m for m in sys.modules if m.split('.')[0] in {_OURS}))"
 
