@@ -138,15 +138,19 @@ def _names(tensors: list[torch.Tensor]) -> tuple[str, ...]:
     return tuple(dtype_name(t.dtype) for t in tensors)
 
 
-def cause_of(module: nn.Module, after: str) -> tuple[Cause, str]:
-    """What in ``module`` made its output ``after``: its own buffers, a norm, its own
-    parameters, a buffer below it, else an op (containers) or a kernel (leaves)."""
+def cause_of(module: nn.Module, after: str, autocast: str | None = None) -> tuple[Cause, str]:
+    """What in ``module`` made its output ``after``: its own buffers, a norm, autocast (a leaf
+    whose output is the autocast dtype), its own parameters, a buffer below it, else an op
+    (containers) or a kernel (leaves)."""
     own_buffers = [(n, b) for n, b in module.named_buffers(recurse=False) if b is not None]
     hits = [n for n, b in own_buffers if dtype_name(b.dtype) == after]
     if hits:
         return "buffer", ", ".join(f"{n} ({after})" for n in hits)
     if is_norm_module(module):
         return "norm", f"{type(module).__name__} returning {after}"
+    leaf = not any(True for _ in module.children())
+    if autocast == after and leaf:
+        return "kernel", f"{type(module).__name__} computes in {after} (autocast {autocast})"
     params = [n for n, p in module.named_parameters(recurse=False) if dtype_name(p.dtype) == after]
     if params:
         return "parameter", ", ".join(f"{n} ({after})" for n in params)
@@ -214,9 +218,7 @@ class DtypeTrace:
             if not r.changed:
                 continue
             module = self._modules.get(r.module, self._modules.get("", self.root))
-            cause, detail = cause_of(module, r.outputs[0])
-            if cause == "kernel" and r.autocast:
-                detail += f" (autocast {r.autocast})"
+            cause, detail = cause_of(module, r.outputs[0], r.autocast)
             changes.append(
                 DtypeChange(
                     r.index, r.module, r.module_type, r.inputs[0], r.outputs[0], cause, detail

@@ -188,3 +188,22 @@ def test_a_bad_mode_is_refused_with_the_modes() -> None:
 
     with pytest.raises(PrecisionError, match="blame='on'"):
         PrecisionGuardCallback(blame="on")  # type: ignore[arg-type]
+
+
+def test_doctor_blame_reruns_the_batch_of_a_checkpoint(tmp_path: Path, capsys: Any) -> None:
+    from hf_precision.cli import main
+
+    _overflowing_llama().save_pretrained(tmp_path / "ckpt")
+    argv = ["doctor", str(tmp_path / "ckpt"), "--policy", "fp16-true", "--no-generate"]
+    assert main([*argv, "--blame", "off"]) == 0  # nothing looks: the step "runs"
+    assert "hf-precision blame" not in capsys.readouterr().out
+    assert main([*argv, "--json"]) == 1  # auto: the loss is NaN, the same batch re-run armed
+    found = json.loads(capsys.readouterr().out)["nonfinite"]
+    assert (found["module"], found["role"], found["kind"]) == (OVERFLOWING, "producer", "overflow")
+    assert found["note"] == "the same batch, re-run" and found["max_abs"] > FP16_MAX
+    assert main([*argv, "--blame", "always"]) == 1
+    out = capsys.readouterr().out
+    assert (
+        f"hf-precision blame (re-run of the same batch; the same batch, re-run): {OVERFLOWING}"
+        in out
+    )
