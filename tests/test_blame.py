@@ -207,3 +207,90 @@ def test_doctor_blame_reruns_the_batch_of_a_checkpoint(tmp_path: Path, capsys: A
         f"hf-precision blame (re-run of the same batch; the same batch, re-run): {OVERFLOWING}"
         in out
     )
+
+
+@pytest.fixture
+def launched(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The real Trainer patched as the launcher's import hook patches it."""
+    from transformers import Trainer
+
+    from hf_precision.integrations import launcher
+
+    for var in launcher.ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_PRECISION_GUARD", "auto")
+    assert launcher.patch_trainer(Trainer)
+    yield monkeypatch
+    assert launcher.unpatch_trainer(Trainer)
+
+
+def test_the_launcher_variable_sets_the_blame(launched: Any, make_trainer: Any) -> None:
+    from hf_precision import PrecisionGuardCallback
+    from hf_precision.integrations.launcher import LaunchConfig, command_env
+
+    def guard(trainer: Any) -> Any:
+        [cb] = [
+            c for c in trainer.callback_handler.callbacks if isinstance(c, PrecisionGuardCallback)
+        ]
+        return cb
+
+    model = tiny_text_llama()
+    assert guard(make_trainer(model, _batch())).blame_mode == "auto"
+    launched.setenv("HF_PRECISION_BLAME", "off")
+    launched.setenv("HF_PRECISION_TRACE", "1")
+    cb = guard(make_trainer(model, _batch()))
+    assert cb.blame_mode == "off" and cb.trace is True
+    launched.setenv("HF_PRECISION_BLAME", "alwys")
+    with pytest.raises(PrecisionError, match="HF_PRECISION_BLAME='alwys'.*'always'"):
+        make_trainer(model, _batch())
+    env = command_env(["python", "t.py"], blame="always", trace=True, environ={})
+    assert env["HF_PRECISION_BLAME"] == "always" and env["HF_PRECISION_TRACE"] == "1"
+    config = LaunchConfig.from_env(env)
+    assert (config.blame, config.trace) == ("always", True)
+
+
+def test_the_accelerate_plugin_is_armed_by_the_loss_it_sees(tmp_path: Path) -> None:
+    from accelerate import Accelerator
+
+    from hf_precision import PrecisionGuardPlugin
+
+    accelerator = Accelerator(cpu=True, project_dir=str(tmp_path))
+    guard = PrecisionGuardPlugin()
+    model = _overflowing_llama()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model, optimizer = guard.prepare(accelerator, model, optimizer)
+    [blame] = guard.blames
+    for _ in range(2):
+        assert _forward_hooks(model) == 0 or blame.armed
+        loss = model(**_batch()).loss
+        guard.observe(loss=loss)  # step 1: NaN -> armed; step 2: inspected
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    [finding] = blame.findings
+    assert (finding.module, finding.kind, finding.step) == (OVERFLOWING, "overflow", 2)
+    assert "armed by loss=" in finding.trigger and _forward_hooks(model) == 0
+    record = json.loads((tmp_path / "precision" / "000002-nonfinite.json").read_text())
+    assert record["nonfinite"][0]["module"] == OVERFLOWING
+    guard.remove()
+
+
+def test_the_plugin_blames_on_request_and_never_when_off(tmp_path: Path) -> None:
+    from accelerate import Accelerator
+
+    from hf_precision import PrecisionGuardPlugin
+
+    model = _overflowing_llama()
+    off = PrecisionGuardPlugin(blame="off", report=False)
+    model = off.prepare(Accelerator(cpu=True), model)
+    assert not off.observe(loss=float("nan"))
+    off.blame_next_step()
+    assert _forward_hooks(model) == 0
+    off.remove()
+    on = PrecisionGuardPlugin(report=False)
+    model = on.prepare(Accelerator(cpu=True), model)
+    on.blame_next_step(backward=False)
+    model(**_batch())
+    [finding] = on._blame_step()
+    assert finding.module == OVERFLOWING and "on request" in finding.trigger
+    assert _forward_hooks(model) == 0
