@@ -392,12 +392,13 @@ def blame_batch(
     backward: bool = True,
     autocast: torch.dtype | None = None,
     args: Any = None,
+    trigger: str = "on request",
 ) -> NonFinite | None:
     """Run ``batch`` through ``model`` once, armed (what ``hf-precision doctor --blame`` does
     when it can re-run the same batch); the hooks are off again afterwards."""
     blame = NonFiniteBlame(model, "off", args=args)
     blame.mode = "always"
-    blame.arm("re-run of the same batch", backward=backward)
+    blame.arm(trigger, backward=backward)
     try:
         device = next((p.device.type for p in model.parameters()), "cpu")
         with torch.autocast(device, dtype=autocast or torch.float32, enabled=autocast is not None):

@@ -223,7 +223,12 @@ def doctor(args: argparse.Namespace) -> int:
         print(f"\n[{k}] " + str(d))
     for k, v in silent.items():
         print(f"\n[{k}] " + (v if isinstance(v, str) else v.line()))
-    print(f"\n{'OK' if ok else 'FAILED'}: " + ", ".join(_summary(k, d) for k, d in results.items()))
+    bad = silent.get("nonfinite")
+    print(
+        f"\n{'OK' if ok else 'FAILED'}: "
+        + ", ".join(_summary(k, d) for k, d in results.items())
+        + (f"; {bad.module} made {bad.kind} values ({bad.role})" if bad is not None else "")
+    )
     return 0 if ok else 1
 
 
@@ -340,7 +345,10 @@ def _silent_checks(
         mode = getattr(args, "blame", "off")
         backward = any(p.requires_grad for p in model.parameters())
         if mode == "always" or (mode == "auto" and not _finite_step(model, batch, autocast)):
-            finding = blame_batch(model, batch, backward=backward, autocast=autocast)
+            why = "blame='always'" if mode == "always" else "the loss or a gradient was non-finite"
+            finding = blame_batch(
+                model, batch, backward=backward, autocast=autocast, trigger=f"doctor, {why}"
+            )
             if finding is not None:
                 out["nonfinite"] = finding
         if mode != "off" and "nonfinite" not in out:

@@ -203,10 +203,8 @@ def test_doctor_blame_reruns_the_batch_of_a_checkpoint(tmp_path: Path, capsys: A
     assert found["note"] == "the same batch, re-run" and found["max_abs"] > FP16_MAX
     assert main([*argv, "--blame", "always"]) == 1
     out = capsys.readouterr().out
-    assert (
-        f"hf-precision blame (re-run of the same batch; the same batch, re-run): {OVERFLOWING}"
-        in out
-    )
+    assert f"(doctor, blame='always'; the same batch, re-run): {OVERFLOWING}" in out
+    assert f"FAILED: train ok; {OVERFLOWING} made overflow values (producer)" in out
 
 
 @pytest.fixture
