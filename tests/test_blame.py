@@ -292,3 +292,23 @@ def test_the_plugin_blames_on_request_and_never_when_off(tmp_path: Path) -> None
     [finding] = on._blame_step()
     assert finding.module == OVERFLOWING and "on request" in finding.trigger
     assert _forward_hooks(model) == 0
+
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "silent_losses.md"
+
+
+def _doc_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+
+
+@pytest.mark.parametrize("index", range(len(_doc_blocks())))
+def test_the_silent_losses_page_runs(index: int, tmp_path: Path, monkeypatch: Any) -> None:
+    """docs/silent_losses.md's Python blocks run, and print what the page shows."""
+    monkeypatch.chdir(tmp_path)
+    exec(compile(_doc_blocks()[index], f"docs/silent_losses.md block {index}", "exec"), {})
+
+
+def test_the_silent_losses_page_shows_both() -> None:
+    text = DOC.read_text()
+    assert "## Who made the NaN" in text and "## Where the activation dtype changed" in text
+    assert len(_doc_blocks()) == 2
