@@ -287,7 +287,7 @@ from transformers import Trainer, TrainingArguments
 from hf_precision import PrecisionGuardCallback
 from hf_precision.tiny import tiny_text_llama
 
-os.environ["HF_PRECISION_TOOL"] = "python"  # fixes spelled bf16=True (a kernel's argv looks like a CLI)
+os.environ["HF_PRECISION_TOOL"] = "python"  # fixes as bf16=True (argv reads as a CLI)
 torch.manual_seed(0)
 model = tiny_text_llama(torch.float16)
 model.requires_grad_(False)
