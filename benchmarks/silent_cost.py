@@ -38,6 +38,20 @@ def _hooks(model: torch.nn.Module) -> int:
     return sum(len(m._forward_hooks) + len(m._backward_hooks) for m in model.modules())
 
 
+def observe_cost(mode: str, calls: int = 20000) -> float:
+    """Seconds one ``observe`` of a finite loss tensor costs an idle blame (what the idle arms
+    add to a step), best of five."""
+    blame = NonFiniteBlame(torch.nn.Linear(2, 2), mode)  # type: ignore[arg-type]
+    logs = {"loss": torch.tensor(1.5)}
+    out = []
+    for _ in range(5):
+        t0 = time.process_time()
+        for _ in range(calls):
+            blame.observe(logs, step=0)
+        out.append(time.process_time() - t0)
+    return min(out) / calls
+
+
 def run(quick: bool = False, reps: int | None = None) -> list[Figure]:
     start = time.perf_counter()
     config = quick_llava_config() if quick else llava_100m_config()
@@ -88,8 +102,26 @@ def run(quick: bool = False, reps: int | None = None) -> list[Figure]:
         "modules": sum(1 for _ in model.modules()),
         "optimizer": "AdamW (foreach), full fine-tune, fp32",
     }
+    none_s = runs.median("none")
+    per_call = {
+        arm: observe_cost(mode) for arm, mode in (("blame_off", "off"), ("blame_auto", "auto"))
+    }
+    estimates = {
+        arm: {"observe_cost_us": round(c * 1e6, 2), "estimated_ratio": round(1 + c / none_s, 6)}
+        for arm, c in per_call.items()
+    }
     figures = [
-        ratio_figure(f"silent_{arm}", title, runs, arm, "none", target, hooks=hooks[arm], **shape)
+        ratio_figure(
+            f"silent_{arm}",
+            title,
+            runs,
+            arm,
+            "none",
+            target,
+            hooks=hooks[arm],
+            **estimates.get(arm, {}),
+            **shape,
+        )
         for arm, title, target in (
             ("blame_off", "training step, blame='off' ÷ no blame (CPU, ~100M LLaVA)", 1.01),
             ("blame_auto", "training step, blame='auto' idle (the default) ÷ no blame", 1.01),

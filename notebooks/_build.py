@@ -302,7 +302,12 @@ args = TrainingArguments(output_dir=str(OUT / "blame"), use_cpu=True, max_steps=
                          save_strategy="no", disable_tqdm=True)
 guard = PrecisionGuardCallback()
 trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[guard])
-hooks = lambda: sum(len(m._forward_hooks) + len(m._backward_hooks) for m in model.modules())
+
+
+def hooks():
+    return sum(len(m._forward_hooks) + len(m._backward_hooks) for m in model.modules())
+
+
 print("hooks while idle:", hooks())
 trainer.train()
 print("hooks after the finding:", hooks())"""),
