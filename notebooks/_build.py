@@ -279,7 +279,9 @@ A tiny LLaMA loaded in float16 whose layer-1 MLP output passes 65504, trained by
 `Trainer` with the one-line callback. Trainer hides the NaN loss (`logging_nan_inf_filter`);
 the gradient norm turns NaN at step 1, arms the blame, and step 2 is inspected."""),
     new_code_cell("""\
+import contextlib
 import json
+import sys
 
 import torch
 from transformers import Trainer, TrainingArguments
@@ -301,16 +303,17 @@ args = TrainingArguments(output_dir=str(OUT / "blame"), use_cpu=True, max_steps=
                          per_device_train_batch_size=2, logging_steps=1, report_to=[],
                          save_strategy="no", disable_tqdm=True)
 guard = PrecisionGuardCallback()
-trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[guard])
 
 
 def hooks():
     return sum(len(m._forward_hooks) + len(m._backward_hooks) for m in model.modules())
 
 
-print("hooks while idle:", hooks())
-trainer.train()
-print("hooks after the finding:", hooks())"""),
+with contextlib.redirect_stderr(sys.stdout):  # the guard's log lines and Trainer's, in order
+    trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[guard])
+    print("hooks while idle:", hooks())
+    trainer.train()
+    print("hooks after the finding:", hooks())"""),
     new_code_cell("""\
 [finding] = guard.blame.findings
 print(finding.line())
