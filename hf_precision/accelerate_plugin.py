@@ -48,7 +48,7 @@ from torch import nn
 from . import flags
 from .batch import PrecisionCollator
 from .blame import BlameMode, NonFinite, NonFiniteBlame, check_mode
-from .deepspeed_config import check_deepspeed_config, deepspeed_config_of
+from .deepspeed_config import check_deepspeed_config, deepspeed_config_of, zero_stage
 from .distributed import rank
 from .dtypes import dtype_name
 from .enforce import EnforceReport
@@ -126,6 +126,7 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         self.events: list[tuple[str, int]] = []  # (event, number of violations found)
         self.last_report: EnforceReport | None = None
         self.deepspeed_dtype: torch.dtype | None = None
+        self.deepspeed_stage: int | None = None
         self._guarded: list[PrecisionGuard] = []  # one engine per model
         self._optimizers: list[Any] = []
         self._handles: list[Any] = []
@@ -183,6 +184,7 @@ class PrecisionGuardPlugin(GuardFrontEnd):
             )
         ds = deepspeed_config_of(accelerator)
         if ds is not None:
+            self.deepspeed_stage = zero_stage(accelerator)
             self.deepspeed_dtype = check_deepspeed_config(
                 ds, bf16=mp in ("bf16", "fp8"), fp16=mp == "fp16"
             )
@@ -316,6 +318,7 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         if model is not None and model is not g.model and model is not g.root:
             g.model = model  # a wrapper made outside prepare (FSDP1, DDP) around the same model
         g.policy, g.reporter, g.deepspeed_dtype = policy, self._reporter, self.deepspeed_dtype
+        g.deepspeed_stage = self.deepspeed_stage
         report = g.verify(
             event,
             wrapper="auto",

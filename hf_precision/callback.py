@@ -34,7 +34,7 @@ from transformers import TrainerCallback
 
 from . import flags
 from .blame import BlameMode, NonFiniteBlame, check_mode
-from .deepspeed_config import check_training_args
+from .deepspeed_config import check_training_args, zero_stage
 from .enforce import EnforceReport
 from .errors import PrecisionError, PrecisionWarning
 from .groups import ModuleGroups
@@ -105,6 +105,7 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         self.restored = 0  # tensors given back their exact values after a *_full_eval cast
         self._reporter: Any = None
         self._deepspeed_dtype: torch.dtype | None = None
+        self._deepspeed_stage: int | None = None
         #: one engine per other model the Trainer runs (TRL's ref_model, reward models...)
         self.trainer_guards: dict[str, PrecisionGuard] = {}
 
@@ -152,6 +153,8 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
             from_flags = PrecisionPolicy.from_training_args(args)
             self.policy = self.policy.replace(full_eval_dtype=from_flags.full_eval_dtype)
         assert self.policy is not None
+        if getattr(args, "cast_lm_head_to_fp32", False) and not self.policy.keep_fp32_head:
+            self.policy = self.policy.replace(keep_fp32_head=True)  # TRL's fp32 lm_head, kept
         said = self._check_args(args, root)
         origin = policy_origin(self.policy, self._policy_arg is None, said, self._call)
         if self.report and self._reporter is None:
@@ -160,7 +163,12 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
             self._reporter = PrecisionReporter.from_training_args(
                 args, report_dir=self.report_dir, report_to=self.report_to
             )
-        self.guard = self._new_guard(model, deepspeed_dtype=self._deepspeed_dtype, origin=origin)
+        self.guard = self._new_guard(
+            model,
+            deepspeed_dtype=self._deepspeed_dtype,
+            deepspeed_stage=self._deepspeed_stage,
+            origin=origin,
+        )
         self.trainer_guards = {}
         if self.blame is not None:
             self.blame.disarm()
@@ -180,6 +188,7 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         assert policy is not None
         # the DeepSpeed JSON's bf16/fp16 sections vs --bf16/--fp16
         self._deepspeed_dtype = check_training_args(args)
+        self._deepspeed_stage = zero_stage(args=args)
         flag = (
             "bf16"
             if getattr(args, "bf16", False)
@@ -264,7 +273,11 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
                 continue
             other = self.trainer_guards.get(name)
             if other is None or other.root is not root:
-                other = self._new_guard(model, deepspeed_dtype=self._deepspeed_dtype)
+                other = self._new_guard(
+                    model,
+                    deepspeed_dtype=self._deepspeed_dtype,
+                    deepspeed_stage=self._deepspeed_stage,
+                )
                 if self.report:
                     from .reporting import PrecisionReporter
 

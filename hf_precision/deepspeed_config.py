@@ -143,6 +143,20 @@ def deepspeed_config_of(accelerator: Any = None, args: Any = None) -> dict[str, 
     return None
 
 
+def zero_stage(accelerator: Any = None, args: Any = None) -> int | None:
+    """The ZeRO stage the DeepSpeed config of an accelerator or ``TrainingArguments`` asks for
+    (``0`` without a ``zero_optimization`` section), ``None`` without DeepSpeed.
+
+    >>> zero_stage(args=type("Args", (), {"deepspeed": {"zero_optimization": {"stage": 3}}}))
+    3
+    """
+    cfg = deepspeed_config_of(accelerator, args)
+    if cfg is None:
+        return None
+    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
+    return int(stage) if str(stage).isdigit() else None
+
+
 def check_training_args(args: Any) -> torch.dtype | None:
     """:func:`check_deepspeed_config` on ``args.deepspeed`` against ``args.bf16``/``args.fp16``
     (``*_full_eval`` count as transformers counts them); ``None`` without DeepSpeed."""

@@ -51,7 +51,7 @@ from .findings import (
 )
 from .groups import ModuleGroups, find_module_groups
 from .policy import PrecisionPolicy
-from .wrappers import unwrap_model
+from .wrappers import unwrap_model, wrapper_of
 
 __all__ = ["CLASS_NAMES", "Diagnosis", "Mismatch", "diagnose", "is_mismatch_error"]
 
@@ -319,6 +319,7 @@ def diagnose(
         from .dtypes import parse_dtype
 
         ac_dtype = parse_dtype(autocast, call=f"diagnose(autocast={autocast!r})")
+        _refuse_deepspeed_autocast(model, autocast)
     device_type = next((p.device.type for p in root.parameters()), "cpu")
     phases = (["forward"] + (["backward"] if backward else []) if forward else []) + (
         ["generate"] if generate else []
@@ -414,3 +415,18 @@ def _explain(
     diag.expected = expected_text(rec.root, pol, culprit)
     intended = not ({culprit.group, culprit.producer_group} & set(diag.violations))
     diag.fix = fix_text(cls, culprit, pol, intended)
+
+
+def _refuse_deepspeed_autocast(model: nn.Module, autocast: object) -> None:
+    """The guard never opens ``torch.autocast`` around a DeepSpeed engine: DeepSpeed >= 0.17.2
+    owns autocast (its ``torch_autocast`` section), asserts when one is open outside it on a GPU
+    and, from 0.19.8, switches it off without a word (its check reads CUDA autocast only)."""
+    if wrapper_of(model) == "DeepSpeed":
+        raise PrecisionError(
+            f"diagnose(autocast={autocast!r}): DeepSpeed holds this model ({type(model).__name__}"
+            "); DeepSpeed owns autocast and the guard never opens one around its engine (it "
+            "asserts 'torch.autocast is enabled outside DeepSpeed' on a GPU, or turns it off). "
+            "Fix: drop autocast= (the engine computes in its config's dtype; for autocast set "
+            '"torch_autocast": {"enabled": true, "dtype": "bfloat16"} in the DeepSpeed config), '
+            "or diagnose the model before deepspeed.initialize / Trainer wraps it."
+        )

@@ -39,6 +39,7 @@ from .dtypes import dtype_name, is_castable, zero3_dtype
 from .enforce import Change, EnforceReport
 from .errors import PrecisionError
 from .groups import ModuleGroups, find_module_groups
+from .keep_rules import model_keep_lists
 from .plan import group_compute_dtypes
 from .policy import PrecisionPolicy, tensor_role
 from .view import walk_modules
@@ -268,20 +269,22 @@ def check_wrapped(
     *,
     wrapper: str | None = None,
     deepspeed_dtype: torch.dtype | None = None,
+    master_fp32: torch.dtype | None = None,
 ) -> WrapperCheck:
     """Verify, without casting, a model FSDP (1 or 2) or DeepSpeed holds.
 
     Expected and not drift: FSDP's upcast of trainable parameters to fp32 (accelerate does it,
     the fp32 copy is the master weight); weights stored in one dtype that FSDP mixed precision
     computes in the policy's dtype; DeepSpeed holding every weight in its config's dtype (its
-    optimizer keeps fp32 master weights). Anything else is a violation.
+    optimizer keeps fp32 master weights; ``master_fp32``, the half dtype of a ZeRO-3 run, says
+    so per tensor: rule ``wrapper_master_fp32``). Anything else is a violation.
     """
     settle_shards(model)  # after an evaluation FSDP2's root unit holds unsharded bf16 views
     root, _ = unwrap_model(model)
     groups = groups or find_module_groups(root)
     wrapper = wrapper or wrapper_of(model) or "the wrapper"
     compute = wrapper_compute_dtypes(model)
-    keep = tuple(getattr(root, "_keep_in_fp32_modules", None) or ())
+    keep, strict = model_keep_lists(root)
     out = WrapperCheck(wrapper)
     walk = list(walk_modules(root, groups))
     owners = {id(p): (m, k) for _, _, m in walk for k, p in m._parameters.items() if p is not None}
@@ -297,9 +300,11 @@ def check_wrapped(
             group,
             trainable=p.requires_grad,
             model_patterns=keep,
+            strict_patterns=strict,
             current=zero3_dtype(p) or p.dtype,
             role=tensor_role(mod, key, p, is_buffer=False) if mod is not None else None,
             group_dtype=group_dtype.get(group),
+            master_fp32=master_fp32,
         )
         target, reason = decision.dtype, decision.reason
         storage = zero3_dtype(p) or p.dtype

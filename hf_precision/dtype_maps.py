@@ -36,6 +36,7 @@ from .dtypes import (
 )
 from .errors import check_model
 from .groups import OTHER, ModuleGroups, find_module_groups, hidden_module
+from .keep_rules import model_keep_lists
 from .policy import tensor_role
 from .tables import fmt_bytes, render_table
 from .view import ModelView
@@ -461,7 +462,7 @@ def _dtype_map(
         groups = view.groups
     elif groups is None:
         groups = find_module_groups(root)
-    model_keep = tuple(getattr(root, "_keep_in_fp32_modules", None) or ())
+    model_keep, strict = model_keep_lists(root)
     records: dict[str, ModuleRecord] = {}
     tally = _Tally()
     seen: dict[int, str] = {}
@@ -492,7 +493,7 @@ def _dtype_map(
             tally.param(rec, pgroup, p, mod)
             if policy is not None and rec.kept_fp32 is None:
                 rec.kept_fp32 = policy.keep_fp32_reason(
-                    full, is_buffer=False, model_patterns=model_keep
+                    full, is_buffer=False, model_patterns=model_keep, strict_patterns=strict
                 )
         for bname, b in mbufs.items():
             if b is None:
@@ -506,6 +507,7 @@ def _dtype_map(
                     full,
                     is_buffer=True,
                     model_patterns=model_keep,
+                    strict_patterns=strict,
                     role=tensor_role(mod, bname, b, is_buffer=True),
                 )
         if rec is not None and path not in records:  # registered twice: the first name counts

@@ -119,6 +119,7 @@ def enforce_policy(
     mode: Mode | None = None,
     allow_wrapped: bool = False,
     view: ModelView | None = None,
+    master_fp32: torch.dtype | None = None,
 ) -> EnforceReport:
     """Bring ``model`` to ``policy`` in place and return what changed.
 
@@ -128,7 +129,8 @@ def enforce_policy(
     that DDP/FSDP/DeepSpeed already wraps is not cast (a :class:`PrecisionError` says what to
     do) unless ``allow_wrapped`` (the accelerate plugin's drift repair under DDP). ``view`` is
     this event's walk of the model (:class:`~hf_precision.view.ModelView`), when the caller
-    has one.
+    has one. ``master_fp32``: the half dtype of a DeepSpeed ZeRO-3 run, whose trainable weights
+    in it are left as they are (rule ``wrapper_master_fp32``; the front ends pass it).
     """
     check_model(model, "enforce_policy(model, policy)")
     root, _ = unwrap_model(model)
@@ -136,7 +138,7 @@ def enforce_policy(
     mode = policy.mode if mode is None else mode
     if mode not in MODES:
         raise PrecisionError(f"enforce_policy(mode={mode!r}): allowed modes audit, fix, raise.")
-    report = plan_policy(root, policy, ModelView.reuse(view, root, groups))
+    report = plan_policy(root, policy, ModelView.reuse(view, root, groups), master_fp32=master_fp32)
     return apply_plan(model, report, mode=mode, optimizer=optimizer, allow_wrapped=allow_wrapped)
 
 

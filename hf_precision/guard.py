@@ -33,6 +33,7 @@ True
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import warnings
@@ -40,11 +41,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .distributed import check_model_ranks, check_wrapped, explain_wrapped
 from .dtypes import dtype_name
 from .enforce import EnforceReport, apply_plan, enforce_policy, restore_values
 from .errors import PrecisionError, PrecisionWarning
+from .fsdp2 import bridge_outputs, fsdp2_outputs
 from .groups import ModuleGroups, find_module_groups
 from .hooks import (
     GuardHandle,
@@ -54,7 +57,16 @@ from .hooks import (
     release_model,
     remove_guards,
 )
-from .policy import LeafGuards, Mode, PrecisionPolicy, policy_call, resolve_policy, with_overrides
+from .keep_rules import model_keep_lists
+from .policy import (
+    KEEP_RULES,
+    LeafGuards,
+    Mode,
+    PrecisionPolicy,
+    policy_call,
+    resolve_policy,
+    with_overrides,
+)
 from .view import ModelView
 from .wrappers import detect_wrapper, settle_shards, unwrap_model
 
@@ -78,6 +90,8 @@ class PrecisionGuard:
         groups: the model's groups, when the front end found them already.
         reporter: a :class:`~hf_precision.reporting.PrecisionReporter`, or ``None``.
         deepspeed_dtype: the dtype a DeepSpeed config holds the model in, when one is used.
+        deepspeed_stage: its ZeRO stage; under ZeRO-3 in a half dtype trainable weights in that
+            dtype are left as they are (rule ``wrapper_master_fp32``).
         claim: mark the model as held by ``owner`` (a second live guard with another policy
             raises); off for one-shot front ends that run no later events.
         origin: where the policy came from, for the console line (``"from bf16: true"``).
@@ -94,6 +108,7 @@ class PrecisionGuard:
         groups: ModuleGroups | None = None,
         reporter: Any = None,
         deepspeed_dtype: torch.dtype | None = None,
+        deepspeed_stage: int | None = None,
         claim: bool = True,
         origin: str | None = None,
     ) -> None:
@@ -106,6 +121,7 @@ class PrecisionGuard:
         self.groups = groups if groups is not None else find_module_groups(self.root)
         self.reporter = reporter
         self.deepspeed_dtype = deepspeed_dtype
+        self.deepspeed_stage = deepspeed_stage
         #: where the policy came from, in the user's words (``from TrainingArguments(bf16=True)``)
         self.origin = origin
         self.handle: GuardHandle | None = None
@@ -120,6 +136,8 @@ class PrecisionGuard:
         #: hears of the first input each kind of guard casts at run time (said once per kind)
         self.notice = Notice(self._bridged)
         self._wrapper_casts: set[str] = set()
+        #: FSDP2 unit path -> the hooks that cast its outputs to its parent's compute dtype
+        self._bridges: dict[str, list[RemovableHandle]] = {}
         self._stash: dict[str, torch.Tensor] = {}
         if claim:
             claim_model(self.root, self.owner, policy, self.call)
@@ -182,7 +200,14 @@ class PrecisionGuard:
             wrapper = detect_wrapper(model, args=args, modules=inner)
         if wrapper == "FSDP2":
             settle_shards(model)  # FSDP2 keeps the root unsharded after forward: read shards
-        audit = enforce_policy(model, policy, groups=self.groups, mode="audit", view=view)
+        audit = enforce_policy(
+            model,
+            policy,
+            groups=self.groups,
+            mode="audit",
+            view=view,
+            master_fp32=self.master_fp32(view),
+        )
         report, found = audit, len(audit.changes)
         if wrapper in HOLDING_WRAPPERS:
             report, found = self._explain(model, wrapper, audit, where)
@@ -196,6 +221,8 @@ class PrecisionGuard:
                 optimizer=optimizer,
                 allow_wrapped=wrapper is not None,
             )
+        if wrapper == "FSDP2":
+            report = self._fsdp2_outputs(model, report, where)
         self._say(where, audit, report, found, first=first, held=wrapper in HOLDING_WRAPPERS)
         self.last_report = report
         self.handle = install_guards(
@@ -205,7 +232,8 @@ class PrecisionGuard:
         self.dtypes = tuple(p.dtype for p in self.params)
         self.events.append((event, found))
         if self.reporter is not None and (log_clean or found):
-            noted = found or report.wrapper_casts
+            # a wrapper's choice kept (wrapper_master_fp32) is in the event's JSON too
+            noted = found or report.wrapper_casts or report.wrapper_findings or _kept_as_is(report)
             self.reporter.log_event(
                 event,
                 model,
@@ -218,6 +246,19 @@ class PrecisionGuard:
         if check_ranks:  # a collective: every rank reaches the same events
             check_model_ranks(model, self.groups, policy=policy, where=where)
         return report
+
+    def master_fp32(self, view: ModelView | None = None) -> torch.dtype | None:
+        """The half dtype DeepSpeed ZeRO-3 holds this run in, whose fp32 master copies live in
+        its optimizer: trainable weights in it stay as they are (``wrapper_master_fp32``). The
+        stage comes from the front end's config, or from the model (ZeRO-3 partitions in
+        place: ``ds_id``)."""
+        half = self.deepspeed_dtype
+        if half not in (torch.bfloat16, torch.float16):
+            return None
+        if self.deepspeed_stage == 3:
+            return half
+        params = view.parameters() if view is not None else self.root.parameters()
+        return half if any(hasattr(p, "ds_id") for p in params) else None
 
     def _renamed(self, policy: PrecisionPolicy) -> PrecisionPolicy:
         """``policy`` with the former group names the model's rule renamed
@@ -262,7 +303,12 @@ class PrecisionGuard:
     ) -> tuple[EnforceReport, int]:
         policy = self.policy
         check = check_wrapped(
-            model, policy, self.groups, wrapper=wrapper, deepspeed_dtype=self.deepspeed_dtype
+            model,
+            policy,
+            self.groups,
+            wrapper=wrapper,
+            deepspeed_dtype=self.deepspeed_dtype,
+            master_fp32=self.master_fp32(),
         )
         for why, n in check.expected.items():
             logger.info("hf-precision %s: %d parameter(s) %s (expected)", where, n, why)
@@ -278,6 +324,23 @@ class PrecisionGuard:
             warnings.warn(kept.wrapper_note or "", PrecisionWarning, stacklevel=3)
         self._wrapper_casts = casts
         return kept, len(check.violations)
+
+    def _fsdp2_outputs(self, model: nn.Module, report: EnforceReport, where: str) -> EnforceReport:
+        """FSDP2's ``output_dtype`` (:mod:`hf_precision.fsdp2`): a half root output (the loss
+        rounded) is said with the fix; a nested unit returning another dtype than its parent
+        computes in is bridged by a forward hook on its outputs (once per unit) and said."""
+        outputs = fsdp2_outputs(model)
+        messages = outputs.messages(self.name)
+        if not messages:
+            return report
+        for b in outputs.bridges:
+            if b.unit not in self._bridges:
+                self._bridges[b.unit] = bridge_outputs(model, [b])
+        for message in messages:
+            self._warn_once(message)
+        report = copy.copy(report)
+        report.wrapper_findings = [*report.wrapper_findings, *messages]
+        return report
 
     def _check_ddp_restore(self, audit: EnforceReport, where: str) -> None:
         """DDP built its gradient buckets for the dtypes at wrapping time (or, when the guard
@@ -317,6 +380,12 @@ class PrecisionGuard:
             grown = memory_line(report)
             if grown:
                 logger.warning(grown)
+        elif first and not found and _kept_as_is(report):
+            # nothing to cast, but a wrapper's choice was kept: said once, at setup
+            logger.warning(
+                f"hf-precision: nothing cast; {kept_words(report)}; policy {policy.describe()}; "
+                f"report: {self._report_dir() or 'off (report=False)'}"
+            )
         elif found:  # later events: the model drifted from the policy
             verb = "repaired" if policy.mode == "fix" and not held else "found"
             example = f", e.g. {audit.changes[0].describe()}" if audit.changes else ""
@@ -370,7 +439,7 @@ class PrecisionGuard:
         rounded values."""
         if eval_dtype is None:
             return
-        model_keep = tuple(getattr(self.root, "_keep_in_fp32_modules", None) or ())
+        model_keep, strict = model_keep_lists(self.root)
         # what the last plan kept in fp32 (rotary tables by module, deliberate fp32 norms)
         kept = {k[0] for k in self.last_report.kept} if self.last_report is not None else set()
         tiers: tuple[list[tuple[str, torch.Tensor]], ...] = ([], [], [])
@@ -384,7 +453,10 @@ class PrecisionGuard:
                 if kind == "param" and t.requires_grad:
                     tiers[0].append((name, t))
                 elif name in kept or self.policy.keep_fp32_reason(
-                    name, is_buffer=kind == "buffer", model_patterns=model_keep
+                    name,
+                    is_buffer=kind == "buffer",
+                    model_patterns=model_keep,
+                    strict_patterns=strict,
                 ):
                     tiers[1].append((name, t))
                 else:
@@ -435,6 +507,10 @@ class PrecisionGuard:
     def teardown(self) -> None:
         """Take the guards off and release the model."""
         remove_guards(self.model)
+        for handles in self._bridges.values():
+            for h in handles:
+                h.remove()
+        self._bridges = {}
         release_model(self.root, self.owner)
 
     def __repr__(self) -> str:
@@ -482,11 +558,7 @@ def cast_line(report: EnforceReport, *, origin: str | None, report_dir: str | No
         why = ranked[0][0] if len(ranked) == 1 else ", ".join(f"{k} {v}" for k, v in ranked)
         parts.append(f"{n}{' tensors' if i == 0 else ''} → {dtype} ({why})")
     parts += [f"{n} moved to {dev}" for dev, n in moved.items()]
-    kept: dict[str, int] = {}
-    for _, _, rule, _ in report.kept:  # held in float32 on purpose among half weights: said
-        if rule != "rotary":  # every model's rotary tables: in the report, not on the console
-            kept[rule] = kept.get(rule, 0) + 1
-    held = ", ".join(f"{n} ({rule})" for rule, n in sorted(kept.items(), key=lambda kv: -kv[1]))
+    held = kept_words(report)
     touched = {c.group for c in report.changes}
     order = [g for g in report.groups.names if g in touched]  # forward order, then the rest
     groups = ", ".join(order + sorted(touched - set(order)))
@@ -496,10 +568,37 @@ def cast_line(report: EnforceReport, *, origin: str | None, report_dir: str | No
     source = f", {origin}" if origin else ""
     return (
         f"hf-precision: {', '.join(parts)} in {groups} (e.g. {names}); "
-        + (f"kept in float32 on purpose: {held}; " if held else "")
+        + (f"{held}; " if held else "")
         + "policy "
         f"{report.policy.describe()}{source}; report: {report_dir or 'off (report=False)'}"
     )
+
+
+def _kept_as_is(report: EnforceReport) -> bool:
+    """A rule kept a tensor in its own (half) dtype on purpose (``wrapper_master_fp32``)."""
+    return any(k[2] not in KEEP_RULES for k in report.kept)
+
+
+def kept_words(report: EnforceReport) -> str:
+    """What keep rules held on purpose, for the console: ``kept in float32 on purpose: 4
+    (deliberate_fp32); kept in their dtype on purpose: 8 (wrapper_master_fp32)``; ``""`` for
+    none. Rotary tables (every model has them) are in the report, not on the console."""
+    by_rule: dict[str, int] = {}
+    for _, _, rule, _ in report.kept:
+        if rule != "rotary":
+            by_rule[rule] = by_rule.get(rule, 0) + 1
+    parts = []
+    for words, rules in (
+        ("kept in float32 on purpose", {r: n for r, n in by_rule.items() if r in KEEP_RULES}),
+        (
+            "kept in their dtype on purpose",
+            {r: n for r, n in by_rule.items() if r not in KEEP_RULES},
+        ),
+    ):
+        if rules:
+            ranked = sorted(rules.items(), key=lambda kv: -kv[1])
+            parts.append(f"{words}: " + ", ".join(f"{n} ({rule})" for rule, n in ranked))
+    return "; ".join(parts)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -673,6 +772,7 @@ __all__ = [
     "PrecisionGuard",
     "cast_line",
     "flag_conflict",
+    "kept_words",
     "memory_line",
     "policy_origin",
 ]

@@ -49,6 +49,7 @@ from .dtype_maps import receiving, receiving_dtypes
 from .dtypes import dtype_name, is_castable, quantized_compute_dtype
 from .errors import PrecisionError, check_model
 from .groups import LEAF_GUARDED_GROUPS, OTHER, ModuleGroups, find_module_groups
+from .keep_rules import first_parameter_kept, strict_modules
 from .policy import Mode, PrecisionPolicy, is_norm_module
 from .view import ModelView
 from .wrappers import unwrap_model, wrapper_compute_dtypes
@@ -677,11 +678,24 @@ def install_guards(
             exits.add(id(mod))
             handle.added += _install_exit(mod, _ExitState(path, emb, notice=notice))
             handle.exit.append(path)
+    first = first_parameter_kept(view.modules, report.kept) if report is not None else None
+    after = first[3] if first is not None and policy.mode == "fix" else None
+    if first is not None and after is not None and after[1].dtype.itemsize < 4:
+        # model.dtype reads an fp32 kept parameter: its module hands over in the next layer's dtype
+        path, mod = first[0].rpartition(".")[0], first[2]
+        if policy.boundary_guards and id(mod) not in exits:
+            exits.add(id(mod))
+            handle.added += _install_exit(mod, _ExitState(path, after[1], notice=notice))
+            handle.exit.append(path)
     if leaf_groups is None:
         leaf_groups = _leaf_groups(policy, groups, report)
     if leaf_groups:
+        # modules holding a _keep_in_fp32_modules_strict tensor (routers) compute on their own
+        strict = strict_modules(report.kept) if report is not None else set()
         for path, group, mod in view.modules:
             if group not in leaf_groups or id(mod) in wanted or isinstance(mod, _SKIP_LEAVES):
+                continue
+            if path in strict:
                 continue
             own = _own_weight(mod)
             if own is not None and not _norm_held_fp32(mod, own):

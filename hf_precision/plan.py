@@ -40,6 +40,7 @@ from .dtypes import (
 )
 from .errors import did_you_mean
 from .groups import ModuleGroups, hidden_module
+from .keep_rules import model_dtype_note, model_keep_lists
 from .policy import PrecisionPolicy, Role, Rule, tensor_role
 from .view import ModelView
 from .wrappers import is_sharded
@@ -108,8 +109,10 @@ class EnforceReport:
     applied: bool
     changes: list[Change] = field(default_factory=list)
     kept_fp32: list[tuple[str, str]] = field(default_factory=list)
-    #: every tensor a keep rule held in float32: (name, group, rule, reason), the rule one of
-    #: ``rotary``, ``keep_fp32``, ``deliberate_fp32`` (:data:`~hf_precision.policy.KEEP_RULES`)
+    #: every tensor a keep rule held on purpose: (name, group, rule, reason), the rule one of
+    #: ``rotary``, ``keep_fp32``, ``keep_fp32_strict``, ``deliberate_fp32`` (float32,
+    #: :data:`~hf_precision.policy.KEEP_RULES`) or ``wrapper_master_fp32`` (a trainable half
+    #: weight DeepSpeed ZeRO-3 keeps fp32 master copies of, left in its dtype)
     kept: list[tuple[str, str, Rule, str]] = field(default_factory=list)
     overflow: list[tuple[str, float]] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
@@ -119,6 +122,8 @@ class EnforceReport:
     wrapper_casts: list[Change] = field(default_factory=list)
     #: the message (with the fix) that goes with ``wrapper_casts``
     wrapper_note: str | None = None
+    #: what a wrapper's own settings do to the outputs (FSDP2's ``output_dtype``), with fixes
+    wrapper_findings: list[str] = field(default_factory=list)
     device: torch.device | None = None
     #: the plan behind ``changes`` (:func:`apply_plan` carries it out) and the tensors found on
     #: the meta device while the model is elsewhere
@@ -151,7 +156,8 @@ class EnforceReport:
         for kept in self.kept:
             by_rule.setdefault(kept[2], []).append(kept[0])
         for rule, names in by_rule.items():
-            lines.append(f"  kept {len(names)} in float32 ({rule}), e.g. {', '.join(names[:3])}")
+            held = "as they are" if rule == "wrapper_master_fp32" else "in float32"
+            lines.append(f"  kept {len(names)} {held} ({rule}), e.g. {', '.join(names[:3])}")
         for name, value in self.overflow:
             lines.append(f"  kept {name}: max |value| {value:g} exceeds fp16 range")
         for name, why in self.skipped[:_MAX_LISTED]:
@@ -166,6 +172,7 @@ class EnforceReport:
             "applied": self.applied,
             "changes": [c.__dict__ for c in self.changes],
             "wrapper_casts": [c.__dict__ for c in self.wrapper_casts],
+            "wrapper_findings": self.wrapper_findings,
             "kept_fp32": self.kept_fp32,
             "kept": [
                 {"name": n, "group": g, "rule": r, "reason": why} for n, g, r, why in self.kept
@@ -229,18 +236,29 @@ def _unmatched_patterns(
     return out
 
 
-def plan_policy(root: nn.Module, policy: PrecisionPolicy, view: ModelView) -> EnforceReport:
-    """What ``policy`` wants changed in ``root`` (the walk ``view``); changes nothing."""
+def plan_policy(
+    root: nn.Module,
+    policy: PrecisionPolicy,
+    view: ModelView,
+    *,
+    master_fp32: torch.dtype | None = None,
+) -> EnforceReport:
+    """What ``policy`` wants changed in ``root`` (the walk ``view``); changes nothing.
+    ``master_fp32``: the half dtype of a DeepSpeed ZeRO-3 run (trainable weights in it are left
+    as they are, rule ``wrapper_master_fp32``)."""
     groups = view.groups
-    model_keep = tuple(getattr(root, "_keep_in_fp32_modules", None) or ())
+    model_keep, strict = model_keep_lists(root)
     device_mapped = bool(getattr(root, "hf_device_map", None))
     device = model_device(root, groups) if policy.move_devices and not device_mapped else None
     report = EnforceReport(policy, groups, applied=False, device=device)
-    planner = _Planner(report, policy, model_keep, device)
+    planner = _Planner(report, policy, model_keep, device, strict=strict, master_fp32=master_fp32)
     planner.walk(root, groups, view.modules)
     if report.overflow:
         planner.keep_with_overflowed(root)
     report.warnings += _unmatched_patterns(root, policy, groups, report)
+    note = model_dtype_note(root, view.modules, report.kept, policy.frozen_dtype)
+    if note is not None:  # a keep rule on the first floating parameter: model.dtype says fp32
+        report.warnings.append(note)
     report.planned, report.meta = planner.todo, planner.meta
     return report
 
@@ -324,6 +342,10 @@ class _Planner:
     policy: PrecisionPolicy
     model_keep: tuple[str, ...]
     device: torch.device | None
+    #: the half dtype of a DeepSpeed ZeRO-3 run (:meth:`PrecisionPolicy.decide`)
+    master_fp32: torch.dtype | None = None
+    #: the model's ``_keep_in_fp32_modules_strict`` (``model_keep``: its non-strict list)
+    strict: tuple[str, ...] = ()
     todo: list[PlannedCast] = field(default_factory=list)
     meta: list[str] = field(default_factory=list)
     #: group -> (dtype its quantized layers compute in, their format), from a first pass
@@ -418,7 +440,12 @@ class _Planner:
     ) -> None:
         def want(name: str, group: str) -> torch.dtype:
             return self.policy.decide(
-                name, group, trainable=trainable, model_patterns=self.model_keep, current=p.dtype
+                name,
+                group,
+                trainable=trainable,
+                model_patterns=self.model_keep,
+                current=p.dtype,
+                strict_patterns=self.strict,
             ).dtype
 
         mine, theirs = want(full, group), want(*first)
@@ -482,9 +509,11 @@ class _Planner:
             trainable=trainable,
             is_buffer=kind == "buffer",
             model_patterns=self.model_keep,
+            strict_patterns=self.strict,
             current=t.dtype,
             role=role,
             group_dtype=self.group_dtype.get(group),
+            master_fp32=self.master_fp32 if kind == "param" else None,
         )
         target, reason = decision.dtype, decision.reason
         held = self.quantized.get(group)
@@ -492,6 +521,7 @@ class _Planner:
             target, reason = held[0], f"follows the quantized layers of {group} ({held[1]})"
         if decision.keeps_fp32:
             self.report.kept_fp32.append((full, reason))
+        if decision.kept:
             self.report.kept.append((full, group, decision.rule, reason))
         if self._skip_wrapper_owned(t, full, group, kind):
             return

@@ -10,16 +10,26 @@ True
 Precedence for one parameter (first that applies):
 
 1. rotary tables (any ``*inv_freq*`` buffer, every floating buffer of a rotary-embedding
-   module: :func:`tensor_role`) -> float32 (rule ``rotary``); ``keep_fp32`` patterns and the
-   model's ``_keep_in_fp32_modules`` -> float32 (rule ``keep_fp32``);
-2. trainable parameter -> float32 if it is float32 and ``keep_trainable_fp32`` (set when the
-   policy is inferred with no precision flag), else ``trainable_dtype`` (fp32 under mixed
-   presets: the optimizer and the fp16 GradScaler need fp32 weights and gradients);
+   module: :func:`tensor_role`) -> float32 (rule ``rotary``); ``keep_fp32`` patterns -> float32
+   (rule ``keep_fp32``); the model's ``_keep_in_fp32_modules_strict`` -> float32 under every
+   preset (rule ``keep_fp32_strict``, :mod:`hf_precision.keep_rules`); the model's
+   ``_keep_in_fp32_modules`` -> float32 where the rules below would give float16 (rule
+   ``keep_fp32``: transformers' loader keeps them for fp16 loads only);
+2. trainable parameter in the half dtype of a DeepSpeed ZeRO-3 run (the engine, its
+   ``TrainingArguments``/accelerate config) -> left in that dtype (rule ``wrapper_master_fp32``:
+   DeepSpeed keeps fp32 master copies in its optimizer, and TRL passes PEFT
+   ``autocast_adapter_dtype=False`` under ZeRO-3 because fp32 adapters beside bf16 weights in one
+   all-gather bucket raised ``TypeError: output tensor must have the same type as input tensor``);
+   else float32 if it is float32 and ``keep_trainable_fp32`` (set when the policy is inferred
+   with no precision flag), else ``trainable_dtype`` (fp32 under mixed presets: the optimizer and
+   the fp16 GradScaler need fp32 weights and gradients);
 3. its group has an override in ``group_dtypes`` -> that dtype;
 4. a frozen fp32 weight of a normalization layer (recognised by module type) whose group's
    other weights are in a half dtype -> stays float32 (rule ``deliberate_fp32``: LLaMA-Factory's
    ``upcast_layernorm``, PEFT's ``prepare_model_for_kbit_training``, axolotl's norm upcasts
-   chose it); ``keep_fp32_norms=False`` or naming the group in ``group_dtypes`` casts it;
+   chose it); ``keep_fp32_norms=False`` or naming the group in ``group_dtypes`` casts it; so does
+   an fp32 ``lm_head`` when ``keep_fp32_head`` is set (TRL's ``cast_lm_head_to_fp32``, read from
+   the trainer's arguments);
 5. otherwise -> ``frozen_dtype``.
 """
 
@@ -51,6 +61,8 @@ LEAF_GUARDS: tuple[LeafGuards, ...] = get_args(LeafGuards)
 Rule = Literal[
     "rotary",
     "keep_fp32",
+    "wrapper_master_fp32",
+    "keep_fp32_strict",
     "keep_trainable_fp32",
     "trainable",
     "group_dtypes",
@@ -58,7 +70,11 @@ Rule = Literal[
     "frozen",
 ]
 #: The rules that keep a tensor in float32 whatever the preset (:attr:`Decision.keeps_fp32`).
-KEEP_RULES: tuple[Rule, ...] = ("rotary", "keep_fp32", "deliberate_fp32")
+KEEP_RULES: tuple[Rule, ...] = ("rotary", "keep_fp32", "keep_fp32_strict", "deliberate_fp32")
+#: The rules that keep a tensor in the dtype it has on purpose, said in ``EnforceReport.kept``:
+#: the keep-fp32 rules and a wrapper's half-precision trainable weights (``wrapper_master_fp32``).
+KEPT_RULES: tuple[Rule, ...] = (*KEEP_RULES, "wrapper_master_fp32")
+_STRICT = "model._keep_in_fp32_modules_strict"
 #: What a tensor is, beyond its name (:func:`tensor_role`): a normalization layer's weight or a
 #: rotary/positional table.
 Role = Literal["norm", "rotary"]
@@ -79,6 +95,11 @@ class Decision:
         deliberate fp32 norm decided: the tensor must stay float32 whatever the wrapper or the
         preset."""
         return self.rule in KEEP_RULES
+
+    @property
+    def kept(self) -> bool:
+        """A rule kept the tensor's dtype on purpose (:data:`KEPT_RULES`): reported as kept."""
+        return self.rule in KEPT_RULES
 
 
 #: preset -> (compute, frozen, trainable)
@@ -182,6 +203,12 @@ def is_rotary_module(module: nn.Module) -> bool:
         return True
     d = module.__dict__
     return "inv_freq" in d.get("_buffers", {}) or "rope_init_fn" in d or "rope_type" in d
+
+
+def _is_head(name: str) -> bool:
+    """``name`` is a weight of the language model's output head (``lm_head``, as TRL's
+    ``cast_lm_head_to_fp32`` names it)."""
+    return "lm_head" in name.split(".")
 
 
 def tensor_role(
@@ -309,13 +336,24 @@ class PrecisionPolicy:
         },
     )
     honour_model_keep_fp32: bool = field(
-        default=True, metadata={"help": "keep model._keep_in_fp32_modules in fp32"}
+        default=True,
+        metadata={
+            "help": "keep model._keep_in_fp32_modules_strict in fp32, and "
+            "model._keep_in_fp32_modules where the weight would be fp16 (as transformers loads)"
+        },
     )
     keep_fp32_norms: bool = field(
         default=True,
         metadata={
             "help": "frozen fp32 norm weights in a group whose other weights are half stay "
             "fp32 (upcast_layernorm, prepare_model_for_kbit_training); False casts them"
+        },
+    )
+    keep_fp32_head: bool = field(
+        default=False,
+        metadata={
+            "help": "an fp32 lm_head beside half weights stays fp32 (TRL's "
+            "cast_lm_head_to_fp32; set from the trainer's arguments)"
         },
     )
     mode: Mode = field(default="fix", metadata={"help": "audit | fix | raise"})
@@ -544,10 +582,13 @@ class PrecisionPolicy:
         is_buffer: bool,
         model_patterns: Iterable[str] = (),
         role: Role | None = None,
+        strict_patterns: Iterable[str] = (),
     ) -> str | None:
         """Why ``name`` must stay fp32 whatever its group (a rotary table, a ``keep_fp32``
-        pattern, the model's ``_keep_in_fp32_modules``), or ``None``. ``role`` is
-        :func:`tensor_role`'s answer where the caller knows the module."""
+        pattern, the model's ``_keep_in_fp32_modules_strict`` (``strict_patterns``) or
+        ``_keep_in_fp32_modules`` (``model_patterns``; :meth:`decide` holds those in fp32 only
+        where the weight would be fp16)), or ``None``. ``role`` is :func:`tensor_role`'s answer
+        where the caller knows the module."""
         if is_buffer:
             for pat in DEFAULT_KEEP_FP32_BUFFERS:
                 if match_pattern(pat, name):
@@ -558,6 +599,9 @@ class PrecisionPolicy:
             if match_pattern(pat, name):
                 return f"keep_fp32 {pat!r}"
         if self.honour_model_keep_fp32:
+            for pat in strict_patterns:
+                if match_pattern(pat, name):
+                    return f"{_STRICT} {pat!r}"
             for pat in model_patterns:
                 if match_pattern(pat, name):
                     return f"model._keep_in_fp32_modules {pat!r}"
@@ -574,32 +618,77 @@ class PrecisionPolicy:
         current: torch.dtype | None = None,
         role: Role | None = None,
         group_dtype: torch.dtype | None = None,
+        master_fp32: torch.dtype | None = None,
+        strict_patterns: Iterable[str] = (),
     ) -> Decision:
         """The dtype the policy wants for one parameter/buffer (now in ``current``) and the
         rule that decided (the precedence at the top of this module). ``role`` is what the
         tensor is (:func:`tensor_role`), ``group_dtype`` the dtype the other weights of its
         group are in (the plan's first pass): together they tell a deliberate fp32 norm from
-        one left in fp32 with its whole group."""
+        one left in fp32 with its whole group. ``strict_patterns`` and ``model_patterns`` are
+        the model's ``_keep_in_fp32_modules_strict`` and ``_keep_in_fp32_modules``
+        (:func:`hf_precision.keep_rules.model_keep_lists`). ``master_fp32`` is the half dtype of
+        a DeepSpeed ZeRO-3 run, which keeps fp32 master copies of trainable weights held in it."""
         reason = self.keep_fp32_reason(
-            name, is_buffer=is_buffer, model_patterns=model_patterns, role=role
+            name, is_buffer=is_buffer, role=role, strict_patterns=strict_patterns
         )
         if reason is not None:
-            rule: Rule = "rotary" if reason.startswith("rotary") else "keep_fp32"
+            rule: Rule = (
+                "rotary"
+                if reason.startswith("rotary")
+                else "keep_fp32_strict"
+                if reason.startswith(_STRICT)
+                else "keep_fp32"
+            )
             return Decision(torch.float32, rule, reason)
+        if (
+            trainable
+            and master_fp32 is not None
+            and current == master_fp32
+            and self.trainable_dtype not in (None, master_fp32)
+        ):
+            return Decision(
+                master_fp32,
+                "wrapper_master_fp32",
+                f"trainable {dtype_name(master_fp32)} under DeepSpeed ZeRO-3, which keeps fp32 "
+                "master copies: left as is (TRL's autocast_adapter_dtype=False)",
+            )
+        decision = self._decide_unkept(name, group, trainable, current, role, group_dtype)
+        if decision.dtype == torch.float16 and self.honour_model_keep_fp32:
+            for pat in model_patterns:  # the loader keeps them fp32 for fp16 loads
+                if match_pattern(pat, name):
+                    why = f"model._keep_in_fp32_modules {pat!r} (fp32 where fp16 would be)"
+                    return Decision(torch.float32, "keep_fp32", why)
+        return decision
+
+    def _decide_unkept(
+        self,
+        name: str,
+        group: str,
+        trainable: bool,
+        current: torch.dtype | None,
+        role: Role | None,
+        group_dtype: torch.dtype | None,
+    ) -> Decision:
+        """:meth:`decide`'s rules 2 to 5 (no keep pattern selected ``name``)."""
         if trainable and self.keep_trainable_fp32 and current == torch.float32:
             return Decision(torch.float32, "keep_trainable_fp32", "keep_trainable_fp32")
+        half_group = (
+            group_dtype is not None and group_dtype.is_floating_point and group_dtype.itemsize < 4
+        )
+        if self.keep_fp32_head and current == torch.float32 and _is_head(name):
+            return Decision(
+                torch.float32,
+                "deliberate_fp32",
+                "fp32 lm_head kept as chosen (TRL's cast_lm_head_to_fp32=True); "
+                "cast_lm_head_to_fp32=False casts it",
+            )
         if trainable and self.trainable_dtype is not None:
             return Decision(self.trainable_dtype, "trainable", "trainable")
         if group in self.group_dtypes:
             return Decision(self.group_dtypes[group], "group_dtypes", f"group_dtypes[{group!r}]")
-        if (
-            role == "norm"
-            and self.keep_fp32_norms
-            and current == torch.float32
-            and group_dtype is not None
-            and group_dtype.is_floating_point
-            and group_dtype.itemsize < 4
-        ):
+        if role == "norm" and self.keep_fp32_norms and current == torch.float32 and half_group:
+            assert group_dtype is not None
             return Decision(
                 torch.float32,
                 "deliberate_fp32",

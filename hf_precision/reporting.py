@@ -560,6 +560,7 @@ class PrecisionReporter:
             "drift": snap.drift,
             "changes": report.get("changes", []),
             "wrapper_casts": report.get("wrapper_casts", []),
+            "wrapper_findings": report.get("wrapper_findings", []),
             "kept": report.get("kept", []),
             "nonfinite": self.nonfinite,
             "picture": png_path.name if png_path is not None else None,

@@ -123,3 +123,16 @@ def test_module_doctests():
 
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted >= 2
+
+
+def test_zero_stage_from_args_and_accelerator() -> None:
+    from types import SimpleNamespace
+
+    from hf_precision.deepspeed_config import zero_stage
+
+    assert zero_stage() is None and zero_stage(args=SimpleNamespace(deepspeed=None)) is None
+    assert zero_stage(args=SimpleNamespace(deepspeed={"bf16": {"enabled": True}})) == 0
+    cfg = {"zero_optimization": {"stage": 3}}
+    assert zero_stage(args=SimpleNamespace(deepspeed=cfg)) == 3
+    plugin = SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": 2}})
+    assert zero_stage(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin))) == 2

@@ -301,6 +301,7 @@ CPU_SCENARIOS = [
     "ds_zero2_keep_fp32_tower_raise",
     "ds_zero3_init_bf16",
     "ds_zero3_fp32",
+    "ds_zero3_peft_bf16_adapters",
     "ds_json_contradicts_flag",
 ]
 
@@ -494,6 +495,36 @@ def test_deepspeed_cast_of_a_keep_fp32_tower_is_warned_and_reported(two_ranks):
             "39 parameter(s) in bfloat16 that the policy keeps in "
             "float32 (keep_fp32 'model.vision_tower')"
         )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.xdist_group("torchrun")
+def test_deepspeed_zero3_keeps_bf16_adapters_and_opens_no_autocast(two_ranks):
+    """TRL under ZeRO-3 makes LoRA with autocast_adapter_dtype=False: bf16 on purpose (fp32
+    adapters beside bf16 weights in one all-gather bucket raised a TypeError in DeepSpeed up to
+    PR 8073; DeepSpeed keeps fp32 master copies). The bf16 preset leaves them bf16 and says so;
+    the guard opens no autocast around the engine and diagnose(autocast=...) refuses one.
+    About 9 s in the shared launch on 2 CPU ranks (25 s alone: two steps, an evaluation each)."""
+    _, results = two_ranks
+    r0, r1 = _ok(results, "ds_zero3_peft_bf16_adapters")
+    for r in (r0, r1):
+        assert r["engine"] == "DeepSpeedEngine" and r["adapters"] == 8
+        assert r["loaded"] == r["after_init"] == r["partitions"] == ["torch.bfloat16"]
+        assert "wrapper_master_fp32" in r["kept_rules"] and r["warnings"] == []
+        assert all(n == 0 for _, n in r["events"])
+        assert torch.isfinite(torch.tensor([r["loss"], r["eval_loss"]])).all()
+        assert r["kept_rows"] == 8 and ["wrapper_master_fp32", "default"] in r["kept_json"]
+        assert r["autocast_seen"] == [[False, False]]  # no autocast inside the engine's forward
+        assert r["diagnose_autocast"].startswith(
+            "diagnose(autocast='bf16'): DeepSpeed holds this model (DeepSpeedEngine)"
+        )
+        assert '"torch_autocast": {"enabled": true' in r["diagnose_autocast"]
+    assert r0["setup_lines"] == [
+        "hf-precision: nothing cast; kept in their dtype on purpose: 8 (wrapper_master_fp32); "
+        "policy bf16 (frozen bfloat16, trainable float32, compute bfloat16; mode=fix); report: "
+        + r0["setup_lines"][0].rsplit("report: ", 1)[1]
+    ]
+    assert r0["eval_loss"] == r1["eval_loss"]
 
 
 @pytest.mark.multiprocess

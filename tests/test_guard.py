@@ -142,11 +142,11 @@ def test_a_guard_whose_first_event_fails_releases_the_model() -> None:
 
 def test_full_eval_stash_gives_back_what_the_plan_kept_in_fp32() -> None:
     """``*_full_eval`` rounds the whole model in place: the deliberate fp32 norms and the
-    model's ``_keep_in_fp32_modules`` come back exactly, as trainable weights do."""
+    model's ``_keep_in_fp32_modules_strict`` come back exactly, as trainable weights do."""
     model = tiny_llava(torch.bfloat16)
     norm = model.model.language_model.norm
     norm.weight.data = norm.weight.data.float() + 0.001  # upcast_layernorm, not bf16-exact
-    model._keep_in_fp32_modules = ["multi_modal_projector.linear_2"]
+    model._keep_in_fp32_modules_strict = ["multi_modal_projector.linear_2"]
     model.model.multi_modal_projector.linear_2.float()
     for p in model.parameters():
         p.requires_grad = False
@@ -155,7 +155,7 @@ def test_full_eval_stash_gives_back_what_the_plan_kept_in_fp32() -> None:
     guard.verify("setup")
     rules = {n: r for n, _, r, _ in guard.last_report.kept}
     assert rules["model.language_model.norm.weight"] == "deliberate_fp32"
-    assert rules["model.multi_modal_projector.linear_2.weight"] == "keep_fp32"
+    assert rules["model.multi_modal_projector.linear_2.weight"] == "keep_fp32_strict"
     guard.stash(torch.bfloat16, limit_bytes=2**30)
     model.to(torch.bfloat16)  # what Trainer.evaluate does under bf16_full_eval
     assert guard.restore() >= 3

@@ -85,7 +85,15 @@ def test_no_import_cycles() -> None:
 #: its own layer or of the layers above it.
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("errors", "tables", "wrappers"),
-    "values": ("dtypes", "flags", "groups", "group_rules", "diffusion_rules", "policy"),
+    "values": (
+        "dtypes",
+        "flags",
+        "groups",
+        "group_rules",
+        "diffusion_rules",
+        "keep_rules",
+        "policy",
+    ),
     "model": ("view", "dtype_maps"),
     "core": (
         "plan",
@@ -94,6 +102,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "hooks",
         "deepspeed_config",
         "distributed",
+        "fsdp2",
         "blame",
         "trace",
     ),

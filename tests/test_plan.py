@@ -216,3 +216,31 @@ def test_a_renamed_group_says_its_name_now() -> None:
     report = plan_policy(model, policy, ModelView.of(model))
     (said,) = [w for w in report.warnings if "group_dtypes['resampler']" in w]
     assert "Fix: name 'projector': rule 'qwen2_vl' calls that group 'projector' now." in said
+
+
+def test_zero3_half_adapters_are_kept_and_said() -> None:
+    """enforce_policy(..., master_fp32=bf16) (what the front ends pass under ZeRO-3): PEFT's
+    bf16 LoRA made with autocast_adapter_dtype=False is not upcast; EnforceReport.kept, its JSON
+    and its summary name rule wrapper_master_fp32. Without it the bf16 preset upcasts them."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        tiny_llava(torch.bfloat16, seed=0),
+        LoraConfig(r=4, target_modules=r".*language_model.*\.(q_proj|v_proj)"),
+        autocast_adapter_dtype=False,
+    )
+    adapters = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert {p.dtype for p in adapters.values()} == {torch.bfloat16}
+    audit = enforce_policy(model, "bf16", mode="audit")
+    assert {c.name for c in audit.changes} >= {
+        n.removeprefix("base_model.model.") for n in adapters
+    }
+    report = enforce_policy(model, "bf16", master_fp32=torch.bfloat16)
+    assert {p.dtype for p in adapters.values()} == {torch.bfloat16}
+    assert not any("lora_" in c.name for c in report.changes)
+    kept = [k for k in report.kept if k[2] == "wrapper_master_fp32"]
+    assert len(kept) == len(adapters) == 8
+    assert not any("lora_" in name for name, _ in report.kept_fp32)  # not an fp32 keep
+    rows = [r for r in report.to_dict()["kept"] if r["rule"] == "wrapper_master_fp32"]
+    assert len(rows) == 8 and rows[0]["reason"].startswith("trainable bfloat16 under DeepSpeed")
+    assert "  kept 8 as they are (wrapper_master_fp32), e.g. " in report.summary()

@@ -6,7 +6,7 @@ import torch
 from transformers import TrainingArguments
 
 from hf_precision import PrecisionError, PrecisionPolicy, PrecisionWarning
-from hf_precision.policy import PRESETS, match_pattern
+from hf_precision.policy import PRESETS, Decision, match_pattern
 from hf_precision.tiny import tiny_llava
 
 
@@ -144,13 +144,19 @@ def test_target_dtype_precedence():
         )[0]
         == torch.float32
     )
-    # the model's own _keep_in_fp32_modules (component match, transformers style)
-    assert (
-        policy.target_dtype(
-            "encoder.block.0.wo.weight", "language_model", trainable=False, model_patterns=["wo"]
-        )[0]
-        == torch.float32
+    # the model's own _keep_in_fp32_modules (component match): fp32 where the weight would be
+    # fp16, as transformers' loader keeps it for fp16 loads only; under bf16 it follows the rules
+    wo = "encoder.block.0.wo.weight"
+    assert policy.decide(wo, "language_model", trainable=False, model_patterns=["wo"]) == (
+        Decision(torch.bfloat16, "frozen", "frozen")
     )
+    fp16 = PrecisionPolicy.from_preset("fp16")
+    d = fp16.decide(wo, "language_model", trainable=False, model_patterns=["wo"])
+    assert (d.dtype, d.rule) == (torch.float32, "keep_fp32")
+    # _keep_in_fp32_modules_strict: fp32 under every preset, its own rule
+    for p in (policy, fp16, PrecisionPolicy.from_preset("bf16-true")):
+        d = p.decide(wo, "language_model", trainable=True, strict_patterns=["wo"])
+        assert (d.dtype, d.rule, d.keeps_fp32) == (torch.float32, "keep_fp32_strict", True)
 
 
 def test_match_pattern_precedence():
@@ -458,3 +464,38 @@ def test_no_flag_fp16_trainables_outside_an_fp16_model_follow_the_preset():
     assert (policy.name, policy.trainable_dtype) == ("fp32", torch.float32)
     fp16 = tiny_llava(torch.float16)  # an fp16 model trained as loaded stays fp16
     assert PrecisionPolicy.from_model(fp16).trainable_dtype == torch.float16
+
+
+def test_half_trainables_of_a_zero3_run_keep_their_dtype() -> None:
+    """Under DeepSpeed ZeRO-3 in bf16 (``master_fp32``) a trainable bf16 weight stays bf16
+    (rule wrapper_master_fp32: DeepSpeed's optimizer holds the fp32 copy); keep rules still come
+    first, fp32 trainables and other runs keep the preset's trainable dtype."""
+    policy = PrecisionPolicy.from_preset("bf16")
+    bf16, fp32 = torch.bfloat16, torch.float32
+    lora = "model.language_model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    d = policy.decide(lora, "language_model", trainable=True, current=bf16, master_fp32=bf16)
+    assert (d.dtype, d.rule, d.keeps_fp32, d.kept) == (bf16, "wrapper_master_fp32", False, True)
+    assert "DeepSpeed ZeRO-3" in d.reason and "autocast_adapter_dtype=False" in d.reason
+    assert policy.decide(lora, "language_model", trainable=True, current=bf16).rule == "trainable"
+    assert (
+        policy.decide(  # fp32 trainables: the preset's fp32, as before
+            lora, "language_model", trainable=True, current=fp32, master_fp32=bf16
+        ).dtype
+        == fp32
+    )
+    assert (
+        policy.decide(  # frozen weights follow the preset
+            "lm_head.weight", "lm_head", trainable=False, current=bf16, master_fp32=bf16
+        ).rule
+        == "frozen"
+    )
+    kept = PrecisionPolicy.from_preset("bf16", keep_fp32=("lora_A",))
+    assert (
+        kept.decide(lora, "language_model", trainable=True, current=bf16, master_fp32=bf16).rule
+        == "keep_fp32"
+    )  # the user named it
+    true = PrecisionPolicy.from_preset("bf16-true")  # nothing to keep: no rule said
+    assert (
+        true.decide(lora, "language_model", trainable=True, current=bf16, master_fp32=bf16).rule
+        == "trainable"
+    )

@@ -341,6 +341,7 @@ def ds_run(
     cb: Any,
     rows: list[dict[str, torch.Tensor]],
     after_init: Callable[[], None] | None = None,
+    after_train: Callable[[Any], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     from transformers import Trainer
 
@@ -356,10 +357,12 @@ def ds_run(
                 after_init()
             result = t.train()
             metrics = t.evaluate()
+            extra = after_train(t) if after_train is not None else {}
     finally:
         warnings.simplefilter("ignore")
         ds_done()
     return {
+        **extra,
         "engine": type(t.model_wrapped).__name__,
         "loss": result.training_loss,
         "eval_loss": metrics["eval_loss"],
@@ -495,6 +498,71 @@ def ds_zero3_fp32(out: Path) -> dict[str, Any]:
         **res,
         "policy": cb.policy.name if cb.policy else None,
         "partition_dtypes": sorted({str(p.ds_tensor.dtype) for p in model.parameters()}),
+    }
+
+
+@scenario
+def ds_zero3_peft_bf16_adapters(out: Path) -> dict[str, Any]:
+    """TRL under ZeRO-3: a partitioned bf16 load, LoRA made with PEFT's
+    ``autocast_adapter_dtype=False`` (bf16 on purpose), Trainer(bf16=True) with the callback.
+    The guard leaves the adapters bf16 (rule wrapper_master_fp32) and opens no autocast around
+    the engine; ``diagnose(engine, autocast=...)`` refuses."""
+    import logging
+
+    from peft import LoraConfig, get_peft_model
+
+    from hf_precision import PrecisionError, PrecisionGuardCallback
+    from hf_precision.diagnostics import diagnose
+
+    model, args, rows = _zero3_load(out, bf16=True)
+    lora = LoraConfig(r=4, target_modules=r".*language_model.*\.(q_proj|v_proj)")
+    peft = get_peft_model(model, lora, autocast_adapter_dtype=False)
+    adapters = [p for n, p in peft.named_parameters() if "lora_" in n]
+    loaded = sorted({str(p.dtype) for p in adapters})
+    autocast_seen: set[tuple[bool, bool]] = set()
+    peft.base_model.model.register_forward_pre_hook(
+        lambda *_: autocast_seen.add(
+            (torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"))
+        )
+    )
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("hf_precision").addHandler(handler)
+    cb = PrecisionGuardCallback(report_dir=str(out / "precision"))
+    seen: dict[str, Any] = {}
+
+    def after_init() -> None:
+        seen["after_init"] = sorted({str(p.dtype) for p in adapters})
+        report = cb.last_report
+        seen["kept_rules"] = sorted({k[2] for k in report.kept}) if report is not None else []
+
+    def after_train(t: Any) -> dict[str, Any]:  # the guard's diagnose on the engine itself
+        batch = {k: v.unsqueeze(0) for k, v in rows[0].items()}
+        try:
+            diagnose(t.model_wrapped, batch, autocast="bf16", backward=False)
+            return {"diagnose_autocast": "ran under autocast"}
+        except PrecisionError as err:
+            return {"diagnose_autocast": str(err)}
+        except Exception as err:  # an autocast was opened around the engine: what happened
+            return {"diagnose_autocast": f"ran under autocast: {type(err).__name__}: {err}"}
+
+    try:
+        res = ds_run(out, peft, args, cb, rows, after_init, after_train)
+    finally:
+        logging.getLogger("hf_precision").removeHandler(handler)
+    dist.barrier()  # rank 0 writes the reports
+    event = json.loads((out / "precision" / "000000-on_init_end.json").read_text())
+    return {
+        **res,
+        **seen,
+        "loaded": loaded,
+        "adapters": len(adapters),
+        "partitions": sorted({str(p.ds_tensor.dtype) for p in adapters}),
+        "kept_json": sorted({(k["rule"], k["name"].split(".")[-2]) for k in event["kept"]}),
+        "kept_rows": sum(k["rule"] == "wrapper_master_fp32" for k in event["kept"]),
+        "setup_lines": [line for line in lines if "wrapper_master_fp32" in line],
+        "autocast_seen": sorted(autocast_seen),
     }
 
 
