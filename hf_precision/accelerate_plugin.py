@@ -47,6 +47,7 @@ from torch import nn
 
 from . import flags
 from .batch import PrecisionCollator
+from .blame import BlameMode, NonFinite, NonFiniteBlame, check_mode
 from .deepspeed_config import check_deepspeed_config, deepspeed_config_of, zero_stage
 from .distributed import rank
 from .dtypes import dtype_name
@@ -90,6 +91,10 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         leaf_guards: override the policy's ``leaf_guards`` (``"auto"``, ``"on"``, ``"off"``).
         report: write dtype maps (files, and W&B when the accelerator logs with wandb).
         report_dir: where the files go (default ``<project_dir or .>/precision``).
+        blame: who made the NaN (:mod:`hf_precision.blame`): ``"auto"`` (default: no hook
+            until :meth:`observe` sees a non-finite loss or gradient norm, or the GradScaler
+            skipped a step; then the next step is inspected), ``"always"`` or ``"off"``;
+            :meth:`blame_next_step` arms it on request.
 
     >>> guard = PrecisionGuardPlugin("bf16", mode="raise")
     """
@@ -104,7 +109,11 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         leaf_guards: LeafGuards | None = None,
         report: bool = True,
         report_dir: str | os.PathLike[str] | None = None,
+        blame: BlameMode = "auto",
     ) -> None:
+        self.blame_mode = check_mode(blame, call="PrecisionGuardPlugin")
+        #: one blame per guarded model (:mod:`hf_precision.blame`)
+        self.blames: list[NonFiniteBlame] = []
         if not isinstance(check_every, int) or check_every < 0:
             raise PrecisionError(
                 f"PrecisionGuardPlugin(check_every={check_every!r}): expected "
@@ -219,17 +228,51 @@ class PrecisionGuardPlugin(GuardFrontEnd):
             )
             return
         self._optimizers.append(inner)
-        if self.check_every:
+        if self.check_every or self.blame_mode != "off":
             self._handles.append(inner.register_step_pre_hook(self._step_pre_hook))
 
     def _step_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps += 1
-        if self.steps % self.check_every:
+        self._blame_step()
+        if not self.check_every or self.steps % self.check_every:
             return
         for g in self._guarded:
             # Cheap: one dtype read per parameter tensor; the full check runs only on a change.
             if g.drifted():
                 self.verify(g.model, "before_optimizer_step", check_ranks=False)
+
+    # ------------------------------------------------------------------ blame
+    def observe(self, loss: Any = None, grad_norm: Any = None) -> bool:
+        """What the loop logs: a non-finite ``loss`` or ``grad_norm`` arms the blame
+        (``auto``); the next step is inspected. A tensor is read (a device sync: pass the value
+        you log anyway). Returns whether it armed now."""
+        logs = {k: v for k, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None}
+        return any([b.observe(logs, step=self.steps) for b in self.blames])
+
+    def blame_next_step(self, *, backward: bool = True) -> None:
+        """Arm the blame on request: the next step's forward (and backward) is inspected."""
+        for b in self.blames:
+            if b.mode != "off":
+                b.arm(f"on request at step {self.steps}", backward=backward)
+
+    def _blame_step(self) -> list[NonFinite]:
+        """At the optimizer step: a step the GradScaler skipped (inf gradients) arms ``auto``;
+        an armed blame reports what it saw in this step's forward and backward."""
+        found = []
+        skipped = bool(getattr(self._accelerator, "optimizer_step_was_skipped", False))
+        for b in self.blames:
+            if skipped and b.mode == "auto" and not b.armed and not b.findings:
+                b.arm(
+                    f"armed by a step the GradScaler skipped before step {self.steps}",
+                    backward=True,
+                )
+            elif b.armed:
+                finding = b.collect(step=self.steps)
+                if finding is not None:
+                    found.append(finding)
+                    if self._reporter is not None:
+                        self._reporter.log_nonfinite(finding, step=self.steps)
+        return found
 
     # ------------------------------------------------------------------ any loop
     def setup(self, model: nn.Module) -> nn.Module:
@@ -248,6 +291,7 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         if not any(g.root is root for g in self._guarded):
             origin = policy_origin(self.policy, self._inferred, self._said, self._call)
             self._guarded.append(self._new_guard(model, origin=origin))
+            self.blames.append(NonFiniteBlame(model, self.blame_mode))
         self.verify(model, "setup")
         return model
 
@@ -362,6 +406,8 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         self._handles.clear()
         for g in self._guarded:
             g.teardown()
+        for b in self.blames:
+            b.disarm()
 
     def __repr__(self) -> str:
         policy = self.policy.describe() if self.policy is not None else "inferred at prepare"

@@ -33,6 +33,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from . import flags
+from .blame import BlameMode, NonFiniteBlame, check_mode
 from .deepspeed_config import check_training_args, zero_stage
 from .enforce import EnforceReport
 from .errors import PrecisionError, PrecisionWarning
@@ -62,6 +63,11 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
             ``False`` turns reporting off.
         report_dir: where the files go (default ``<output_dir>/precision``).
         report_to: the trackers to log to (default: ``TrainingArguments.report_to``).
+        blame: who made the NaN (:mod:`hf_precision.blame`): ``"auto"`` (default: no hook
+            until a logged ``loss``/``grad_norm`` is non-finite, then the next step is
+            inspected), ``"always"`` or ``"off"``.
+        trace: record the first training step's forward, module by module, and report where
+            the activation dtype changed (:mod:`hf_precision.trace`; ``True`` or ``"setup"``).
 
     >>> from transformers import Trainer  # doctest: +SKIP
     >>> Trainer(model=model, args=args, callbacks=[PrecisionGuardCallback()])  # doctest: +SKIP
@@ -76,8 +82,21 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         report: bool = True,
         report_dir: str | os.PathLike[str] | None = None,
         report_to: list[str] | str | None = None,
+        blame: BlameMode = "auto",
+        trace: bool | str = False,
     ) -> None:
         self._init_policy("PrecisionGuardCallback", policy, mode=mode, leaf_guards=leaf_guards)
+        self.blame_mode = check_mode(blame, call="PrecisionGuardCallback")
+        if trace not in (True, False, "setup"):
+            raise PrecisionError(
+                f"PrecisionGuardCallback(trace={trace!r}): expected True, False or 'setup' "
+                "(one forward recorded at the first training step)."
+            )
+        self.trace = bool(trace)
+        #: the blame of the current model (None before the first event)
+        self.blame: NonFiniteBlame | None = None
+        self.trace_result: Any = None
+        self._tracer: Any = None
         self.report = report
         self.report_dir = report_dir
         self.report_to = report_to
@@ -151,6 +170,9 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
             origin=origin,
         )
         self.trainer_guards = {}
+        if self.blame is not None:
+            self.blame.disarm()
+        self.blame = NonFiniteBlame(model, self.blame_mode, args=args)
         logger.info(
             "hf-precision: policy %s; groups by rule %r",
             self.policy.describe(),
@@ -282,9 +304,31 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         # restore: a standalone evaluate() with *_full_eval ran before train()
         self._verify("on_train_begin", args, state, kwargs, check_ranks=True, restore=True)
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.trace and self._tracer is None and self.trace_result is None:
+            from .trace import DtypeTrace
+
+            model = kwargs.get("model")
+            if model is not None:
+                self._tracer = DtypeTrace(model)
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        step = int(getattr(state, "global_step", 0) or 0)
+        if self._tracer is not None:
+            self.trace_result, self._tracer = self._tracer.result(), None
+            logger.info("%s", self.trace_result.line())
+            if self._reporter is not None:
+                self._reporter.log_trace(self.trace_result, step=step)
+        if self.blame is not None and self.blame.armed:
+            finding = self.blame.collect(step=step)
+            if finding is not None and self._reporter is not None:
+                self._reporter.log_nonfinite(finding, step=step)
         if getattr(control, "should_evaluate", False):
             self._verify("before_evaluate", args, state, kwargs)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        if self.blame is not None:  # auto: a non-finite loss/grad_norm arms the next step
+            self.blame.observe(logs, step=int(getattr(state, "global_step", 0) or 0))
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._verify("on_evaluate", args, state, kwargs, check_ranks=True, restore=True)
@@ -297,6 +341,11 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # load_best_model_at_end (or any end-of-train reload) brings weights back in the dtype
         # they were saved/loaded in: repair and report it like an evaluation
+        if self.blame is not None:
+            self.blame.disarm()
+        if self._tracer is not None:
+            self._tracer.remove()
+            self._tracer = None
         self._verify("on_train_end", args, state, kwargs)
         self._stash()
 

@@ -136,6 +136,24 @@ def _doctor_options(s: argparse.ArgumentParser) -> None:
         "error)",
     )
     s.add_argument("--no-generate", action="store_true", help="skip generate()")
+    s.add_argument(
+        "--blame",
+        default="auto",
+        choices=("off", "auto", "always"),
+        help="name the first module whose output turns inf/NaN: auto (default) re-runs the "
+        "batch with hooks when the loss or a gradient is non-finite; always: with hooks at once",
+    )
+    s.add_argument(
+        "--trace",
+        action="store_true",
+        help="record one forward's per-module input/output dtypes and name where the "
+        "activation dtype changes first, and what did it",
+    )
+    s.add_argument(
+        "--report-dir",
+        default=None,
+        help="write the trace's picture and JSON there (doctor-trace.png/.json)",
+    )
     for flag, what in (
         ("--image-size", "image side in pixels (vision models; default: the config's)"),
         ("--text-len", "text tokens per row of the synthetic batch (default: 6)"),

@@ -203,7 +203,8 @@ def doctor(args: argparse.Namespace) -> int:
             batch, policy.compute_dtype, key_dtypes=keyed, skip_keys=policy.batch_skip_keys
         )
     results = _diagnose_steps(args, model, batch, policy, report, steps)
-    ok = all(d.ok for d in results.values())
+    silent = _silent_checks(args, model, batch, policy, report)
+    ok = all(d.ok for d in results.values()) and "nonfinite" not in silent
     if args.json:
         print(
             json.dumps(
@@ -216,6 +217,7 @@ def doctor(args: argparse.Namespace) -> int:
                     "batch": args.batch,
                     "trainable": args.trainable,
                     "diagnosis": {k: d.to_dict() for k, d in results.items()},
+                    **{k: v.to_dict() for k, v in silent.items() if k != "clean"},
                 },
                 indent=1,
                 default=str,
@@ -230,7 +232,14 @@ def doctor(args: argparse.Namespace) -> int:
         print(f"  {k}: {v}")
     for k, d in results.items():
         print(f"\n[{k}] " + str(d))
-    print(f"\n{'OK' if ok else 'FAILED'}: " + ", ".join(_summary(k, d) for k, d in results.items()))
+    for k, v in silent.items():
+        print(f"\n[{k}] " + (v if isinstance(v, str) else v.line()))
+    bad = silent.get("nonfinite")
+    print(
+        f"\n{'OK' if ok else 'FAILED'}: "
+        + ", ".join(_summary(k, d) for k, d in results.items())
+        + (f"; {bad.module} made {bad.kind} values ({bad.role})" if bad is not None else "")
+    )
     if not ok and args.mode == "raise":
         print(
             "note: --mode raise makes every cast the guard would need an error; "
@@ -317,3 +326,70 @@ def _diagnose_steps(
     finally:
         handle.remove()
     return results
+
+
+def _silent_checks(
+    args: argparse.Namespace, model: Any, batch: dict[str, Any], policy: Any, report: Any
+) -> dict[str, Any]:
+    """``--trace``: one forward recorded module by module (``"trace"``; the picture in
+    ``--report-dir``); ``--blame``: ``auto`` runs the batch once and, when the loss or a
+    gradient is non-finite, re-runs the same batch armed; ``always`` runs it armed
+    (``"nonfinite"``, or ``"clean"``: a line saying all was finite)."""
+    import torch
+
+    from .blame import blame_batch
+    from .hooks import install_guards
+    from .trace import trace_forward
+
+    mixed = policy.is_mixed and policy.compute_dtype != torch.float32
+    autocast = policy.compute_dtype if mixed else None
+    handle = install_guards(model, policy.replace(mode="fix"), report, groups=report.groups)
+    out: dict[str, Any] = {}
+    model.train()
+    try:
+        if getattr(args, "trace", False):
+            trace = trace_forward(model, **batch, autocast=autocast)
+            out["trace"] = trace
+            if getattr(args, "report_dir", None):
+                from .plot import plot_trace
+
+                Path(args.report_dir).mkdir(parents=True, exist_ok=True)
+                png = Path(args.report_dir) / "doctor-trace.png"
+                plot_trace(trace, png, title=f"{type(model).__name__}: activation dtype trace")
+                Path(args.report_dir, "doctor-trace.json").write_text(
+                    json.dumps(trace.to_dict(), indent=1)
+                )
+        mode = getattr(args, "blame", "off")
+        backward = any(p.requires_grad for p in model.parameters())
+        if mode == "always" or (mode == "auto" and not _finite_step(model, batch, autocast)):
+            why = "blame='always'" if mode == "always" else "the loss or a gradient was non-finite"
+            finding = blame_batch(
+                model, batch, backward=backward, autocast=autocast, trigger=f"doctor, {why}"
+            )
+            if finding is not None:
+                out["nonfinite"] = finding
+        if mode != "off" and "nonfinite" not in out:
+            out["clean"] = f"blame {mode}: the loss and every module's output were finite"
+    finally:
+        handle.remove()
+    return out
+
+
+def _finite_step(model: Any, batch: dict[str, Any], autocast: Any) -> bool:
+    """One forward (+backward when something is trained): loss and gradients finite?"""
+    import torch
+
+    from .blame import is_nonfinite
+
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    with torch.autocast(device, dtype=autocast or torch.float32, enabled=autocast is not None):
+        out = model(**batch)
+    loss = out.get("loss") if isinstance(out, dict) else None
+    if loss is None:
+        return True
+    ok = not is_nonfinite(loss)
+    if ok and loss.requires_grad:
+        loss.backward()
+        ok = not any(p.grad is not None and is_nonfinite(p.grad) for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    return ok

@@ -477,6 +477,53 @@ def plot_group_bytes(
     return _png(fig, path)
 
 
+def plot_trace(
+    trace: Any,
+    path: str | os.PathLike[str] | None = None,
+    *,
+    title: str = "",
+    size: tuple[int, int] = PICTURE_SIZE,
+) -> bytes:
+    """The activation dtype trace (:class:`hf_precision.trace.TraceResult`) as PNG bytes: a
+    strip of modules in execution order (leaf modules and the modules that change the
+    stream), each cell coloured by the dtype of its output, the first change marked by a red
+    line and named with what did it."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    changed = {c.index for c in trace.changes}
+    shown = [r for r in trace.records if r.outputs and (r.leaf or r.index in changed)]
+    fig = Figure(figsize=(size[0] / _DPI, size[1] / _DPI), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    dtypes = list(dict.fromkeys(r.outputs[0] for r in shown))
+    for x, r in enumerate(shown):
+        ax.bar(x, 1, width=1.0, color=_color(r.outputs[0], dtypes.index(r.outputs[0])))
+    first = trace.first_change
+    if first is not None:
+        x = next(i for i, r in enumerate(shown) if r.index == first.index)
+        ax.axvline(x - 0.5, color="#d62728", linewidth=2)
+        ax.annotate(
+            f"{first.module}: {first.before} -> {first.after}\n{first.cause}: {first.detail}",
+            (x, 1.02),
+            xycoords=("data", "axes fraction"),
+            ha="left" if x < len(shown) / 2 else "right",
+            va="bottom",
+            fontsize=8,
+            color="#d62728",
+        )
+    for k, dt in enumerate(dtypes):
+        ax.bar(0, 0, color=_color(dt, k), label=dt)
+    ax.set_xlim(-0.5, max(len(shown), 1) - 0.5)
+    ax.set_yticks([])
+    ax.set_xlabel(f"{len(shown)} modules in execution order (colour: output dtype)", fontsize=8)
+    ax.set_title(title or "activation dtype trace", fontsize=10, pad=28)
+    if dtypes:
+        ax.legend(title="output dtype", fontsize=8, title_fontsize=8, loc="lower right")
+    fig.subplots_adjust(left=0.05, right=0.97, top=0.8, bottom=0.15)
+    return _png(fig, path)
+
+
 def _png(fig: Any, path: Any) -> bytes:
     """The figure's PNG bytes (no software tag: the same figure gives the same bytes), also
     written to ``path`` when given."""

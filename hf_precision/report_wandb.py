@@ -18,6 +18,15 @@ What one event logs (``<event>`` is ``on_train_begin``, ``on_evaluate`` …)::
     precision/mismatches/found, .../repaired, .../open      tensors off the policy at the event:
                                 found, cast back by the guard, still off
     summary: precision/policy and the numbers above
+
+The blame and the trace (``hf_precision.blame``, ``hf_precision.trace``) log::
+
+    precision/nonfinite         wandb.Table, one row per finding (module, role, kind, pass,
+                                dtypes, value, fix); summary: precision/nonfinite/module,
+                                .../role, .../kind, .../line
+    precision/trace             wandb.Table, the modules whose output dtype differs from their
+                                input's; precision/trace/picture; summary:
+                                precision/trace/first_change
 """
 
 from __future__ import annotations
@@ -87,6 +96,10 @@ class WandbPayload:
     policy: str | None = None
     png: bytes | None = None
     png_path: Path | None = None
+    #: further tables (key -> (columns, rows)) and run summary entries: the blame's
+    #: ``precision/nonfinite``, the trace's ``precision/trace``
+    tables: dict[str, tuple[list[Any], list[list[Any]]]] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
 
 
 def wandb_disabled_reason() -> str | None:
@@ -171,13 +184,16 @@ class WandbSink:
     def _log(self, run: Any, p: WandbPayload) -> None:
         import wandb
 
-        data: dict[str, Any] = {
-            f"precision/{p.event}/modules": wandb.Table(
+        data: dict[str, Any] = {"train/global_step": p.step}
+        if p.module_columns:
+            data[f"precision/{p.event}/modules"] = wandb.Table(
                 columns=p.module_columns, data=p.module_rows
-            ),
-            f"precision/{p.event}/groups": wandb.Table(columns=p.group_columns, data=p.group_rows),
-            "train/global_step": p.step,
-        }
+            )
+            data[f"precision/{p.event}/groups"] = wandb.Table(
+                columns=p.group_columns, data=p.group_rows
+            )
+        for key, (columns, rows) in p.tables.items():
+            data[key] = wandb.Table(columns=columns, data=rows)
         if p.drift_rows:
             data["precision/drift"] = wandb.Table(columns=p.drift_columns, data=p.drift_rows)
         if p.png_path is not None and p.png_path.exists():
@@ -196,4 +212,6 @@ class WandbSink:
         run.log(data)
         if p.policy is not None:
             run.summary["precision/policy"] = p.policy
+        for key, value in p.summary.items():
+            run.summary[key] = value
         self.logged.append((p.event, p.step))

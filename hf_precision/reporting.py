@@ -69,6 +69,20 @@ GROUP_COLUMNS = (
     "quantized",
     "modules",
 )
+NONFINITE_COLUMNS = (
+    "step",
+    "module",
+    "module_type",
+    "role",
+    "kind",
+    "phase",
+    "input_dtypes",
+    "weight_dtypes",
+    "output_dtype",
+    "max_abs",
+    "nonfinite",
+    "fix",
+)
 DRIFT_COLUMNS = (
     "event",
     "step",
@@ -323,6 +337,9 @@ class PrecisionReporter:
         self._stems: dict[str, int] = {}  # <step>-<event> -> the next number to try
         self._table: tuple[str, int, DtypeMap] | None = None  # the last event logged in full
         self._warned: set[str] = set()  # kinds of report failure already warned about
+        #: the blame's findings so far (``NonFinite.to_dict()``): every later event's JSON
+        #: carries them as ``nonfinite``
+        self.nonfinite: list[dict[str, Any]] = []
         if wandb and is_main_process:
             from .report_wandb import WandbSink
 
@@ -546,6 +563,7 @@ class PrecisionReporter:
             "wrapper_findings": report.get("wrapper_findings", []),
             "kept": report.get("kept", []),
             "outside_reads": report.get("outside_reads", []),
+            "nonfinite": self.nonfinite,
             "picture": png_path.name if png_path is not None else None,
         }
         path.write_text(json.dumps(payload, indent=1))
@@ -579,3 +597,115 @@ class PrecisionReporter:
             ),
             first_event=snap.first,
         )
+
+    # ------------------------------------------------------------------ blame, trace
+    def log_nonfinite(self, finding: Any, *, step: int) -> Path | None:
+        """A :class:`~hf_precision.blame.NonFinite`: its line to the log, ``<step>-nonfinite.json``
+        (a ``nonfinite`` section, kept in every later event's JSON too) and W&B."""
+        record = finding.to_dict()
+        self.nonfinite.append(record)
+        if not self.is_main_process:
+            return None
+        self._append_log(record["line"])
+        path = self._write_extra("nonfinite", step, {"nonfinite": [record]})
+        if self.wandb is not None:
+            from .report_wandb import WandbPayload
+
+            columns = list(NONFINITE_COLUMNS)
+            self._submit_extra(
+                WandbPayload(
+                    "nonfinite",
+                    step,
+                    [],
+                    [],
+                    [],
+                    [],
+                    [],
+                    [],
+                    tables={
+                        "precision/nonfinite": (
+                            columns,
+                            [
+                                [
+                                    str(record[c]) if isinstance(record[c], tuple) else record[c]
+                                    for c in columns
+                                ]
+                                for record in self.nonfinite
+                            ],
+                        )
+                    },
+                    summary={
+                        f"precision/nonfinite/{k}": record[k]
+                        for k in ("module", "role", "kind", "phase", "line")
+                    },
+                ),
+            )
+        return path
+
+    def log_trace(self, trace: Any, *, step: int, title: str = "") -> Path | None:
+        """A :class:`~hf_precision.trace.TraceResult`: its line to the log, ``<step>-trace.json``,
+        the strip picture ``<step>-trace.png`` and W&B."""
+        if not self.is_main_process:
+            return None
+        self._append_log(trace.line())
+        png = None
+        if self.picture:
+            try:
+                from .plot import plot_trace
+
+                png = plot_trace(trace, title=title or f"activation dtype trace, step {step}")
+            except ImportError:
+                png = None
+        path = self._write_extra("trace", step, {"trace": trace.to_dict()}, png=png)
+        if self.wandb is not None:
+            from .report_wandb import WandbPayload
+
+            columns = ["index", "module", "module_type", "before", "after", "cause", "detail"]
+            first = trace.first_change
+            self._submit_extra(
+                WandbPayload(
+                    "trace",
+                    step,
+                    [],
+                    [],
+                    [],
+                    [],
+                    [],
+                    [],
+                    png=png,
+                    png_path=path.with_suffix(".png") if path is not None and png else None,
+                    tables={
+                        "precision/trace": (
+                            columns,
+                            [[getattr(c, k) for k in columns] for c in trace.changes],
+                        )
+                    },
+                    summary={"precision/trace/first_change": first.line() if first else "none"},
+                ),
+            )
+        return path
+
+    def _write_extra(
+        self, kind: str, step: int, body: dict[str, Any], png: bytes | None = None
+    ) -> Path | None:
+        if self.report_dir is None:
+            return None
+        stem = self._stem(kind, step)
+        try:
+            self.report_dir.mkdir(parents=True, exist_ok=True)
+            path = self.report_dir / f"{stem}.json"
+            path.write_text(json.dumps({"event": kind, "step": step, **body}, indent=1))
+            self.written.append(path)
+            if png is not None:
+                (self.report_dir / f"{stem}.png").write_bytes(png)
+                self.written.append(self.report_dir / f"{stem}.png")
+        except OSError as err:
+            self._failed("files", f"could not write {kind} under {self.report_dir} ({err})")
+            return None
+        return path
+
+    def _submit_extra(self, payload: Any) -> None:
+        try:
+            self.wandb.submit(payload, first_event=False)
+        except Exception as err:  # W&B's own errors: warn once, the files still go on
+            self._failed("wandb", f"could not log {payload.event} to W&B ({err})")

@@ -263,10 +263,101 @@ assert report["loss"]["last"] < report["loss"]["first"]"""),
     trained('print("answers:", report["generations"][-1]["answers"])'),
 ]
 
+SILENT_LOSSES = [
+    new_markdown_cell("""\
+# What is lost silently: who made the NaN, where the activation dtype changed
+
+Two watchers of `PrecisionGuardCallback` (docs/silent_losses.md). The **blame** is on by
+default and costs nothing until a logged loss or gradient norm turns inf/NaN; then it names the
+first module whose output went non-finite. The **trace** records one forward module by module
+and names the first place the activation stream changes dtype, and what did it."""),
+    new_code_cell(SETUP),
+    new_markdown_cell("""\
+## 1. Who made the NaN
+
+A tiny LLaMA loaded in float16 whose layer-1 MLP output passes 65504, trained by a real
+`Trainer` with the one-line callback. Trainer hides the NaN loss (`logging_nan_inf_filter`);
+the gradient norm turns NaN at step 1, arms the blame, and step 2 is inspected."""),
+    new_code_cell("""\
+import contextlib
+import json
+import sys
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from hf_precision import PrecisionGuardCallback
+from hf_precision.tiny import tiny_text_llama
+
+os.environ["HF_PRECISION_TOOL"] = "python"  # fixes as bf16=True (argv reads as a CLI)
+torch.manual_seed(0)
+model = tiny_text_llama(torch.float16)
+model.requires_grad_(False)
+model.lm_head.requires_grad_(True)
+with torch.no_grad():
+    model.model.layers[1].mlp.up_proj.weight.mul_(1000)
+    model.model.layers[1].mlp.down_proj.weight.mul_(1e5)
+ids = torch.randint(4, 200, (4, 8), generator=torch.Generator().manual_seed(0))
+rows = [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": i} for i in ids]
+args = TrainingArguments(output_dir=str(OUT / "blame"), use_cpu=True, max_steps=3,
+                         per_device_train_batch_size=2, logging_steps=1, report_to=[],
+                         save_strategy="no", disable_tqdm=True)
+guard = PrecisionGuardCallback()
+
+
+def hooks():
+    return sum(len(m._forward_hooks) + len(m._backward_hooks) for m in model.modules())
+
+
+with contextlib.redirect_stderr(sys.stdout):  # the guard's log lines and Trainer's, in order
+    trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[guard])
+    print("hooks while idle:", hooks())
+    trainer.train()
+    print("hooks after the finding:", hooks())"""),
+    new_code_cell("""\
+[finding] = guard.blame.findings
+print(finding.line())
+record = json.loads((OUT / "blame" / "precision" / "000002-nonfinite.json").read_text())
+print({k: record["nonfinite"][0][k] for k in ("module", "role", "kind", "input_dtypes",
+                                              "weight_dtypes", "output_dtype")})"""),
+    new_markdown_cell("""\
+## 2. Where the activation dtype changed
+
+The same tiny LLaMA in bf16, with a float32 buffer multiplying layer 0's MLP output (as Gemma
+4's `std_bias`). A map of parameter dtypes shows nothing wrong; the trace shows where the bf16
+stream became float32, and that the buffer did it."""),
+    new_code_cell("""\
+from IPython.display import Image, display
+from torch import nn
+
+from hf_precision.plot import plot_trace
+from hf_precision.trace import trace_forward
+
+
+class StdBiasMLP(nn.Module):
+    def __init__(self, mlp, hidden):
+        super().__init__()
+        self.mlp = mlp
+        self.register_buffer("std_bias", torch.ones(hidden))  # float32
+
+    def forward(self, x):
+        return self.mlp(x) * self.std_bias
+
+
+model = tiny_text_llama(torch.bfloat16)
+model.model.layers[0].mlp = StdBiasMLP(model.model.layers[0].mlp, model.config.hidden_size)
+trace = trace_forward(model, input_ids=ids[:2], autocast=torch.bfloat16)
+print(trace.line())
+for change in trace.changes[:3]:
+    print("  ", change.line())
+display(Image(plot_trace(trace, title="tiny LLaMA, bf16 + a float32 std_bias buffer")))"""),
+]
+
 NOTEBOOKS = {
     "01_quickstart.ipynb": QUICKSTART,
     "02_lora_llava.ipynb": LORA_LLAVA,
     "03_lora_minicpmv.ipynb": LORA_MINICPMV,
+    "04_silent_losses.ipynb": SILENT_LOSSES,
 }
 
 

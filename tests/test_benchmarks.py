@@ -123,3 +123,15 @@ def test_gpu_lora_step_overhead() -> None:
     guard = figs["gpu_lora_guard"]
     assert guard.value is not None and guard.value < 1.05, guard.detail
     assert guard.detail["hooks"] > 5
+
+
+def test_silent_cost_quick_idle_blame_installs_nothing() -> None:
+    from benchmarks import silent_cost
+
+    figs = _by_id(silent_cost.run(quick=True))
+    off, auto = figs["silent_blame_off"].detail, figs["silent_blame_auto"].detail
+    armed, trace = figs["silent_blame_armed"].detail, figs["silent_trace"].detail
+    # off and idle auto: the hooks the model has anyway (none of the blame's)
+    assert off["hooks"] == auto["hooks"] < trace["hooks"] < armed["hooks"]
+    assert trace["hooks"] - auto["hooks"] == trace["modules"]
+    assert all(f.value is not None and f.value > 0 for f in figs.values())

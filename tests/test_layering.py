@@ -105,6 +105,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "deepspeed_config",
         "distributed",
         "fsdp2",
+        "blame",
+        "trace",
     ),
     "engine": ("guard",),
     "frontends": (

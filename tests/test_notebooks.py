@@ -22,7 +22,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
-NAMES = ("01_quickstart.ipynb", "02_lora_llava.ipynb", "03_lora_minicpmv.ipynb")
+NAMES = (
+    "01_quickstart.ipynb",
+    "02_lora_llava.ipynb",
+    "03_lora_minicpmv.ipynb",
+    "04_silent_losses.ipynb",
+)
 REGENERATE = "python notebooks/_build.py"
 
 
@@ -162,6 +167,14 @@ def test_lora_minicpmv_notebook(kernel_name: str, tmp_path: Path) -> None:
     assert "GuardHandle(" in text and "image/png" in mimes
     assert not (tmp_path / "minicpmv-no-guard" / "adapter").exists()
     assert (tmp_path / "minicpmv" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_silent_losses_notebook(kernel_name: str, tmp_path: Path) -> None:
+    text, mimes = outputs(execute_and_compare(NAMES[3], kernel_name, tmp_path))
+    assert "hooks while idle: 0" in text and "hooks after the finding: 0" in text
+    assert "model.layers.1.mlp.down_proj (Linear) overflowed float16" in text
+    assert "first at model.layers.0.mlp (StdBiasMLP): bfloat16 -> float32" in text
+    assert "made by its buffer std_bias (float32)" in text and "image/png" in mimes
 
 
 def test_in_trained_cells_only_what_the_guard_says_is_compared() -> None:

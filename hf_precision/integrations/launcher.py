@@ -26,6 +26,10 @@ Environment variables (``hf-precision run`` sets them from its flags):
 * ``HF_PRECISION_MODE``: ``fix`` / ``audit`` / ``raise`` (default: the policy's, ``fix``).
 * ``HF_PRECISION_KEEP_FP32``: regexes of weights kept fp32, comma-separated or a JSON list.
 * ``HF_PRECISION_REPORT_DIR``: where the reports go (default ``<output_dir>/precision``).
+* ``HF_PRECISION_BLAME``: ``auto`` (default: the callback arms its non-finite blame when a
+  logged loss or gradient norm turns inf/NaN), ``always`` or ``off`` (:mod:`hf_precision.blame`).
+* ``HF_PRECISION_TRACE``: ``1`` records the first training step's forward, module by module,
+  and reports where the activation dtype changed (:mod:`hf_precision.trace`).
 * ``HF_PRECISION_TOOL``: the user's tool (``llamafactory-cli``, ``swift``, ``trl``, ...), so
   messages can name its flags; set from the command's program by ``hf-precision run``, else
   from ``sys.argv[0]`` of the process that builds the Trainer.
@@ -63,9 +67,21 @@ ENV_MODE = "HF_PRECISION_MODE"
 ENV_KEEP_FP32 = "HF_PRECISION_KEEP_FP32"
 ENV_REPORT_DIR = "HF_PRECISION_REPORT_DIR"
 ENV_TOOL = "HF_PRECISION_TOOL"  # = flags.ENV (flags imports torch; --help must not)
+ENV_BLAME = "HF_PRECISION_BLAME"  # = blame.ENV_BLAME (blame imports torch)
+ENV_TRACE = "HF_PRECISION_TRACE"
+BLAME_MODES = ("off", "auto", "always")  # = blame.BLAME_MODES
 #: how the guard was switched on, for the log line (``hf-precision run`` sets it)
 ENV_VIA = "HF_PRECISION_VIA"
-ENV_VARS = (ENV_GUARD, ENV_MODE, ENV_KEEP_FP32, ENV_REPORT_DIR, ENV_TOOL, ENV_VIA)
+ENV_VARS = (
+    ENV_GUARD,
+    ENV_MODE,
+    ENV_KEEP_FP32,
+    ENV_REPORT_DIR,
+    ENV_TOOL,
+    ENV_VIA,
+    ENV_BLAME,
+    ENV_TRACE,
+)
 MODES = ("fix", "audit", "raise")
 
 #: the ``sitecustomize`` folder ``hf-precision run`` puts first on ``PYTHONPATH``
@@ -98,6 +114,8 @@ class LaunchConfig:
     report_dir: str | None = None
     tool: str | None = None
     via: str = ENV_GUARD
+    blame: str = "auto"
+    trace: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LaunchConfig:
@@ -110,6 +128,8 @@ class LaunchConfig:
             report_dir=env.get(ENV_REPORT_DIR) or None,
             tool=env.get(ENV_TOOL) or None,
             via=env.get(ENV_VIA) or f"{ENV_GUARD}={env.get(ENV_GUARD, 'auto')}",
+            blame=(env.get(ENV_BLAME) or "auto").strip().lower(),
+            trace=(env.get(ENV_TRACE) or "").strip().lower() in ("1", "true", "yes", "on"),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -123,6 +143,10 @@ class LaunchConfig:
             env[ENV_REPORT_DIR] = self.report_dir
         if self.tool:
             env[ENV_TOOL] = self.tool
+        if self.blame != "auto":
+            env[ENV_BLAME] = self.blame
+        if self.trace:
+            env[ENV_TRACE] = "1"
         return env
 
     def resolved_policy(self, *, call: str) -> Any:
@@ -194,6 +218,7 @@ class LaunchConfig:
                 f"--mode {' / --mode '.join(MODES)} ({ENV_MODE})."
             )
         self._check_names(call=call)
+        self.check_blame(call=call)
         self.resolved_policy(call=call)
         if self.keep_fp32:
             from ..policy import PrecisionPolicy
@@ -203,18 +228,30 @@ class LaunchConfig:
             except PrecisionError as err:
                 raise PrecisionError(f"{call}: {str(err).splitlines()[0]}") from None
 
+    def check_blame(self, *, call: str) -> None:
+        if self.blame not in BLAME_MODES:
+            raise PrecisionError(
+                f"{call}: {ENV_BLAME}={self.blame!r} is not a blame mode."
+                f"{did_you_mean(self.blame, BLAME_MODES)} Fix: {ENV_BLAME}=auto (default), "
+                "always or off (hf-precision run --blame ...)."
+            )
+
     def make_callback(self) -> Any:
         """The :class:`PrecisionGuardCallback` for one Trainer (a new one each time: a callback
         infers its ``auto`` policy from its own Trainer)."""
         from ..callback import PrecisionGuardCallback
 
         call = f"{ENV_GUARD}={self.policy!r}"
+        self.check_blame(call=call)
         policy = self.resolved_policy(call=call)
         mode: Any = self.mode
+        extra: dict[str, Any] = {"blame": self.blame, "trace": self.trace}
         if policy is None and self.keep_fp32:
-            cb: Any = _keep_fp32_class()(self.keep_fp32, mode=mode, report_dir=self.report_dir)
+            cb: Any = _keep_fp32_class()(
+                self.keep_fp32, mode=mode, report_dir=self.report_dir, **extra
+            )
         else:
-            cb = PrecisionGuardCallback(policy, mode=mode, report_dir=self.report_dir)
+            cb = PrecisionGuardCallback(policy, mode=mode, report_dir=self.report_dir, **extra)
         setattr(cb, LAUNCHED_ATTR, True)
         return cb
 
@@ -478,6 +515,18 @@ def add_cli(sub: Any) -> None:
     s.add_argument(
         "--report-dir", default=None, help="where reports go (default <output_dir>/precision)"
     )
+    s.add_argument(
+        "--blame",
+        default="auto",
+        choices=BLAME_MODES,
+        help="name the first module whose output turns inf/NaN: auto (default: armed by a "
+        f"non-finite logged loss or gradient norm), always, off ({ENV_BLAME})",
+    )
+    s.add_argument(
+        "--trace",
+        action="store_true",
+        help=f"record the first training step's activation dtypes, module by module ({ENV_TRACE})",
+    )
     s.add_argument("cmd", nargs="...", metavar="-- COMMAND [ARGS...]")
     h = sub.add_parser(
         "install-hook",
@@ -504,6 +553,8 @@ def run_cli(args: Any) -> int:
         mode=args.mode,
         keep_fp32=args.keep_fp32,
         report_dir=args.report_dir,
+        blame=args.blame,
+        trace=args.trace,
     )
 
 
@@ -515,6 +566,8 @@ def command_env(
     keep_fp32: Sequence[str] = (),
     report_dir: str | None = None,
     environ: Mapping[str, str] | None = None,
+    blame: str = "auto",
+    trace: bool = False,
 ) -> dict[str, str]:
     """The environment ``hf-precision run`` gives ``cmd``: the variables, checked, and the boot
     folder first on ``PYTHONPATH``."""
@@ -536,6 +589,8 @@ def command_env(
         report_dir=str(Path(report_dir).expanduser().resolve()) if report_dir else None,
         tool=tool_name(cmd),
         via=call,
+        blame=blame,
+        trace=trace,
     )
     config.check(call=f"{call} --policy {config.policy!r}" + (f" --mode {mode}" if mode else ""))
     env = dict(os.environ if environ is None else environ)
