@@ -177,8 +177,9 @@ def check_paths(model_args: ModelArguments, data_args: DataArguments) -> None:
 
 def load_data(data_args: DataArguments, output_dir: str) -> tuple[Any, Any, str, str]:
     """Train/eval ``datasets`` splits and the image folder of each."""
-    from datasets import load_dataset
+    from datasets import disable_progress_bars, load_dataset
 
+    disable_progress_bars()  # two tiny JSONL files: no "Generating train split" bars
     if data_args.data_path is None:
         from hf_precision.tiny.data import make_shapes_dataset
 
