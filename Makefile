@@ -48,8 +48,10 @@ notebooks: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python notebooks/_build.py
 
 # LoRA on a tiny split LLaVA with the guard, in the demo's venv (README: "Try it")
+# (WANDB_MODE unset: without a W&B login the recipe logs offline and says so in its one line)
 demo: demo-setup
-	$(DEMO_BIN)/python recipes/lora_llava.py --config recipes/configs/llava/tiny.yaml --report_to wandb
+	env -u WANDB_MODE $(DEMO_BIN)/python recipes/lora_llava.py --config recipes/configs/llava/tiny.yaml \
+		--report_to wandb
 
 test: setup
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -m "not frameworks"
