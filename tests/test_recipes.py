@@ -428,6 +428,7 @@ def test_llava_demo_config_learns_the_task(tmp_path: Path, rounding: list[str]) 
         assert set(before["language_model"]["numel"]) >= {"bfloat16"}
         quoted = (ROOT / "README.md").read_text().split("```text\n", 1)[1].split(" (rotary", 1)[0]
         assert quoted in res.stderr, res.stderr[-3000:]
+        assert "inferred from TrainingArguments(bf16=True); report: " in res.stderr
 
 
 def test_minicpmv_bf16_fails_without_the_guard_and_trains_with_it(tmp_path: Path) -> None:
