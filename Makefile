@@ -48,9 +48,10 @@ notebooks: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python notebooks/_build.py
 
 # LoRA on a tiny split LLaVA with the guard, in the demo's venv (README: "Try it")
-# (WANDB_MODE unset: without a W&B login the recipe logs offline and says so in its one line)
+# (WANDB_MODE unset: without a W&B login the recipe logs offline and says so in its one line;
+# one thread: a tiny model gains nothing from more, and spinning threads cost CPU)
 demo: demo-setup
-	env -u WANDB_MODE $(DEMO_BIN)/python recipes/lora_llava.py --config recipes/configs/llava/tiny.yaml \
+	env -u WANDB_MODE OMP_NUM_THREADS=1 $(DEMO_BIN)/python recipes/lora_llava.py --config recipes/configs/llava/tiny.yaml \
 		--report_to wandb
 
 test: setup
