@@ -7,7 +7,7 @@ export WANDB_SILENT ?= true
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast test-tf4 test-frameworks frameworks-setup lint typecheck bench gpu-test nightly clean notebooks
+.PHONY: setup demo demo-setup test test-fast test-tf4 test-frameworks frameworks-setup lint typecheck bench gpu-test nightly clean notebooks
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,17 +20,39 @@ $(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/python
 	# small CPU comm op it needs on first use)
 	# constraints.txt: the tested versions of the HF stack (the README's compatibility table)
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q -c constraints.txt "torch==2.13.0" -e ".[dev]"
+	# no start-up line here (an editable install ships none): the tests check a Python without
+	# it and one with it (`.venv/bin/hf-precision install-hook` adds it for HF_PRECISION_GUARD)
 	touch $@
 
 setup: $(VENV)/.installed
+
+# The demo's own venv: the package with the wandb and recipes extras only (no DeepSpeed,
+# bitsandbytes, torchao, mypy...: nothing that prints at import), the tested versions.
+DEMO_VENV ?= .venv-demo
+DEMO_BIN := $(DEMO_VENV)/bin
+
+$(DEMO_VENV)/.installed: pyproject.toml constraints.txt
+	$(PY) -m venv $(DEMO_VENV)
+	$(DEMO_BIN)/python -m pip install -q --upgrade pip
+	$(DEMO_BIN)/python -m pip install -q "torch==2.13.0"
+	$(DEMO_BIN)/python -m pip install -q -c constraints.txt "torch==2.13.0" -e ".[wandb,recipes]"
+	# an editable install ships no start-up line: HF_PRECISION_GUARD=... needs it
+	$(DEMO_BIN)/hf-precision install-hook
+	touch $@
+
+demo-setup: $(DEMO_VENV)/.installed
 
 # Execute the demo notebooks and store them with their outputs (tests/test_notebooks.py fails
 # when the stored outputs are stale).
 notebooks: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python notebooks/_build.py
 
-demo: setup
-	$(BIN)/python recipes/lora_llava.py --config recipes/configs/llava/tiny.yaml --report_to wandb
+# LoRA on a tiny split LLaVA with the guard, in the demo's venv (README: "Try it")
+# (WANDB_MODE unset: without a W&B login the recipe logs offline and says so in its one line;
+# one thread: a tiny model gains nothing from more, and spinning threads cost CPU)
+demo: demo-setup
+	env -u WANDB_MODE OMP_NUM_THREADS=1 $(DEMO_BIN)/python recipes/lora_llava.py --config recipes/configs/llava/tiny.yaml \
+		--report_to wandb
 
 test: setup
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -m "not frameworks"
@@ -139,4 +161,4 @@ nightly: setup
 	HF_PRECISION_PROPERTY_EXAMPLES=1000 $(BIN)/python -m pytest -q -m slow
 
 clean:
-	rm -rf $(VENV) $(TF4_VENV) $(LF_VENV) $(SWIFT_VENV) $(AXOLOTL_VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) $(DEMO_VENV) $(TF4_VENV) $(LF_VENV) $(SWIFT_VENV) $(AXOLOTL_VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -69,6 +69,10 @@ _EAGER = {
 
 if not _cli_process():
     _load()
+    # HF_PRECISION_GUARD set where no start-up hook runs: said once, never a silent no-op
+    from .integrations.autostart import warn_if_hook_missing
+
+    warn_if_hook_missing()
 
 if TYPE_CHECKING:
     from .batch import PrecisionCollator, cast_batch

@@ -200,7 +200,8 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         def words(name: str, value: bool) -> str:
             return flags.flag(name, value, args=args)
 
-        said = words(flag, True) if flag else ""
+        # what the user set, in their words: `--bf16` typed, or `bf16=True` in Python
+        said = flags.set_flag(flag, True, args=args) if flag else ""
         self._check_flag(flag, said=said, runner="the Trainer", words=words, stacklevel=4)
         if (
             flag == "fp16"

@@ -197,7 +197,7 @@ class Command:
 def _commands() -> dict[str, Command]:
     return {
         "architectures": Command(
-            "print the supported-architecture table (Markdown, as in the README)",
+            "print the supported-architecture table (Markdown, as in docs/api.md)",
             _architectures,
             description="The group rules find_module_groups tries, in order, generated from "
             "the rule registry (registered rules included).",

@@ -133,6 +133,33 @@ def flag(name: str, value: bool | str = True, *, tool: Tool | None = None, args:
     return f"{owner}({name}={value!r})" if owner else f"{name}={value!r}"
 
 
+def set_flag(
+    name: str,
+    value: bool | str = True,
+    *,
+    tool: Tool | None = None,
+    args: Any = None,
+    argv: Sequence[str] | None = None,
+) -> str:
+    """A flag the user already set, in the words they set it with: :func:`flag`, except that a
+    command-line tool's ``--name`` that is not on the command line (``argv``, default
+    ``sys.argv``) was set in Python (``TrainingArguments(bf16=True)`` in a script that takes
+    other options), and is said so.
+
+    >>> set_flag("bf16", tool="cli", argv=["train.py", "--epochs", "3"])
+    'bf16=True'
+    >>> set_flag("bf16", tool="cli", argv=["train.py", "--bf16"])
+    '--bf16'
+    """
+    tool = detect_tool(args) if tool is None else tool
+    argv = sys.argv if argv is None else argv
+    if tool in ("cli", "trl") and not any(
+        a == f"--{name}" or a.startswith(f"--{name}=") for a in argv[1:]
+    ):
+        tool = "python"
+    return flag(name, value, tool=tool, args=args)
+
+
 def no_flag(*, tool: Tool | None = None, args: Any = None) -> str:
     """How the user turns the mixed-precision flags off (the run then keeps the loaded dtypes).
 
@@ -200,4 +227,5 @@ __all__ = [
     "load_dtype",
     "no_flag",
     "quantized_compute",
+    "set_flag",
 ]

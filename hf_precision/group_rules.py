@@ -1,7 +1,7 @@
 """Built-in group rules, read from ``group_rules.toml`` beside this file (transformers 5.24
 paths, and remote-code layouts matched by attribute names). The table is data: its header says
 what each key means. ``hf-precision architectures`` (:func:`hf_precision.groups.architecture_table`)
-prints it as the README's table; register your own rules with
+prints it as docs/api.md's table; register your own rules with
 :func:`hf_precision.groups.register_group_rule`, or read a file of them with :func:`read_rules`.
 """
 

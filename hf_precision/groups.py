@@ -9,7 +9,7 @@ against transformers 5.24 (``tests/test_groups_all_architectures.py`` builds eve
 image-text-to-text architecture on the meta device).
 
 The supported-architecture table (rules, model types, the paths of each group) is generated
-from this registry by :func:`architecture_table`; the README's copy is checked against it, and
+from this registry by :func:`architecture_table`; docs/api.md's copy is checked against it, and
 ``hf-precision architectures`` prints it.
 
 >>> from hf_precision import find_module_groups

@@ -62,8 +62,8 @@ LEAF_GUARDS: tuple[LeafGuards, ...] = get_args(LeafGuards)
 Rule = Literal[
     "rotary",
     "keep_fp32",
-    "wrapper_master_fp32",
     "keep_fp32_strict",
+    "wrapper_master_fp32",
     "keep_trainable_fp32",
     "trainable",
     "group_dtypes",

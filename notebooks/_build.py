@@ -155,11 +155,11 @@ LORA_LLAVA = [
     new_markdown_cell("""\
 # LoRA on LLaVA with the precision guard
 
-Runs `recipes/lora_llava.py` with its tiny config (about ten seconds of CPU): the tiny LLaVA is
+Runs `recipes/lora_llava.py` with its tiny config, as `make demo` does: the tiny LLaVA is
 loaded with the language model in bf16 and the vision tower and projector in fp32; the projector
-is trained in full and LoRA goes on the language model, and `PrecisionGuardCallback` puts every
-frozen weight on the bf16 policy. The model learns to name the colour and shape of held-out
-pictures. For a real checkpoint, use `recipes/configs/llava/llava-1.5-7b-bf16.yaml` on a GPU."""),
+and the LM head are trained in full and LoRA goes on the language model, and
+`PrecisionGuardCallback` puts every frozen weight on the bf16 policy. The model learns to name
+the colour and shape of held-out pictures (at least 90% exact). For a real checkpoint, use `recipes/configs/llava/llava-1.5-7b-bf16.yaml` on a GPU."""),
     new_code_cell(SETUP),
     new_code_cell(LOAD_RECIPE),
     trained("""\
@@ -203,7 +203,7 @@ fig.savefig(png, format="png")
 display(Image(png.getvalue()))
 assert curve[-1] < curve[0]
 print(report["answers_table"])
-assert report["accuracy"] >= 0.8"""),
+assert report["accuracy"] >= 0.9"""),
     new_markdown_cell("""\
 ## Reload the adapter
 
@@ -235,7 +235,7 @@ The tiny copy of that layout in `hf_precision.tiny` keeps the bug; the recipe sh
     trained("""\
 recipe = load_recipe("lora_minicpmv")
 args = ["--config", str(ROOT / "recipes/configs/minicpmv/tiny.yaml"), "--logging_steps", "2",
-        "--num_synthetic_train", "32", "--disable_tqdm", "true"]
+        "--disable_tqdm", "true"]
 try:  # two steps, then the first evaluation's generate() call
     recipe.main([*args, "--max_steps", "2", "--eval_steps", "2", "--no_guard",
                  "--output_dir", str(OUT / "minicpmv-no-guard")])
@@ -243,8 +243,16 @@ except RuntimeError as err:
     error = err
     print(f"without the guard: {type(err).__name__}: {err}")
 assert "must have the same dtype" in str(error)"""),
+    new_markdown_cell("""\
+With the guard: 100 steps (LoRA on the language model, the resampler's `kv_proj` and the LM head;
+the learning rate decays to zero), then `generate()` answers eight held-out pictures. In 100 steps
+the tiny MiniCPM-V learns the answers' form (`a <colour> <shape>`) and starts on their content;
+the LLaVA notebook (02) trains to at least 90% exact."""),
     trained("""\
-report = recipe.main([*args, "--max_steps", "10", "--eval_steps", "10",
+report = recipe.main([*args, "--max_steps", "100", "--eval_steps", "100",
+                      "--lr_scheduler_type", "cosine", "--warmup_steps", "10",
+                      "--lora_targets", "language_model,projector,lm_head",
+                      "--num_generate", "8", "--logging_steps", "20",
                       "--output_dir", str(OUT / "minicpmv")])
 print(report["guard_hooks"])"""),
     new_markdown_cell("## The dtype map and what the guard installed"),
@@ -260,7 +268,14 @@ display(Image(plot_precision(picture_rows(after, policy=policy),
                              title="tiny MiniCPM-V 2.x after the guard",
                              subtitle=f"policy {policy.describe()}")))
 assert report["loss"]["last"] < report["loss"]["first"]"""),
-    trained('print("answers:", report["generations"][-1]["answers"])'),
+    trained("""\
+final = report["generations"][-1]
+for a in final["answers"]:
+    print(f"{a['answer']:<20} {a['prediction']:<20} {'ok' if a['prediction'] == a['answer'] else '--'}")
+right = sum(a["prediction"] == a["answer"] for a in final["answers"])
+print(f"after {final['step']} steps: {right}/{len(final['answers'])} exact")
+assert all(a["prediction"] for a in final["answers"])  # every picture gets an answer
+"""),
 ]
 
 SILENT_LOSSES = [

@@ -1,5 +1,6 @@
 import json
 import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -535,6 +536,29 @@ def test_the_console_line_names_dtypes_counts_names_rule_and_report(
         f"{fmt_bytes(4 * numel)} ({n_proj} weights; rule: trainable {n_proj})"
     )
     assert {p.dtype for p in proj.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize(
+    ("argv", "origin"),
+    [
+        # a script that takes other options but builds TrainingArguments(bf16=True) in Python
+        (["train.py", "--epochs", "3"], "inferred from TrainingArguments(bf16=True)"),
+        # an HfArgumentParser script given --bf16 on its command line
+        (["train.py", "--output_dir", "out", "--bf16"], "inferred from --bf16"),
+    ],
+)
+def test_the_console_line_names_the_flag_as_the_user_set_it(
+    make_trainer, caplog, monkeypatch, argv, origin
+):
+    monkeypatch.delenv("HF_PRECISION_TOOL", raising=False)
+    monkeypatch.setattr(sys, "argv", argv)
+    model = tiny_llava(torch.bfloat16)
+    model.model.vision_tower.to(torch.float32)
+    model.requires_grad_(False)
+    with caplog.at_level("WARNING", logger="hf_precision"):
+        make_trainer(model, tiny_batch(model), callbacks=[PrecisionGuardCallback()], bf16=True)
+    line = _said(caplog)[0]
+    assert "policy bf16 (frozen bfloat16" in line and f", {origin}; report: " in line, line
 
 
 def test_a_run_the_hooks_alone_keep_going_says_so_once_per_kind(make_trainer, caplog):

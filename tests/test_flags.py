@@ -15,6 +15,7 @@ from hf_precision.flags import (
     load_dtype,
     no_flag,
     quantized_compute,
+    set_flag,
 )
 
 
@@ -110,3 +111,17 @@ def test_load_dtype() -> None:
     assert load_dtype(torch.float16, tool="python") == "from_pretrained(..., dtype=torch.float16)"
     assert load_dtype("float32", tool="llamafactory") == "bf16: false and fp16: false"
     assert load_dtype("fp16", tool="axolotl") == "fp16: true"
+
+
+@pytest.mark.parametrize(
+    ("tool", "argv", "said"),
+    [
+        ("cli", ["train.py", "--epochs", "3"], "bf16=True"),  # set in Python, not typed
+        ("cli", ["train.py", "--bf16"], "--bf16"),
+        ("trl", ["trl", "sft", "--bf16=true"], "--bf16"),
+        ("trl", ["trl", "sft", "--lr", "1"], "bf16=True"),
+        ("llamafactory", ["llamafactory-cli", "train", "a.yaml"], "bf16: true"),
+    ],
+)
+def test_set_flag_says_where_the_user_set_it(tool: Any, argv: list[str], said: str) -> None:
+    assert set_flag("bf16", tool=tool, argv=argv) == said

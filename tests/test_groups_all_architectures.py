@@ -137,7 +137,7 @@ def test_groups_of_architecture(built: Built, arch: str) -> None:
     assert not others, others[:5]
 
 
-# The README's group table, at full size (transformers 5.24 paths).
+# docs/api.md's group table, at full size (transformers 5.24 paths).
 _VT: Paths = {
     "vision_encoder": ("model.vision_tower",),
     "projector": ("model.multi_modal_projector",),

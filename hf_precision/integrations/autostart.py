@@ -112,6 +112,41 @@ def activate() -> bool:
     return True
 
 
+#: the name the start-up line and ``hf-precision run``'s ``sitecustomize`` load this file under:
+#: present in ``sys.modules`` when (and only when) one of them ran in this process
+LOADED_AS = "_hf_precision_autostart"
+MISSING_HOOK = (
+    "hf-precision: {env} is set but the start-up hook is not installed in this Python "
+    "({exe}): a Trainer built here gets no precision guard from the variable. Fix: run "
+    "`hf-precision install-hook` once in this environment (an editable install, `pip install "
+    "-e .`, does not ship it), or launch with `hf-precision run -- COMMAND`."
+)
+
+
+_missing_said = False
+
+
+def hook_missing(environ: Any = None) -> bool:
+    """``HF_PRECISION_GUARD`` asks for the guard, but no start-up line loaded this file in this
+    process (an editable install without ``hf-precision install-hook``): the variable alone
+    would guard nothing."""
+    if not enabled(environ) or LOADED_AS in sys.modules:
+        return False
+    return not any(getattr(f, _MARK, False) for f in sys.meta_path)
+
+
+def warn_if_hook_missing() -> bool:
+    """Say :data:`MISSING_HOOK` on stderr, once per process, when :func:`hook_missing`.
+    ``import hf_precision`` calls it, so ``python -c "import hf_precision"`` is the one-line
+    check; returns whether it was said now."""
+    global _missing_said
+    if not hook_missing() or _missing_said:
+        return False
+    _missing_said = True
+    print(MISSING_HOOK.format(env=ENV_GUARD, exe=sys.executable), file=sys.stderr, flush=True)
+    return True
+
+
 def deactivate() -> None:
     """Remove the hook (a Trainer class already patched stays patched)."""
     sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, _MARK, False)]

@@ -108,3 +108,54 @@ def test_a_python_without_hf_precision_says_it_trains_unguarded(tmp_path):
     assert proc.stdout.strip() == "loaded"
     assert "trains WITHOUT the precision guard" in proc.stderr
     assert "pip install hf-precision" in proc.stderr
+
+
+def _import_twice(**env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("HF_PRECISION_")}
+    return subprocess.run(
+        [sys.executable, "-c", "import hf_precision, importlib; importlib.reload(hf_precision)"],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_the_variable_without_the_start_up_hook_is_said_once_on_import():
+    """An editable install has no ``hf_precision_guard.pth``: ``HF_PRECISION_GUARD`` alone would
+    guard nothing. ``import hf_precision`` (the one-line check) says so once, with the fix."""
+    proc = _import_twice(PYTHONPATH=str(ROOT), HF_PRECISION_GUARD="auto")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = [x for x in proc.stderr.splitlines() if x.startswith("hf-precision:")]
+    assert said == [autostart.MISSING_HOOK.format(env="HF_PRECISION_GUARD", exe=sys.executable)]
+    assert "`hf-precision install-hook`" in said[0]
+
+
+@pytest.mark.parametrize("guard", ["", "0", "off"])
+def test_no_variable_no_word(guard):
+    proc = _import_twice(PYTHONPATH=str(ROOT), HF_PRECISION_GUARD=guard)
+    assert proc.returncode == 0 and "hf-precision:" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_with_the_start_up_hook_nothing_is_said():
+    """``hf-precision run``'s ``sitecustomize`` (as the ``.pth`` line) loads the hook first."""
+    path = os.pathsep.join([str(launcher.BOOT_DIR), str(ROOT)])
+    proc = _import_twice(PYTHONPATH=path, HF_PRECISION_GUARD="auto")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "start-up hook is not installed" not in proc.stderr
+
+
+def test_the_pth_line_counts_as_the_hook(tmp_path):
+    """The line ``hf-precision install-hook`` writes, run by a site folder at start."""
+    launcher.install_hook(tmp_path)
+    code = f"import site; site.addsitedir({str(tmp_path)!r}); import hf_precision"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("HF_PRECISION_")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**clean, "PYTHONPATH": str(ROOT), "HF_PRECISION_GUARD": "auto"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "start-up hook is not installed" not in proc.stderr
