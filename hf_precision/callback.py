@@ -39,6 +39,7 @@ from .errors import PrecisionError, PrecisionWarning
 from .groups import ModuleGroups
 from .guard import GuardFrontEnd, PrecisionGuard, policy_origin
 from .hooks import GuardHandle
+from .lost_updates import LostUpdateCheck, LostUpdates, check_option, lost_updates_fix
 from .policy import LeafGuards, Mode, PrecisionPolicy
 from .wrappers import unwrap_model
 
@@ -62,6 +63,9 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
             ``False`` turns reporting off.
         report_dir: where the files go (default ``<output_dir>/precision``).
         report_to: the trackers to log to (default: ``TrainingArguments.report_to``).
+        lost_updates: ``"auto"`` watches the first optimizer steps of half-precision trainable
+            weights and warns when their updates round away (``hf_precision.lost_updates``);
+            ``"off"``.
 
     >>> from transformers import Trainer  # doctest: +SKIP
     >>> Trainer(model=model, args=args, callbacks=[PrecisionGuardCallback()])  # doctest: +SKIP
@@ -76,6 +80,7 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         report: bool = True,
         report_dir: str | os.PathLike[str] | None = None,
         report_to: list[str] | str | None = None,
+        lost_updates: LostUpdates = "auto",
     ) -> None:
         self._init_policy("PrecisionGuardCallback", policy, mode=mode, leaf_guards=leaf_guards)
         self.report = report
@@ -88,6 +93,8 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         self._deepspeed_dtype: torch.dtype | None = None
         #: one engine per other model the Trainer runs (TRL's ref_model, reward models...)
         self.trainer_guards: dict[str, PrecisionGuard] = {}
+        self.lost_updates = check_option(lost_updates, call=self._call)
+        self._lost: LostUpdateCheck | None = None
 
     # what the engine knows, under the names this callback always had
     @property
@@ -143,6 +150,7 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
             )
         self.guard = self._new_guard(model, deepspeed_dtype=self._deepspeed_dtype, origin=origin)
         self.trainer_guards = {}
+        self._provenance(args, model)
         logger.info(
             "hf-precision: policy %s; groups by rule %r",
             self.policy.describe(),
@@ -257,6 +265,41 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
                 step=step,
             )
 
+    def _provenance(self, args: Any, model: nn.Module) -> None:
+        from .provenance import precision_provenance
+
+        assert self.guard is not None
+        found = self.guard.sections["provenance"] = precision_provenance(args, model)
+        if found["notable"]:
+            logger.warning("hf-precision: %s", found["line"])
+
+    def _watch_updates(self, kwargs: dict[str, Any]) -> None:
+        """Start the lost-update check on the Trainer's optimizer (once per guard)."""
+        optimizer = kwargs.get("optimizer")
+        if self.lost_updates == "off" or self.guard is None or optimizer is None:
+            return
+        if (
+            self._lost is None
+            or self._lost.params.keys() - dict(self.guard.root.named_parameters()).keys()
+        ):
+            self._lost = LostUpdateCheck(self.guard.root.named_parameters()).attach(optimizer)
+
+    def _report_updates(self, args: Any, state: Any) -> None:
+        lost = self._lost
+        if (
+            lost is None
+            or not lost.done
+            or self.guard is None
+            or "lost_updates" in self.guard.sections
+        ):
+            return
+        result = lost.result()
+        self.guard.sections["lost_updates"] = result.to_dict()
+        said = result.warning(lost_updates_fix(args))
+        if said:
+            warnings.warn(said, PrecisionWarning, stacklevel=2)
+        self.guard.log_sections("lost_updates", step=int(getattr(state, "global_step", 0) or 0))
+
     def _stash(self) -> None:
         if self.guard is not None and self.policy is not None:
             self.guard.stash(self.policy.full_eval_dtype, STASH_LIMIT_BYTES)
@@ -268,8 +311,10 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # restore: a standalone evaluate() with *_full_eval ran before train()
         self._verify("on_train_begin", args, state, kwargs, check_ranks=True, restore=True)
+        self._watch_updates(kwargs)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._report_updates(args, state)
         if getattr(control, "should_evaluate", False):
             self._verify("before_evaluate", args, state, kwargs)
 

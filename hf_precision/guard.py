@@ -54,6 +54,7 @@ from .hooks import (
     release_model,
     remove_guards,
 )
+from .memory_account import account_line, memory_account
 from .policy import LeafGuards, Mode, PrecisionPolicy, policy_call, resolve_policy, with_overrides
 from .view import ModelView
 from .wrappers import detect_wrapper, settle_shards, unwrap_model
@@ -121,6 +122,9 @@ class PrecisionGuard:
         self.notice = Notice(self._bridged)
         self._wrapper_casts: set[str] = set()
         self._stash: dict[str, torch.Tensor] = {}
+        #: extra sections of every event's JSON: ``memory`` (the setup's account), ``provenance``
+        #: (who chose the precision), ``lost_updates`` (the first optimizer steps)
+        self.sections: dict[str, Any] = {}
         if claim:
             claim_model(self.root, self.owner, policy, self.call)
 
@@ -197,6 +201,7 @@ class PrecisionGuard:
                 allow_wrapped=wrapper is not None,
             )
         self._say(where, audit, report, found, first=first, held=wrapper in HOLDING_WRAPPERS)
+        self._account(report, first=first)
         self.last_report = report
         self.handle = install_guards(
             model, policy, report, groups=self.groups, view=view, notice=self.notice
@@ -214,6 +219,7 @@ class PrecisionGuard:
                 groups=self.groups,
                 report=report if noted else None,
                 view=view,
+                sections=self.sections,
             )
         if check_ranks:  # a collective: every rank reaches the same events
             check_model_ranks(model, self.groups, policy=policy, where=where)
@@ -330,6 +336,33 @@ class PrecisionGuard:
             for w in report.warnings:
                 self._warn_once(w)
 
+    def _account(self, report: EnforceReport, *, first: bool) -> None:
+        """The setup's memory account (every later event's JSON carries it); said on the
+        console with the setup's cast line."""
+        if not first:
+            return
+        self.sections["memory"] = memory_account(report, self.root, stash_bytes=self.stash_bytes)
+        if report.applied and report.changes:
+            logger.warning(account_line(self.sections["memory"]))
+
+    @property
+    def stash_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._stash.values())
+
+    def log_sections(self, event: str, *, step: int) -> None:
+        """Write an event that carries :attr:`sections` without planning or casting anything
+        (the lost-update check's result, mid-training)."""
+        if self.reporter is not None:
+            policy = self._renamed(self.policy)
+            self.reporter.log_event(
+                event,
+                self.model,
+                step=step,
+                policy=policy,
+                groups=self.groups,
+                sections=self.sections,
+            )
+
     def _report_dir(self) -> str | None:
         path = getattr(self.reporter, "report_dir", None)
         return f"{os.fspath(path).rstrip(os.sep)}{os.sep}" if path is not None else None
@@ -403,6 +436,8 @@ class PrecisionGuard:
                 keep[name] = t
                 total += size
         self._stash = {k: v.detach().to("cpu", copy=True) for k, v in keep.items()}
+        if "memory" in self.sections:
+            self.sections["memory"]["stash_host_bytes"] = self.stash_bytes
         if any(counts):
             what = (
                 "trainable weight(s)",
