@@ -8,7 +8,8 @@ checkpoint trains bf16 weights and most of its updates vanish without a word.
 
 :class:`LostUpdateCheck` watches the first ``steps`` optimizer steps through the optimizer's own
 step pre/post hooks (it sees the real step, whoever calls it: the Trainer, accelerate, a
-GradScaler that skips a step calls no hook). Per half-precision trainable weight it keeps a fixed
+GradScaler that skips a step calls no hook). Per trainable weight (float32 ones too, to compare;
+only half-precision ones are warned about) it keeps a fixed
 random sample of at most ``sample`` flat indices and, before each step, the sampled values and
 whether their gradient is non-zero. After the step it counts, among the sampled elements whose
 gradient was non-zero (an unused embedding row has none: it is not counted), those whose value is
@@ -37,7 +38,7 @@ LostUpdates = Literal["auto", "off"]
 LOST_UPDATES: tuple[str, ...] = ("auto", "off")
 #: the share of counted elements left unchanged above which the check warns
 WARN_SHARE = 0.1
-_HALF = (torch.bfloat16, torch.float16)
+_HALF_NAMES = ("bfloat16", "float16")
 _NAMED = 3
 
 
@@ -77,14 +78,26 @@ class LostUpdateResult:
     def share(self) -> float:
         return self.unchanged / self.counted if self.counted else 0.0
 
+    def _half(self) -> list[WeightLoss]:
+        return [w for w in self.weights if w.dtype in _HALF_NAMES]
+
+    @property
+    def half_share(self) -> float:
+        """The share over the half-precision weights only."""
+        counted = sum(w.counted for w in self._half())
+        return sum(w.unchanged for w in self._half()) / counted if counted else 0.0
+
     @property
     def lossy(self) -> list[WeightLoss]:
-        """The weights above :data:`WARN_SHARE`, most lost first."""
-        return sorted((w for w in self.weights if w.share > WARN_SHARE), key=lambda w: -w.share)
+        """The half-precision weights above :data:`WARN_SHARE`, most lost first."""
+        return sorted(
+            (w for w in self.weights if w.dtype in _HALF_NAMES and w.share > WARN_SHARE),
+            key=lambda w: -w.share,
+        )
 
     @property
     def half_numel(self) -> int:
-        return sum(w.numel for w in self.weights)
+        return sum(w.numel for w in self.weights if w.dtype in _HALF_NAMES)
 
     def fp32_cost(self) -> dict[str, int]:
         """Bytes fp32 trainables add over the watched half weights: the weights (+2 bytes an
@@ -100,7 +113,8 @@ class LostUpdateResult:
             "counted": self.counted,
             "unchanged": self.unchanged,
             "share": round(self.share, 6),
-            "what_is_counted": "sampled elements of half-precision trainable weights whose "
+            "half_share": round(self.half_share, 6),
+            "what_is_counted": "sampled elements of trainable weights whose "
             "gradient was non-zero at that step; unchanged = bit for bit equal after the step",
             "fp32_cost_bytes": self.fp32_cost(),
             "weights": [
@@ -127,10 +141,12 @@ class LostUpdateResult:
         more = f" and {len(lossy) - _NAMED} more" if len(lossy) > _NAMED else ""
         dtypes = "/".join(sorted({w.dtype for w in lossy}))
         cost = self.fp32_cost()
+        half_counted = sum(w.counted for w in self._half())
+        half_unchanged = sum(w.unchanged for w in self._half())
         return (
             f"hf-precision: updates lost in {dtypes}: over the first {self.steps} optimizer "
-            f"step(s), {self.share:.0%} of the sampled elements with a gradient "
-            f"({self.unchanged}/{self.counted}) came out of the step unchanged, in "
+            f"step(s), {self.half_share:.0%} of the sampled {dtypes} elements with a gradient "
+            f"({half_unchanged}/{half_counted}) came out of the step unchanged, in "
             f"{len(lossy)} trainable weight(s) ({names}{more}). Fix: {fix}; it costs "
             f"+{fmt_bytes(cost['weights'])} for the fp32 weights of these "
             f"{self.half_numel:,} elements (+{fmt_bytes(cost['with_grads_and_adamw'])} with "
@@ -139,8 +155,9 @@ class LostUpdateResult:
 
 
 class LostUpdateCheck:
-    """Watch ``steps`` optimizer steps of the half-precision trainable weights in ``named``
-    (name -> parameter); see the module docstring."""
+    """Watch ``steps`` optimizer steps of the trainable weights in ``named`` (name ->
+    parameter; float32 ones are measured too, for comparison: only half-precision ones are
+    warned about); see the module docstring."""
 
     def __init__(
         self,
@@ -152,7 +169,7 @@ class LostUpdateCheck:
     ) -> None:
         items = named.items() if isinstance(named, Mapping) else named
         self.params = {
-            n: p for n, p in items if p.requires_grad and p.dtype in _HALF and p.numel() > 0
+            n: p for n, p in items if p.requires_grad and p.is_floating_point() and p.numel() > 0
         }
         self.steps, self.sample = steps, sample
         gen = torch.Generator().manual_seed(seed)
@@ -214,8 +231,7 @@ class LostUpdateCheck:
             self.detach()
 
     def result(self) -> LostUpdateResult:
-        weights = [w for w in self._tally.values() if w.counted]
-        return LostUpdateResult(self.seen, self.sample, weights)
+        return LostUpdateResult(self.seen, self.sample, list(self._tally.values()))
 
 
 def _sample_index(numel: int, sample: int, gen: torch.Generator) -> torch.Tensor:

@@ -23,7 +23,7 @@ it; the script set neither bf16 nor fp16``.
 >>> from types import SimpleNamespace
 >>> args = SimpleNamespace(bf16=False, fp16=True, mixed_precision="fp16")
 >>> found = precision_provenance(args, environ={"ACCELERATE_MIXED_PRECISION": "bf16"})
->>> found["chosen_by"], found["line"][:61]
+>>> found["chosen_by"], found["line"][:60]
 ('script', "precision: fp16 — the script's fp16=True overrode ACCELERATE")
 """
 
