@@ -49,6 +49,8 @@ def record(component: str, settings: Mapping[str, Any], note: str = "") -> None:
     True}, "bf16: auto found no bf16 GPU")``); the next :func:`precision_provenance` names it."""
     if settings:
         _RECORDED[component] = (dict(settings), note)
+    else:
+        _RECORDED.pop(component, None)
 
 
 def forget(component: str) -> None:
