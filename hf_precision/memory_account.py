@@ -67,7 +67,7 @@ def memory_account(
         row["count"] += 1
         row["bytes"] = row.get("bytes", 0) + t.numel() * (new - old)
     frozen = report.policy.frozen_dtype
-    spared = 4 - (_itemsize(frozen) or 4)
+    spared = 4 - ((_itemsize(frozen) if frozen is not None else None) or 4)
     kept: dict[str, dict[str, int]] = {}
     for name, _, rule, _ in report.kept:
         t = tensors.get(name)
@@ -76,13 +76,13 @@ def memory_account(
         row = kept.setdefault(rule, {"count": 0, "bytes": 0})
         row["count"] += 1
         row["bytes"] += t.numel() * spared
-    trainable = [p for p in dict(root.named_parameters()).values() if p.requires_grad]
-    numel = sum(p.numel() for p in trainable)
-    half = sum(p.numel() for p in trainable if p.dtype in (torch.bfloat16, torch.float16))
+    trained = [p for p in root.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in trained)
+    half = sum(p.numel() for p in trained if p.dtype in (torch.bfloat16, torch.float16))
     return {
         "decisions": decisions,
         "kept_fp32": kept,
-        "kept_fp32_versus": dtype_name(frozen),
+        "kept_fp32_versus": dtype_name(frozen) if frozen is not None else None,
         "stash_host_bytes": stash_bytes,
         "guards_bytes": 0,
         "trainable_numel": numel,

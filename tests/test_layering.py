@@ -87,7 +87,17 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("errors", "tables", "wrappers"),
     "values": ("dtypes", "flags", "groups", "group_rules", "diffusion_rules", "policy"),
     "model": ("view", "dtype_maps"),
-    "core": ("plan", "enforce", "batch", "hooks", "deepspeed_config", "distributed"),
+    "core": (
+        "plan",
+        "enforce",
+        "batch",
+        "hooks",
+        "deepspeed_config",
+        "distributed",
+        "lost_updates",
+        "memory_account",
+        "provenance",
+    ),
     "engine": ("guard",),
     "frontends": (
         "callback",
