@@ -53,6 +53,7 @@ from .dtypes import dtype_name
 from .enforce import EnforceReport
 from .errors import PrecisionError, PrecisionWarning
 from .guard import GuardFrontEnd, PrecisionGuard, policy_origin
+from .lost_updates import LostUpdateCheck, LostUpdates, check_option, watch
 from .policy import LeafGuards, Mode, PrecisionPolicy
 from .reporting import PrecisionReporter
 from .wrappers import unwrap_model
@@ -90,6 +91,9 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         leaf_guards: override the policy's ``leaf_guards`` (``"auto"``, ``"on"``, ``"off"``).
         report: write dtype maps (files, and W&B when the accelerator logs with wandb).
         report_dir: where the files go (default ``<project_dir or .>/precision``).
+        lost_updates: ``"auto"`` watches the first optimizer steps of half-precision trainable
+            weights and warns when their updates round away (``hf_precision.lost_updates``);
+            ``"off"``.
 
     >>> guard = PrecisionGuardPlugin("bf16", mode="raise")
     """
@@ -104,6 +108,7 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         leaf_guards: LeafGuards | None = None,
         report: bool = True,
         report_dir: str | os.PathLike[str] | None = None,
+        lost_updates: LostUpdates = "auto",
     ) -> None:
         if not isinstance(check_every, int) or check_every < 0:
             raise PrecisionError(
@@ -124,6 +129,8 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         self._reporter: Any = None
         self._inferred = policy is None  # where the policy came from, for the console line
         self._said = ""  # the accelerator's mixed precision as the user set it
+        self.lost_updates = check_option(lost_updates, call=self._call)
+        self._lost: LostUpdateCheck | None = None
 
     # ------------------------------------------------------------------ accelerate
     def prepare(self, accelerator: Any, *objects: Any, **kwargs: Any) -> Any:
@@ -217,6 +224,8 @@ class PrecisionGuardPlugin(GuardFrontEnd):
             )
             return
         self._optimizers.append(inner)
+        if self.lost_updates == "auto" and self._guarded and self._lost is None:
+            self._lost = watch(self._guarded[0], inner, tool="accelerate")
         if self.check_every:
             self._handles.append(inner.register_step_pre_hook(self._step_pre_hook))
 

@@ -39,7 +39,7 @@ from .errors import PrecisionError, PrecisionWarning
 from .groups import ModuleGroups
 from .guard import GuardFrontEnd, PrecisionGuard, policy_origin
 from .hooks import GuardHandle
-from .lost_updates import LostUpdateCheck, LostUpdates, check_option, lost_updates_fix
+from .lost_updates import LostUpdateCheck, LostUpdates, check_option, watch
 from .policy import LeafGuards, Mode, PrecisionPolicy
 from .wrappers import unwrap_model
 
@@ -273,32 +273,13 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         if found["notable"]:
             logger.warning("hf-precision: %s", found["line"])
 
-    def _watch_updates(self, kwargs: dict[str, Any]) -> None:
-        """Start the lost-update check on the Trainer's optimizer (once per guard)."""
+    def _watch_updates(self, args: Any, kwargs: dict[str, Any]) -> None:
+        """Start the lost-update check on the Trainer's optimizer, once per model."""
         optimizer = kwargs.get("optimizer")
         if self.lost_updates == "off" or self.guard is None or optimizer is None:
             return
-        if (
-            self._lost is None
-            or self._lost.params.keys() - dict(self.guard.root.named_parameters()).keys()
-        ):
-            self._lost = LostUpdateCheck(self.guard.root.named_parameters()).attach(optimizer)
-
-    def _report_updates(self, args: Any, state: Any) -> None:
-        lost = self._lost
-        if (
-            lost is None
-            or not lost.done
-            or self.guard is None
-            or "lost_updates" in self.guard.sections
-        ):
-            return
-        result = lost.result()
-        self.guard.sections["lost_updates"] = result.to_dict()
-        said = result.warning(lost_updates_fix(args))
-        if said:
-            warnings.warn(said, PrecisionWarning, stacklevel=2)
-        self.guard.log_sections("lost_updates", step=int(getattr(state, "global_step", 0) or 0))
+        if self._lost is None or self._lost.root is not self.guard.root:
+            self._lost = watch(self.guard, optimizer, args=args)
 
     def _stash(self) -> None:
         if self.guard is not None and self.policy is not None:
@@ -311,10 +292,9 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # restore: a standalone evaluate() with *_full_eval ran before train()
         self._verify("on_train_begin", args, state, kwargs, check_ranks=True, restore=True)
-        self._watch_updates(kwargs)
+        self._watch_updates(args, kwargs)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._report_updates(args, state)
         if getattr(control, "should_evaluate", False):
             self._verify("before_evaluate", args, state, kwargs)
 

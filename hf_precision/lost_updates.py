@@ -26,7 +26,8 @@ bit for bit the same. No full copy is made; the hooks come off after the last wa
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -148,9 +149,9 @@ class LostUpdateResult:
             f"step(s), {self.half_share:.0%} of the sampled {dtypes} elements with a gradient "
             f"({half_unchanged}/{half_counted}) came out of the step unchanged, in "
             f"{len(lossy)} trainable weight(s) ({names}{more}). Fix: {fix}; it costs "
-            f"+{fmt_bytes(cost['weights'])} for the fp32 weights of these "
-            f"{self.half_numel:,} elements (+{fmt_bytes(cost['with_grads_and_adamw'])} with "
-            "their gradients and AdamW moments)."
+            f"+{fmt_bytes(cost['weights'])} to hold the "
+            f"{self.half_numel:,} half-precision trainable elements in fp32 "
+            f"(+{fmt_bytes(cost['with_grads_and_adamw'])} with their gradients and AdamW moments)."
         )
 
 
@@ -180,6 +181,9 @@ class LostUpdateCheck:
         self._before: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._handles: list[Any] = []
         self.seen = 0
+        #: called with the :class:`LostUpdateResult` once the last watched step is done
+        self.on_done: Callable[[LostUpdateResult], None] | None = None
+        self.root: Any = None  # the model watched, when :func:`watch` started the check
 
     @property
     def active(self) -> bool:
@@ -229,6 +233,8 @@ class LostUpdateCheck:
         self.seen += 1
         if self.done:
             self.detach()
+            if self.on_done is not None:
+                self.on_done(self.result())
 
     def result(self) -> LostUpdateResult:
         return LostUpdateResult(self.seen, self.sample, list(self._tally.values()))
@@ -241,16 +247,39 @@ def _sample_index(numel: int, sample: int, gen: torch.Generator) -> torch.Tensor
     return torch.unique(torch.randint(numel, (sample,), generator=gen))
 
 
-def lost_updates_fix(args: Any = None) -> str:
+def lost_updates_fix(args: Any = None, *, tool: Any = None) -> str:
     """The fix in the user's tool's words: fp32 trainable weights (the guard upcasts them when
     the run says ``bf16``: the ``bf16`` policy holds trainables in float32)."""
     from .flags import flag
 
     return (
-        f"train with {flag('bf16', True, args=args)} and this guard (its bf16 policy holds "
-        "trainable weights in float32 and computes in bf16), or "
+        f"train with {flag('bf16', True, args=args, tool=tool)} and this guard (its bf16 policy "
+        "holds trainable weights in float32 and computes in bf16), or "
         "PrecisionGuardCallback(PrecisionPolicy.from_preset('bf16')) when the flag cannot change"
     )
+
+
+def watch(
+    guard: Any, optimizer: Any, *, args: Any = None, tool: Any = None, steps: int = 3
+) -> LostUpdateCheck:
+    """Start the check on ``optimizer`` for the trainable weights of ``guard``'s model (a
+    :class:`~hf_precision.guard.PrecisionGuard`); when the watched steps are done, the result goes
+    into ``guard.sections["lost_updates"]``, a ``lost_updates`` event (its JSON and W&B) and, when
+    half-precision weights lost updates, one :class:`PrecisionWarning` with the fix for the user's
+    tool."""
+    check = LostUpdateCheck(guard.root.named_parameters(), steps=steps)
+
+    def done(result: LostUpdateResult) -> None:
+        from .errors import PrecisionWarning
+
+        guard.sections["lost_updates"] = result.to_dict()
+        said = result.warning(lost_updates_fix(args, tool=tool))
+        if said:
+            warnings.warn(said, PrecisionWarning, stacklevel=2)
+        guard.log_sections("lost_updates", step=check.seen)
+
+    check.on_done, check.root = done, guard.root
+    return check.attach(optimizer)
 
 
 def check_option(value: str, *, call: str) -> LostUpdates:

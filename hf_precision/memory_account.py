@@ -133,6 +133,7 @@ def account_line(account: dict[str, Any]) -> str:
     parts += [
         f"kept float32 ({rule}) {row['count']} {_signed(row['bytes'])} vs {versus}"
         for rule, row in sorted(account["kept_fp32"].items())
+        if row["bytes"]
     ]
     parts.append(f"eval stash {fmt_bytes(account['stash_host_bytes'])} (host)")
     parts.append("guards 0 B")

@@ -212,14 +212,15 @@ def drift_rows(
 
 def section_scalars(sections: Mapping[str, Any], prefix: str = "precision") -> dict[str, float]:
     """The numbers of an event's extra sections, flattened for W&B
-    (``precision/lost_updates/share``, ``precision/memory/decisions/trainable upcast/bytes``);
+    (``precision/lost_updates/share``, ``precision/memory/decisions/trainable_upcast/bytes``);
     lists are left to the JSON."""
     out: dict[str, float] = {}
     for key, value in sections.items():
+        name = f"{prefix}/{str(key).replace(' ', '_')}"
         if isinstance(value, Mapping):
-            out.update(section_scalars(value, f"{prefix}/{key}"))
+            out.update(section_scalars(value, name))
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[f"{prefix}/{key}"] = value
+            out[name] = value
     return out
 
 

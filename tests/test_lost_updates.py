@@ -20,11 +20,16 @@ from hf_precision.tiny import tiny_batch, tiny_llava
 DOC = Path(__file__).resolve().parents[1] / "docs" / "updates_memory_provenance.md"
 
 
-def _train(make_trainer, dtype: torch.dtype, **cb: object):
+def _train(make_trainer, dtype: torch.dtype, report_to: list[str] | None = None, **cb: object):
     model = tiny_llava(seed=0).to(dtype)  # every weight trainable: a full fine-tune
     callback = PrecisionGuardCallback(**cb)  # no flag: the no-flag rule keeps bf16 trainables
     trainer = make_trainer(
-        model, tiny_batch(model, 2), callbacks=[callback], learning_rate=1e-5, max_steps=3
+        model,
+        tiny_batch(model, 2),
+        callbacks=[callback],
+        learning_rate=1e-5,
+        max_steps=3,
+        report_to=report_to or [],
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -38,12 +43,22 @@ def _section(trainer) -> dict:
     return json.loads(path.read_text())["lost_updates"]
 
 
-def test_a_bf16_full_fine_tune_is_warned_with_its_measured_share(make_trainer):
-    trainer, callback, model, lost = _train(make_trainer, torch.bfloat16)
+def test_a_bf16_full_fine_tune_is_warned_with_its_measured_share(
+    make_trainer, tmp_path, monkeypatch
+):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    try:
+        trainer, callback, model, lost = _train(make_trainer, torch.bfloat16, ["wandb"])
+        summary = dict(wandb.run.summary)
+    finally:
+        wandb.finish()
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # trained as loaded
     [line] = lost
     section = _section(trainer)
     assert section["steps"] == 3 and section["half_share"] > 0.5, section
+    assert summary["precision/lost_updates/half_share"] == section["half_share"]  # W&B
     assert section["counted"] > 1000
     share = re.search(r"(\d+)% of the sampled bfloat16 elements", line)
     assert share and int(share.group(1)) == round(100 * section["half_share"])
