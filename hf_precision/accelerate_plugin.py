@@ -366,6 +366,8 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._lost is not None:
+            self._lost.detach()
         for g in self._guarded:
             g.teardown()
 

@@ -123,8 +123,9 @@ def _signed(n: int) -> str:
 
 
 def account_line(account: dict[str, Any]) -> str:
-    """The console line: ``hf-precision: memory: trainable upcast 18 tensors +1.2 KiB; kept
-    float32 (rotary) 2 +64 B; stash 0 B; guards 0 B; alternative: ...``."""
+    """The console line: ``hf-precision: memory: trainable upcast 18 tensor(s) +1.2 KiB; kept
+    float32 (deliberate_fp32) 4 +64 B vs bfloat16; eval stash 0 B (host); guards 0 B; to weigh:
+    ...``."""
     parts = [
         f"{what} {row['count']} tensor(s) {_signed(row['bytes'])}"
         for what, row in sorted(account["decisions"].items())
@@ -133,7 +134,7 @@ def account_line(account: dict[str, Any]) -> str:
     parts += [
         f"kept float32 ({rule}) {row['count']} {_signed(row['bytes'])} vs {versus}"
         for rule, row in sorted(account["kept_fp32"].items())
-        if row["bytes"]
+        if row["bytes"] and rule != "rotary"  # every model's rotary tables: in the JSON only
     ]
     parts.append(f"eval stash {fmt_bytes(account['stash_host_bytes'])} (host)")
     parts.append("guards 0 B")
