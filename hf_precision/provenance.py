@@ -122,7 +122,8 @@ def _components(args: Any, model: Any, env: Mapping[str, str]) -> list[dict[str,
 def _winner(args: Any, found: list[dict[str, Any]], env: Mapping[str, str]) -> tuple[str, str]:
     """(component that decided the compute precision, the line)."""
     script = _script_flag(args)
-    resolved = str(getattr(args, "mixed_precision", None) or script or "no")
+    # transformers: the script's flag wins, else args.mixed_precision (read from the variable)
+    resolved = str(script or getattr(args, "mixed_precision", None) or "no")
     said = f"the script's {script}=True" if script else "the script set neither bf16 nor fp16"
     framework = next((c for c in found if c["component"] in _RECORDED), None)
     if framework is not None:

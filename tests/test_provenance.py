@@ -122,3 +122,36 @@ def test_peft_adapter_dtypes_against_the_base(tiny_args):
     assert set(peft["set"]["adapter_dtypes"]) == {"float32"}  # autocast_adapter_dtype=True
     assert set(peft["set"]["base_dtypes"]) == {"bfloat16"}
     assert found["notable"]
+
+
+def test_what_ms_swift_set_by_itself_is_named(tiny_args):
+    """ms-swift's adapter wraps swift's ``_init_mixed_precision`` (``_recording``): a flag it
+    filled in is recorded as swift's (run for real under swift in tests/integrations)."""
+    from hf_precision.integrations import ms_swift
+
+    class Args:
+        torch_dtype = torch.float32
+
+        def __init__(self, fp16: bool | None) -> None:
+            self.fp16, self.bf16 = fp16, None
+
+        def settle(self) -> None:  # swift's rule for torch_dtype float32
+            self.fp16 = True if self.fp16 is None else self.fp16
+            self.bf16 = False if self.bf16 is None else self.bf16
+
+    settle = ms_swift._recording(Args.settle)
+    args = tiny_args()
+    args.fp16 = True  # what swift hands the Trainer
+    try:
+        settle(Args(fp16=None))
+        found = precision_provenance(args, environ={})
+        assert found["chosen_by"] == "ms-swift"
+        assert found["line"] == (
+            "precision: fp16 — ms-swift set fp16=True by itself (from torch_dtype float32; "
+            "--fp16/--bf16 were left unset), not the user"
+        )
+        settle(Args(fp16=True))  # the user's --fp16 true
+        assert precision_provenance(args, environ={})["chosen_by"] == "script"
+    finally:
+        ms_swift._SET_BY_SWIFT.clear()
+        provenance.record("ms-swift", {})
