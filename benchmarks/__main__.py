@@ -35,9 +35,9 @@ FAMILIES: dict[str, str] = {
     "reporting": "benchmarks.bench_reporting",
     "gpu": "benchmarks.gpu",
     "cli": "benchmarks.cli_startup",
-    "silent": "benchmarks.silent_cost",
+    "updates": "benchmarks.updates_cost",
 }
-CPU_FAMILIES = ("step", "audit", "enforce", "batch", "reporting", "cli", "silent")
+CPU_FAMILIES = ("step", "audit", "enforce", "batch", "reporting", "cli", "updates")
 
 
 def _as_figure(item: Any) -> Figure:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
-from benchmarks import audit, batch_cost, enforce_cost, gpu, silent_cost, step_overhead
+from benchmarks import audit, batch_cost, enforce_cost, gpu, updates_cost, step_overhead
 from benchmarks.__main__ import main, table
 from benchmarks.common import Figure, interleave
 from benchmarks.models import build_meta, llava15_7b_config, qwen2_vl_72b_config
@@ -69,10 +69,10 @@ def test_step_overhead_quick_installs_and_counts_guards() -> None:
     )
 
 
-def test_silent_cost_quick_times_the_lost_update_sample() -> None:
-    figs = _by_id(silent_cost.run(quick=True, reps=1))
-    assert set(figs) == {"silent_lost_updates_watching", "silent_off", "silent_event_cost"}
-    assert figs["silent_off"].detail["trainable_tensors"] > 5
+def test_updates_cost_quick_times_the_lost_update_sample() -> None:
+    figs = _by_id(updates_cost.run(quick=True, reps=1))
+    assert set(figs) == {"updates_watching", "updates_off", "updates_event_cost"}
+    assert figs["updates_off"].detail["trainable_tensors"] > 5
     assert all(f.value is not None and f.value >= 0 for f in figs.values())
 
 

@@ -15,7 +15,7 @@ on the weights' dtype, only on the number of trainable tensors). Arms, rotated e
 The memory account and the provenance record run once per guard event, not per step: their
 figure is seconds per event on the same model.
 
->>> from benchmarks.silent_cost import run
+>>> from benchmarks.updates_cost import run
 >>> figures = run(quick=True)  # doctest: +SKIP
 """
 
@@ -34,7 +34,7 @@ from hf_precision.provenance import precision_provenance
 from .common import Figure, interleave, param_count, ratio_figure, smoke
 from .models import build, llava_100m_config, quick_llava_config, vlm_batch
 
-FAMILY = "silent"
+FAMILY = "updates"
 
 
 def _event_cost(model: torch.nn.Module, report: Any, reps: int) -> float:
@@ -88,7 +88,7 @@ def run(quick: bool = False, reps: int | None = None) -> list[Figure]:
     }
     figures = [
         ratio_figure(
-            "silent_lost_updates_watching",
+            "updates_watching",
             "step while the lost-update check samples ÷ none (first 3 steps only)",
             runs,
             "watching",
@@ -97,7 +97,7 @@ def run(quick: bool = False, reps: int | None = None) -> list[Figure]:
             **shape,
         ),
         ratio_figure(
-            "silent_off",
+            "updates_off",
             "step after the check / lost_updates='off' ÷ none",
             runs,
             "after",
@@ -106,7 +106,7 @@ def run(quick: bool = False, reps: int | None = None) -> list[Figure]:
             **shape,
         ),
         Figure(
-            "silent_event_cost",
+            "updates_event_cost",
             "memory account + provenance, per guard event",
             round(_event_cost(model, report, 3 if quick else 7), 5),
             None,
