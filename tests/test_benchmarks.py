@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
-from benchmarks import audit, batch_cost, enforce_cost, gpu, updates_cost, step_overhead
+from benchmarks import audit, batch_cost, enforce_cost, gpu, step_overhead, updates_cost
 from benchmarks.__main__ import main, table
 from benchmarks.common import Figure, interleave
 from benchmarks.models import build_meta, llava15_7b_config, qwen2_vl_72b_config
