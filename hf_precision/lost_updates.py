@@ -34,6 +34,7 @@ from typing import Any, Literal
 import torch
 
 from .dtypes import dtype_name
+from .wrappers import is_sharded
 
 LostUpdates = Literal["auto", "off"]
 LOST_UPDATES: tuple[str, ...] = ("auto", "off")
@@ -169,8 +170,10 @@ class LostUpdateCheck:
         seed: int = 0,
     ) -> None:
         items = named.items() if isinstance(named, Mapping) else named
-        self.params = {
-            n: p for n, p in items if p.requires_grad and p.is_floating_point() and p.numel() > 0
+        self.params = {  # a DTensor shard (FSDP2) is not sampled: its flat index is not global
+            n: p
+            for n, p in items
+            if p.requires_grad and p.is_floating_point() and p.numel() > 0 and not is_sharded(p)
         }
         self.steps, self.sample = steps, sample
         gen = torch.Generator().manual_seed(seed)
@@ -213,6 +216,35 @@ class LostUpdateCheck:
         self._before = {}
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        try:
+            self._snapshot()
+        except Exception as err:  # an observer never stops training
+            self._give_up(err)
+
+    def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        try:
+            self._compare()
+        except Exception as err:
+            self._give_up(err)
+            return
+        self.seen += 1
+        if self.done:
+            self.detach()
+            if self.on_done is not None:
+                self.on_done(self.result())
+
+    def _give_up(self, err: Exception) -> None:
+        from .errors import PrecisionWarning
+
+        self.detach()
+        warnings.warn(
+            f"hf-precision: the lost-update check stopped ({type(err).__name__}: {err}); "
+            "training goes on. Fix: lost_updates='off' silences this.",
+            PrecisionWarning,
+            stacklevel=3,
+        )
+
+    def _snapshot(self) -> None:
         self._before = {}
         for n, p in self.params.items():
             if p.grad is None:
@@ -221,7 +253,7 @@ class LostUpdateCheck:
             flat, grad = p.detach().reshape(-1), p.grad.detach().reshape(-1)
             self._before[n] = (flat[idx].clone(), grad[idx] != 0)
 
-    def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _compare(self) -> None:
         for n, (before, moved) in self._before.items():
             p = self.params[n]
             after = p.detach().reshape(-1)[self._index[n].to(p.device)]
@@ -230,11 +262,6 @@ class LostUpdateCheck:
             tally.counted += int(moved.sum())
             tally.unchanged += int((same & moved).sum())
         self._before = {}
-        self.seen += 1
-        if self.done:
-            self.detach()
-            if self.on_done is not None:
-                self.on_done(self.result())
 
     def result(self) -> LostUpdateResult:
         return LostUpdateResult(self.seen, self.sample, list(self._tally.values()))

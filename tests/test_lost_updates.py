@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_precision import PrecisionError, PrecisionGuardCallback
+from hf_precision import PrecisionError, PrecisionGuardCallback, PrecisionWarning
 from hf_precision.lost_updates import LostUpdateCheck, lost_updates_fix
 from hf_precision.tiny import tiny_batch, tiny_llava
 
@@ -118,3 +118,15 @@ def test_the_docs_python_blocks_run(i, tmp_path, monkeypatch):
     blocks = _blocks()
     assert len(blocks) == 3
     exec(compile(blocks[i], f"{DOC.name}[{i}]", "exec"), {"__name__": "__doc_example__"})
+
+
+def test_a_check_that_fails_warns_once_and_the_step_goes_on():
+    w = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+    opt = torch.optim.SGD([w], lr=1.0)
+    check = LostUpdateCheck({"w": w}, steps=3).attach(opt)
+    check._index["w"] = torch.tensor([100])  # out of range: the snapshot raises IndexError
+    w.grad = torch.ones_like(w)
+    with pytest.warns(PrecisionWarning, match="the lost-update check stopped .IndexError"):
+        opt.step()
+    assert torch.equal(w.detach(), torch.zeros(8, dtype=torch.bfloat16))  # the step ran
+    assert not check.active and check.seen == 0
