@@ -36,8 +36,9 @@ FAMILIES: dict[str, str] = {
     "gpu": "benchmarks.gpu",
     "cli": "benchmarks.cli_startup",
     "silent": "benchmarks.silent_cost",
+    "updates": "benchmarks.updates_cost",
 }
-CPU_FAMILIES = ("step", "audit", "enforce", "batch", "reporting", "cli", "silent")
+CPU_FAMILIES = ("step", "audit", "enforce", "batch", "reporting", "cli", "silent", "updates")
 
 
 def _as_figure(item: Any) -> Figure:

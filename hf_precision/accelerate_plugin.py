@@ -54,6 +54,7 @@ from .dtypes import dtype_name
 from .enforce import EnforceReport
 from .errors import PrecisionError, PrecisionWarning
 from .guard import GuardFrontEnd, PrecisionGuard, policy_origin
+from .lost_updates import LostUpdateCheck, LostUpdates, check_option, watch
 from .policy import LeafGuards, Mode, PrecisionPolicy
 from .reporting import PrecisionReporter
 from .wrappers import unwrap_model
@@ -95,6 +96,9 @@ class PrecisionGuardPlugin(GuardFrontEnd):
             until :meth:`observe` sees a non-finite loss or gradient norm, or the GradScaler
             skipped a step; then the next step is inspected), ``"always"`` or ``"off"``;
             :meth:`blame_next_step` arms it on request.
+        lost_updates: ``"auto"`` watches the first optimizer steps of half-precision trainable
+            weights and warns when their updates round away (``hf_precision.lost_updates``);
+            ``"off"``.
 
     >>> guard = PrecisionGuardPlugin("bf16", mode="raise")
     """
@@ -110,6 +114,7 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         report: bool = True,
         report_dir: str | os.PathLike[str] | None = None,
         blame: BlameMode = "auto",
+        lost_updates: LostUpdates = "auto",
     ) -> None:
         self.blame_mode = check_mode(blame, call="PrecisionGuardPlugin")
         #: one blame per guarded model (:mod:`hf_precision.blame`)
@@ -134,6 +139,8 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         self._reporter: Any = None
         self._inferred = policy is None  # where the policy came from, for the console line
         self._said = ""  # the accelerator's mixed precision as the user set it
+        self.lost_updates = check_option(lost_updates, call=self._call)
+        self._lost: LostUpdateCheck | None = None
 
     # ------------------------------------------------------------------ accelerate
     def prepare(self, accelerator: Any, *objects: Any, **kwargs: Any) -> Any:
@@ -228,6 +235,8 @@ class PrecisionGuardPlugin(GuardFrontEnd):
             )
             return
         self._optimizers.append(inner)
+        if self.lost_updates == "auto" and self._guarded and self._lost is None:
+            self._lost = watch(self._guarded[0], inner, tool="accelerate")
         if self.check_every or self.blame_mode != "off":
             self._handles.append(inner.register_step_pre_hook(self._step_pre_hook))
 
@@ -404,6 +413,8 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._lost is not None:
+            self._lost.detach()
         for g in self._guarded:
             g.teardown()
         for b in self.blames:

@@ -40,6 +40,7 @@ from .errors import PrecisionError, PrecisionWarning
 from .groups import ModuleGroups
 from .guard import GuardFrontEnd, PrecisionGuard, policy_origin
 from .hooks import GuardHandle
+from .lost_updates import LostUpdateCheck, LostUpdates, check_option, watch
 from .policy import LeafGuards, Mode, PrecisionPolicy
 from .wrappers import unwrap_model
 
@@ -68,6 +69,9 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
             inspected), ``"always"`` or ``"off"``.
         trace: record the first training step's forward, module by module, and report where
             the activation dtype changed (:mod:`hf_precision.trace`; ``True`` or ``"setup"``).
+        lost_updates: ``"auto"`` watches the first optimizer steps of half-precision trainable
+            weights and warns when their updates round away (``hf_precision.lost_updates``);
+            ``"off"``.
 
     >>> from transformers import Trainer  # doctest: +SKIP
     >>> Trainer(model=model, args=args, callbacks=[PrecisionGuardCallback()])  # doctest: +SKIP
@@ -84,6 +88,7 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         report_to: list[str] | str | None = None,
         blame: BlameMode = "auto",
         trace: bool | str = False,
+        lost_updates: LostUpdates = "auto",
     ) -> None:
         self._init_policy("PrecisionGuardCallback", policy, mode=mode, leaf_guards=leaf_guards)
         self.blame_mode = check_mode(blame, call="PrecisionGuardCallback")
@@ -108,6 +113,8 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         self._deepspeed_stage: int | None = None
         #: one engine per other model the Trainer runs (TRL's ref_model, reward models...)
         self.trainer_guards: dict[str, PrecisionGuard] = {}
+        self.lost_updates = check_option(lost_updates, call=self._call)
+        self._lost: LostUpdateCheck | None = None
 
     # what the engine knows, under the names this callback always had
     @property
@@ -173,6 +180,7 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         if self.blame is not None:
             self.blame.disarm()
         self.blame = NonFiniteBlame(model, self.blame_mode, args=args)
+        self._provenance(args, model)
         logger.info(
             "hf-precision: policy %s; groups by rule %r",
             self.policy.describe(),
@@ -293,6 +301,22 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
                 step=step,
             )
 
+    def _provenance(self, args: Any, model: nn.Module) -> None:
+        from .provenance import precision_provenance
+
+        assert self.guard is not None
+        found = self.guard.sections["provenance"] = precision_provenance(args, model)
+        if found["notable"]:
+            logger.warning("hf-precision: %s", found["line"])
+
+    def _watch_updates(self, args: Any, kwargs: dict[str, Any]) -> None:
+        """Start the lost-update check on the Trainer's optimizer, once per model."""
+        optimizer = kwargs.get("optimizer")
+        if self.lost_updates == "off" or self.guard is None or optimizer is None:
+            return
+        if self._lost is None or self._lost.root is not self.guard.root:
+            self._lost = watch(self.guard, optimizer, args=args)
+
     def _stash(self) -> None:
         if self.guard is not None and self.policy is not None:
             self.guard.stash(self.policy.full_eval_dtype, STASH_LIMIT_BYTES)
@@ -304,6 +328,7 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # restore: a standalone evaluate() with *_full_eval ran before train()
         self._verify("on_train_begin", args, state, kwargs, check_ranks=True, restore=True)
+        self._watch_updates(args, kwargs)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.trace and self._tracer is None and self.trace_result is None:

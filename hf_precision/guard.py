@@ -58,6 +58,7 @@ from .hooks import (
     remove_guards,
 )
 from .keep_rules import model_keep_lists
+from .memory_account import account_line, memory_account
 from .outside_reads import find_outside_reads, install_fused_head_check
 from .policy import (
     KEEP_RULES,
@@ -140,6 +141,9 @@ class PrecisionGuard:
         #: FSDP2 unit path -> the hooks that cast its outputs to its parent's compute dtype
         self._bridges: dict[str, list[RemovableHandle]] = {}
         self._stash: dict[str, torch.Tensor] = {}
+        #: extra sections of every event's JSON: ``memory`` (the setup's account), ``provenance``
+        #: (who chose the precision), ``lost_updates`` (the first optimizer steps)
+        self.sections: dict[str, Any] = {}
         if claim:
             claim_model(self.root, self.owner, policy, self.call)
 
@@ -225,6 +229,7 @@ class PrecisionGuard:
         if wrapper == "FSDP2":
             report = self._fsdp2_outputs(model, report, where)
         self._say(where, audit, report, found, first=first, held=wrapper in HOLDING_WRAPPERS)
+        self._account(report, first=first)
         self.last_report = report
         self.handle = install_guards(
             model, policy, report, groups=self.groups, view=view, notice=self.notice
@@ -250,6 +255,7 @@ class PrecisionGuard:
                 groups=self.groups,
                 report=report if noted else None,
                 view=view,
+                sections=self.sections,
             )
         if check_ranks:  # a collective: every rank reaches the same events
             check_model_ranks(model, self.groups, policy=policy, where=where)
@@ -427,6 +433,33 @@ class PrecisionGuard:
             for w in report.warnings:
                 self._warn_once(w)
 
+    def _account(self, report: EnforceReport, *, first: bool) -> None:
+        """The setup's memory account (every later event's JSON carries it); said on the
+        console with the setup's cast line."""
+        if not first:
+            return
+        self.sections["memory"] = memory_account(report, self.root, stash_bytes=self.stash_bytes)
+        if report.applied and report.changes:
+            logger.warning(account_line(self.sections["memory"]))
+
+    @property
+    def stash_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._stash.values())
+
+    def log_sections(self, event: str, *, step: int) -> None:
+        """Write an event that carries :attr:`sections` without planning or casting anything
+        (the lost-update check's result, mid-training)."""
+        if self.reporter is not None:
+            policy = self._renamed(self.policy)
+            self.reporter.log_event(
+                event,
+                self.model,
+                step=step,
+                policy=policy,
+                groups=self.groups,
+                sections=self.sections,
+            )
+
     def _report_dir(self) -> str | None:
         path = getattr(self.reporter, "report_dir", None)
         return f"{os.fspath(path).rstrip(os.sep)}{os.sep}" if path is not None else None
@@ -503,6 +536,8 @@ class PrecisionGuard:
                 keep[name] = t
                 total += size
         self._stash = {k: v.detach().to("cpu", copy=True) for k, v in keep.items()}
+        if "memory" in self.sections:
+            self.sections["memory"]["stash_host_bytes"] = self.stash_bytes
         if any(counts):
             what = (
                 "trainable weight(s)",

@@ -30,8 +30,8 @@ import logging
 import os
 import re
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -224,6 +224,20 @@ def drift_rows(
     return rows
 
 
+def section_scalars(sections: Mapping[str, Any], prefix: str = "precision") -> dict[str, float]:
+    """The numbers of an event's extra sections, flattened for W&B
+    (``precision/lost_updates/share``, ``precision/memory/decisions/trainable_upcast/bytes``);
+    lists are left to the JSON."""
+    out: dict[str, float] = {}
+    for key, value in sections.items():
+        name = f"{prefix}/{str(key).replace(' ', '_')}"
+        if isinstance(value, Mapping):
+            out.update(section_scalars(value, name))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = value
+    return out
+
+
 def mismatch_counts(report: Any) -> dict[str, int]:
     """``{"found", "repaired", "open"}``: the tensors an event's
     :class:`~hf_precision.enforce.EnforceReport` found off the policy, those it cast back
@@ -256,6 +270,7 @@ class _Snapshot:
     #: ``(event, step)`` of the last event that logged the table, when the map is the same
     unchanged_since: tuple[str, int] | None = None
     png: bytes | None = None
+    sections: dict[str, Any] = field(default_factory=dict)
 
     @property
     def mismatches(self) -> dict[str, int]:
@@ -448,12 +463,15 @@ class PrecisionReporter:
         groups: Any = None,
         report: Any = None,
         view: Any = None,
+        sections: Mapping[str, Any] | None = None,
     ) -> DtypeMap:
         """Snapshot ``model`` and write/log it; returns the :class:`DtypeMap`.
 
         ``report`` is the :class:`~hf_precision.enforce.EnforceReport` of this event when the
         model did not match the policy (its changes become drift rows); ``view`` the event's
-        walk of the model (:class:`~hf_precision.view.ModelView`), when the caller has one.
+        walk of the model (:class:`~hf_precision.view.ModelView`), when the caller has one;
+        ``sections`` more top-level keys of the event JSON (``memory``, ``provenance``,
+        ``lost_updates``), their numbers also logged to W&B as ``precision/<section>/...``.
         """
         dmap = dtype_map(model, groups, policy=policy, view=view)
         diff = self.last_map.diff(dmap) if self.last_map is not None else None
@@ -481,6 +499,7 @@ class PrecisionReporter:
             stem=self._stem(event, step),
             unchanged_since=unchanged,
         )
+        snap.sections = json.loads(json.dumps(dict(sections or {}), default=str))
         snap.png = self._render_png(dmap, event, step, policy, report, model)
         png_path = None
         if self.report_dir is not None:
@@ -565,6 +584,7 @@ class PrecisionReporter:
             "outside_reads": report.get("outside_reads", []),
             "nonfinite": self.nonfinite,
             "picture": png_path.name if png_path is not None else None,
+            **snap.sections,
         }
         path.write_text(json.dumps(payload, indent=1))
         self.written.append(path)
@@ -579,6 +599,7 @@ class PrecisionReporter:
         for kind, n in snap.mismatches.items():
             scalars[f"precision/mismatches/{kind}"] = n
         scalars["precision/modules_aggregated"] = snap.aggregated
+        scalars.update(section_scalars(snap.sections))
         group_rows = snap.dmap.group_rows()
         self.wandb.submit(
             WandbPayload(

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
-from benchmarks import audit, batch_cost, enforce_cost, gpu, step_overhead
+from benchmarks import audit, batch_cost, enforce_cost, gpu, step_overhead, updates_cost
 from benchmarks.__main__ import main, table
 from benchmarks.common import Figure, interleave
 from benchmarks.models import build_meta, llava15_7b_config, qwen2_vl_72b_config
@@ -67,6 +67,13 @@ def test_step_overhead_quick_installs_and_counts_guards() -> None:
     assert all(
         f.value is not None and math.isfinite(f.value) and f.value > 0 for f in figs.values()
     )
+
+
+def test_updates_cost_quick_times_the_lost_update_sample() -> None:
+    figs = _by_id(updates_cost.run(quick=True, reps=1))
+    assert set(figs) == {"updates_watching", "updates_off", "updates_event_cost"}
+    assert figs["updates_off"].detail["trainable_tensors"] > 5
+    assert all(f.value is not None and f.value >= 0 for f in figs.values())
 
 
 def test_enforce_memory_is_measured_and_everything_cast() -> None:

@@ -620,7 +620,8 @@ def test_vision_heavy_model_without_flag_keeps_its_trainable_language_model_bf16
     assert {p.dtype for p in lm.parameters()} == {torch.bfloat16}  # not upcast to fp32
     assert {n: p for n, p in lm.named_parameters()} == lm_params  # same Parameter objects
     assert {p.dtype for p in model.model.vision_tower.parameters()} == {torch.bfloat16}
-    (line,) = _said(caplog)  # no memory line: nothing was upcast
+    line, account = _said(caplog)  # no upcast memory line: nothing was upcast
+    assert account.startswith("hf-precision: memory: frozen cast down ")  # what it saves
     assert " tensors → bfloat16 (frozen) in vision_encoder (e.g. " in line
     proj = model.model.multi_modal_projector  # trainable, loaded fp32: kept fp32
     assert {p.dtype for p in proj.parameters()} == {torch.float32}

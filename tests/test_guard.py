@@ -174,8 +174,9 @@ def test_the_cast_line_without_a_reporter_says_report_off(caplog: Any) -> None:
     )
     with caplog.at_level("WARNING", logger="hf_precision"):
         guard.verify("setup")
-    line, memory = [r.getMessage() for r in caplog.records if r.name == "hf_precision"]
+    line, memory, account = [r.getMessage() for r in caplog.records if r.name == "hf_precision"]
     assert memory.startswith("hf-precision: upcast weights take more memory: vision_encoder")
+    assert account.startswith("hf-precision: memory: trainable upcast ")
     n = sum(1 for _ in model.model.vision_tower.parameters())
     assert line.startswith(
         f"hf-precision: {n} tensors → float32 (trainable) in vision_encoder (e.g."
@@ -260,8 +261,10 @@ def test_the_cast_line_says_what_was_kept_in_float32_on_purpose(caplog: Any) -> 
     guard = PrecisionGuard(model, PrecisionPolicy.from_preset("bf16-true"), origin="as given")
     with caplog.at_level("WARNING", logger="hf_precision"):
         guard.verify("setup")
-    (line,) = [r.getMessage() for r in caplog.records if r.name == "hf_precision"]
+    line, account = [r.getMessage() for r in caplog.records if r.name == "hf_precision"]
     assert f"; kept in float32 on purpose: {len(norms)} (deliberate_fp32); policy " in line
+    assert f"kept float32 (deliberate_fp32) {len(norms)} +" in account
+    assert "(rotary)" not in account
     assert "(rotary)" not in line  # the recomputed tables are a cast, said as one
     assert {w.dtype for w in norms} == {torch.float32}
     assert any(rule == "rotary" for _, _, rule, _ in guard.last_report.kept)

@@ -107,6 +107,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "fsdp2",
         "blame",
         "trace",
+        "lost_updates",
+        "memory_account",
+        "provenance",
     ),
     "engine": ("guard",),
     "frontends": (

@@ -26,6 +26,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from hf_precision import provenance
 from hf_precision.callback import PrecisionGuardCallback
 from hf_precision.errors import PrecisionError
 from hf_precision.integrations.launcher import LaunchConfig
@@ -129,6 +130,7 @@ class PrecisionGuardPluginMethods:
         callback = callback_from_config("auto" if value is None else value)
         if self.raw_flags is not None:
             self.set_by_axolotl = flags_set_by_axolotl(self.raw_flags, cfg)
+            provenance.record("axolotl", self.set_by_axolotl, "`bf16: auto` found no bf16 GPU")
         if callback is not None and self.set_by_axolotl and os.environ.get("RANK", "0") == "0":
             named = ", ".join(f"{flag}=True" for flag in self.set_by_axolotl)
             logger.warning(

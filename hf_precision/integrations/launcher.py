@@ -357,10 +357,12 @@ def _announce(trainer: Any, cb: Any, config: LaunchConfig) -> None:
     where = config.report_dir or os.path.join(getattr(args, "output_dir", None) or ".", "precision")
     policy = cb.policy.describe() if cb.policy is not None else "inferred at train begin"
     tool = config.tool or tool_name(sys.argv)
+    chosen = getattr(getattr(cb, "guard", None), "sections", {}).get("provenance") or {}
+    said = f"; {chosen['line']}" if chosen.get("notable") else ""
     print(
         f"hf-precision: precision guard on for {type(trainer).__name__} (launched by {tool}, "
         f"via {config.via}): policy {policy}; reports in {os.path.abspath(where)}{os.sep}; off: "
-        f"unset {ENV_GUARD}",
+        f"unset {ENV_GUARD}{said}",
         file=sys.stderr,
         flush=True,
     )

@@ -77,6 +77,18 @@ def swift_flag_note(args: Any = None) -> str | None:
     )
 
 
+def _record_provenance() -> None:
+    """Tell the provenance record (the event JSON's ``provenance``) what swift set by itself."""
+    from hf_precision import provenance
+
+    dtype = str(_SET_BY_SWIFT.get("torch_dtype")).replace("torch.", "")
+    provenance.record(
+        "ms-swift",
+        {k: v for k, v in _SET_BY_SWIFT.items() if k in _FLAGS and v},
+        f"from torch_dtype {dtype}; --fp16/--bf16 were left unset",
+    )
+
+
 def _recording(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap swift's ``ModelArguments._init_mixed_precision``: note which flags it filled in."""
 
@@ -89,6 +101,7 @@ def _recording(original: Callable[..., Any]) -> Callable[..., Any]:
             {k: bool(getattr(self, k, False)) for k, v in before.items() if v is None}
         )
         _SET_BY_SWIFT["torch_dtype"] = getattr(self, "torch_dtype", None)
+        _record_provenance()
         return result
 
     _init_mixed_precision.__hf_precision__ = True  # type: ignore[attr-defined]
