@@ -112,6 +112,7 @@ def guard_diffusion(
     vae_images: torch.Tensor | None = None,
     reporter: Any = None,
     event: str = "setup",
+    step: int = 0,
 ) -> DiffusionGuard:
     """Enforce ``policy`` on every model of a pipeline, dict of components or single model,
     and install the guards, each component as its own root (so the denoiser's guard is the
@@ -124,7 +125,8 @@ def guard_diffusion(
 
     ``reporter`` (a :class:`~hf_precision.reporting.PrecisionReporter`) writes each component's
     dtype map as the callback's do (``<report_dir>/<step>-<event>.json``, ``precision.log``,
-    W&B/TensorBoard); ``event`` names it (the launcher uses ``validation_pipeline``).
+    W&B); ``event`` names it (the launcher uses ``validation_pipeline``), ``step`` the training
+    step it happens at.
 
     >>> from hf_precision.tiny import OneTrainerTiny
     >>> guard = guard_diffusion({"unet": OneTrainerTiny().requires_grad_(False)}, "fp16-vae32")
@@ -165,11 +167,16 @@ def guard_diffusion(
             p = dataclasses.replace(p, compute_dtype=p.group_dtype("vae"))
         if mode is not None:
             p = p.replace(mode=mode)
+        # one policy for the pipeline: each component sees the group dtypes of its own groups
+        own = {g: d for g, d in p.group_dtypes.items() if g in groups.names}
+        if own != p.group_dtypes:
+            p = dataclasses.replace(p, group_dtypes=own)
         # one-shot (no later events): a new guard_diffusion call replaces this one, no claim
         guard = PrecisionGuard(
             module, p, name="guard_diffusion", groups=groups, claim=False, reporter=reporter
         )
-        report = guard.verify(event if len(comps) == 1 else f"{event}-{name}", optimizer=optimizer)
+        ev = event if len(comps) == 1 else f"{event}-{name}"
+        report = guard.verify(ev, optimizer=optimizer, step=step)
         out.guards[name], out.groups[name], out.reports[name] = guard, groups, report
         assert guard.handle is not None
         out.handles[name] = guard.handle

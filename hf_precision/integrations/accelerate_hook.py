@@ -52,10 +52,25 @@ def current_accelerator() -> Any:
     return _current[0]() if _current else None
 
 
-def _in_trainer_init() -> bool:
+def built_by_trainer() -> bool:
+    """Whether the ``Accelerator`` being built is a ``Trainer``'s: inside the launcher's
+    ``Trainer.__init__`` wrapper, or called from a Trainer method (its ``__init__`` and its
+    hyper-parameter search both build one through ``create_accelerator_and_postprocess``)."""
     from . import launcher
 
-    return bool(getattr(launcher._state, "depth", 0))
+    if getattr(launcher._state, "depth", 0):
+        return True
+    trainer_mod = sys.modules.get("transformers.trainer")
+    trainer_cls = getattr(trainer_mod, "Trainer", None)
+    frame: Any = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        owner = frame.f_locals.get("self")
+        if trainer_cls is not None and isinstance(owner, trainer_cls):
+            return True
+        frame = frame.f_back
+    return False
 
 
 # ----------------------------------------------------------------------- Accelerator
@@ -65,7 +80,7 @@ def _wrap_init(init: Any) -> Any:
         init(self, *args, **kwargs)
         if not autostart.enabled():
             return
-        if _in_trainer_init():
+        if built_by_trainer():
             setattr(self, TRAINER_ATTR, True)
             return
         _current[:] = [weakref.ref(self)]
@@ -215,7 +230,11 @@ def guard_pipeline(pipeline: Any) -> Any:
     mp = getattr(accelerator, "mixed_precision", None)
     policy = loaded_policy(mp, comps)
     guard = guard_diffusion(
-        comps, policy, reporter=getattr(plugin, "_reporter", None), event=PIPELINE_EVENT
+        comps,
+        policy,
+        reporter=getattr(plugin, "_reporter", None),
+        event=PIPELINE_EVENT,
+        step=getattr(plugin, "steps", 0),
     )
     pipeline.__dict__["_hf_precision_guard"] = guard
     return guard
@@ -253,6 +272,7 @@ def patch_accelerator_module(module: Any) -> None:
 
 
 __all__ = [
+    "built_by_trainer",
     "current_accelerator",
     "guard_pipeline",
     "patch_accelerator",

@@ -47,7 +47,7 @@ def save_tiny_sd_pipeline(path: str | Path, seed: int = 0) -> Path:
         tokenizer = _tokenizer(Path(tmp))
     torch.manual_seed(seed)
     config = CLIPTextConfig(**{**fragment_kwargs("clip_text_16"), "vocab_size": 64})
-    pipe = StableDiffusionPipeline(
+    pipe: Any = StableDiffusionPipeline(
         vae=tiny_vae(seed).requires_grad_(True),
         text_encoder=CLIPTextModel(config),
         tokenizer=tokenizer,
