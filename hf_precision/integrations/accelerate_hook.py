@@ -147,7 +147,9 @@ def refuse_cpu_fp16(accelerator: Any, config: Any) -> None:
     device = str(getattr(accelerator, "device", "cpu"))
     if str(getattr(accelerator, "mixed_precision", "no")) != "fp16" or device != "cpu":
         return
-    tool = config.tool or "your script"
+    from .launcher import tool_name
+
+    tool = config.tool or tool_name(sys.argv)
     raise PrecisionError(
         f"hf-precision ({config.via}): {tool} runs with Accelerator(mixed_precision='fp16') on "
         "a CPU: accelerate has no float16 autocast and no GradScaler there, so float16 and "
