@@ -35,8 +35,9 @@ FAMILIES: dict[str, str] = {
     "reporting": "benchmarks.bench_reporting",
     "gpu": "benchmarks.gpu",
     "cli": "benchmarks.cli_startup",
+    "launcher": "benchmarks.launcher_step",
 }
-CPU_FAMILIES = ("step", "audit", "enforce", "batch", "reporting", "cli")
+CPU_FAMILIES = ("step", "audit", "enforce", "batch", "reporting", "cli", "launcher")
 
 
 def _as_figure(item: Any) -> Figure:

@@ -90,7 +90,7 @@ def test_lora_under_bf16_trains_its_adapter_in_fp32(assets, tmp_path, script, da
     plain = run_script(assets, tmp_path / "plain", script, "bf16", *extra, guard=False)
     assert ok(plain), plain.stderr[-3000:]
     dtypes, unchanged = lora_steps(tmp_path / "plain")
-    assert dtypes == {torch.bfloat16} and unchanged > 0.5  # the failure, as a user meets it
+    assert dtypes == {torch.bfloat16} and unchanged > 0.3  # the failure, as a user meets it
 
     guarded = run_script(assets, tmp_path / "guarded", script, "bf16", *extra, guard=True)
     assert ok(guarded), guarded.stderr[-3000:]
