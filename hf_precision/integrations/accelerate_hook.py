@@ -16,6 +16,10 @@ diffusers' example training scripts, kohya-style scripts and custom loops build 
   bf16 no longer rounds its updates away), reports in ``<project_dir>/precision``. A prepare
   with fp16 on a CPU (no fp16 autocast, no GradScaler there) is refused before anything is cast,
   with the fix;
+* ``Accelerator.accumulate`` / ``backward``: the first call after a prepare (the loop's start:
+  scripts cast their VAE and text encoders to ``weight_dtype`` after prepare) guards the models
+  built with ``from_pretrained`` that nothing guards yet (VAE, text and image encoders, EMA
+  models), as loaded: :func:`guard_held`, one report event ``held_models`` per model;
 * ``DiffusionPipeline.from_pretrained`` (validation and final inference): the pipeline's
   components not already guarded get :func:`~hf_precision.guard_diffusion` with the policy the
   accelerator implies and each component's dtype *as loaded* (nothing is cast up or down; the
@@ -40,6 +44,8 @@ TRAINER_ATTR = "_hf_precision_trainer_accelerator"
 PLUGIN_ATTR = "_hf_precision_plugin"
 _WRAPPED_ATTR = "_hf_precision_wrapped"
 PIPELINE_EVENT = "validation_pipeline"
+HELD_EVENT = "held_models"
+_PENDING_ATTR = "_hf_precision_held_pending"
 
 _state = threading.local()
 _current: list[Any] = []  # weakref to the current (non-Trainer) accelerator
@@ -105,9 +111,27 @@ def _wrap_prepare(prepare: Any) -> Any:
         plugin = plugin_for(self)
         _state.depth = 1
         try:
-            return plugin.prepare(self, *args, **kwargs)
+            result = plugin.prepare(self, *args, **kwargs)
         finally:
             _state.depth = 0
+        # the models the script holds but did not pass (VAE, text encoders, EMA) are guarded
+        # when the loop starts: scripts cast them to `weight_dtype` after prepare
+        setattr(self, _PENDING_ATTR, True)
+        return result
+
+    setattr(wrapped, _WRAPPED_ATTR, True)
+    return wrapped
+
+
+def _wrap_loop_start(method: Any) -> Any:
+    """``accumulate`` / ``backward``: the first call after a prepare guards the held models."""
+
+    @functools.wraps(method)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self, _PENDING_ATTR, False):
+            setattr(self, _PENDING_ATTR, False)
+            guard_held(self)
+        return method(self, *args, **kwargs)
 
     setattr(wrapped, _WRAPPED_ATTR, True)
     return wrapped
@@ -242,6 +266,49 @@ def guard_pipeline(pipeline: Any) -> Any:
     return guard
 
 
+def _component_name(module: Any, taken: dict[str, Any]) -> str:
+    from ..diffusion_rules import _is_text_encoder, denoiser_kind, is_vae
+
+    base = (
+        "vae"
+        if is_vae(module)
+        else denoiser_kind(module)
+        or ("text_encoder" if _is_text_encoder(module) else type(module).__name__.lower())
+    )
+    name, i = base, 2
+    while name in taken:
+        name, i = f"{base}_{i}", i + 1
+    return name
+
+
+def guard_held(accelerator: Any) -> Any:
+    """:func:`~hf_precision.guard_diffusion` on the models built with ``from_pretrained`` in
+    this process that no live guard holds (the VAE, text encoders, image encoders, EMA models
+    a script keeps beside what it prepared), each as loaded: inputs follow each model's dtype
+    (an fp32 VAE beside a bf16 UNet gets its bf16 pixels in fp32); nothing is cast."""
+    from ..diffusion import guard_diffusion, loaded_policy
+    from ..hooks import claimed_by
+    from ..wrappers import unwrap_model
+
+    plugin = getattr(accelerator, PLUGIN_ATTR, None)
+    inside = {
+        id(m) for g in getattr(plugin, "_guarded", ()) for m in unwrap_model(g.model)[0].modules()
+    }
+    comps: dict[str, Any] = {}
+    for model in list(tracked):
+        root = unwrap_model(model)[0]
+        if id(root) in inside or claimed_by(root) is not None:
+            continue
+        if any(p.is_floating_point() for p in root.parameters()):
+            comps[_component_name(root, comps)] = root
+    if not comps:
+        return None
+    policy = loaded_policy(getattr(accelerator, "mixed_precision", None), comps)
+    reporter = getattr(plugin, "_reporter", None)
+    step = getattr(plugin, "steps", 0)
+    return guard_diffusion(comps, policy, reporter=reporter, event=HELD_EVENT, step=step)
+
+
 # ----------------------------------------------------------------------- the module patch
 def patch_accelerator(accelerator_cls: Any) -> bool:
     """Wrap ``Accelerator.__init__`` and ``prepare``; idempotent. Returns whether it patched."""
@@ -252,13 +319,17 @@ def patch_accelerator(accelerator_cls: Any) -> bool:
     prepare = accelerator_cls.__dict__["prepare"]
     accelerator_cls.prepare = _wrap_prepare(prepare)
     accelerator_cls.prepare.__signature__ = inspect.signature(prepare)
+    for name in ("accumulate", "backward"):
+        method = accelerator_cls.__dict__.get(name)
+        if method is not None:
+            setattr(accelerator_cls, name, _wrap_loop_start(method))
     return True
 
 
 def unpatch_accelerator(accelerator_cls: Any) -> bool:
     """Undo :func:`patch_accelerator`."""
     undone = False
-    for name in ("__init__", "prepare"):
+    for name in ("__init__", "prepare", "accumulate", "backward"):
         fn = accelerator_cls.__dict__.get(name)
         if fn is not None and getattr(fn, _WRAPPED_ATTR, False):
             setattr(accelerator_cls, name, fn.__wrapped__)
@@ -276,6 +347,7 @@ def patch_accelerator_module(module: Any) -> None:
 __all__ = [
     "built_by_trainer",
     "current_accelerator",
+    "guard_held",
     "guard_pipeline",
     "patch_accelerator",
     "patch_accelerator_module",

@@ -128,3 +128,23 @@ def test_a_validation_pipeline_is_guarded_as_loaded(tmp_path):
     assert files == {f"000000-validation_pipeline-{n}.json" for n in guard.reports}
     data = json.loads((tmp_path / "precision" / "000000-validation_pipeline-vae.json").read_text())
     assert data["event"] == "validation_pipeline-vae"
+
+
+def test_a_held_fp32_vae_beside_a_bf16_unet_is_guarded_when_the_loop_starts(tmp_path):
+    """A VAE the script keeps in fp32 and never prepares, fed the bf16 pixels of the bf16 run:
+    unguarded, vae.encode fails (`Input type (c10::BFloat16) and bias type (float)`)."""
+    pytest.importorskip("diffusers")
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+
+    from hf_precision.tiny.sd_pipeline import save_tiny_sd_pipeline
+
+    path = save_tiny_sd_pipeline(tmp_path / "pipe")
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16", project_dir=str(tmp_path))
+    vae = AutoencoderKL.from_pretrained(path, subfolder="vae").requires_grad_(False)
+    unet = UNet2DConditionModel.from_pretrained(path, subfolder="unet").requires_grad_(False)
+    unet = accelerator.prepare(unet.to(torch.bfloat16))
+    pixels = torch.randn(1, 3, 32, 32).to(torch.bfloat16)
+    with accelerator.accumulate(unet):
+        latents = vae.encode(pixels).latent_dist.sample()
+    assert latents.dtype == torch.float32 and vae.dtype == torch.float32  # nothing cast
+    assert (tmp_path / "precision" / "000000-held_models.json").is_file()
