@@ -38,6 +38,9 @@ def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("sd")
     save_tiny_sd_pipeline(root / "pipe")
     save_tiny_image_folder(root / "data")
+    (root / "instance").mkdir()  # DreamBooth opens every file of its folder as an image
+    for png in (root / "data").glob("*.png"):
+        (root / "instance" / png.name).write_bytes(png.read_bytes())
     return root
 
 
@@ -79,7 +82,10 @@ def ok(proc: subprocess.CompletedProcess) -> bool:
     ("script", "data"),
     [
         ("train_text_to_image_lora.py", ("--train_data_dir", "data")),
-        ("train_dreambooth_lora.py", ("--instance_data_dir", "data", "--instance_prompt", "a cat")),
+        (
+            "train_dreambooth_lora.py",
+            ("--instance_data_dir", "instance", "--instance_prompt", "a cat"),
+        ),
     ],
 )
 def test_lora_under_bf16_trains_its_adapter_in_fp32(assets, tmp_path, script, data):
