@@ -156,9 +156,26 @@ def plugin_for(accelerator: Any) -> Any:
         policy = PrecisionPolicy.from_accelerator(accelerator)
         policy = policy.replace(keep_fp32=(*policy.keep_fp32, *config.keep_fp32))
     plugin = PrecisionGuardPlugin(policy, mode=config.mode, report_dir=config.report_dir)  # type: ignore[arg-type]
+    plugin._reporter = _reporter(accelerator, config)
     setattr(accelerator, PLUGIN_ATTR, plugin)
     _announce(accelerator, plugin, config)
     return plugin
+
+
+def has_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _reporter(accelerator: Any, config: Any) -> Any:
+    """The plugin's reporter; the picture only where matplotlib is installed: nobody asked the
+    launcher for one, so its absence is no warning (a reporter asked for a picture says it once)."""
+    from ..reporting import PrecisionReporter
+
+    reporter = PrecisionReporter.from_accelerator(accelerator, report_dir=config.report_dir)
+    reporter.picture = reporter.picture and has_matplotlib()
+    return reporter
 
 
 def refuse_cpu_fp16(accelerator: Any, config: Any) -> None:
@@ -239,7 +256,6 @@ def guard_pipeline(pipeline: Any) -> Any:
     """:func:`~hf_precision.guard_diffusion` on the components of ``pipeline`` that no live
     guard holds, with the policy of the current accelerator and each component's dtype as
     loaded; returns the :class:`~hf_precision.diffusion.DiffusionGuard` (or ``None``)."""
-    from ..diffusion import guard_diffusion, loaded_policy
     from ..diffusion_rules import pipeline_components
     from ..hooks import claimed_by
     from ..wrappers import unwrap_model
@@ -252,16 +268,7 @@ def guard_pipeline(pipeline: Any) -> Any:
     }
     if not comps:
         return None
-    plugin = getattr(accelerator, PLUGIN_ATTR, None) if accelerator is not None else None
-    mp = getattr(accelerator, "mixed_precision", None)
-    policy = loaded_policy(mp, comps)
-    guard = guard_diffusion(
-        comps,
-        policy,
-        reporter=getattr(plugin, "_reporter", None),
-        event=PIPELINE_EVENT,
-        step=getattr(plugin, "steps", 0),
-    )
+    guard = guard_as_loaded(comps, accelerator, PIPELINE_EVENT)
     pipeline.__dict__["_hf_precision_guard"] = guard
     return guard
 
@@ -286,7 +293,6 @@ def guard_held(accelerator: Any) -> Any:
     this process that no live guard holds (the VAE, text encoders, image encoders, EMA models
     a script keeps beside what it prepared), each as loaded: inputs follow each model's dtype
     (an fp32 VAE beside a bf16 UNet gets its bf16 pixels in fp32); nothing is cast."""
-    from ..diffusion import guard_diffusion, loaded_policy
     from ..hooks import claimed_by
     from ..wrappers import unwrap_model
 
@@ -301,12 +307,35 @@ def guard_held(accelerator: Any) -> Any:
             continue
         if any(p.is_floating_point() for p in root.parameters()):
             comps[_component_name(root, comps)] = root
-    if not comps:
-        return None
-    policy = loaded_policy(getattr(accelerator, "mixed_precision", None), comps)
-    reporter = getattr(plugin, "_reporter", None)
-    step = getattr(plugin, "steps", 0)
-    return guard_diffusion(comps, policy, reporter=reporter, event=HELD_EVENT, step=step)
+    return guard_as_loaded(comps, accelerator, HELD_EVENT) if comps else None
+
+
+def guard_as_loaded(comps: dict[str, Any], accelerator: Any, event: str) -> Any:
+    """:func:`~hf_precision.guard_diffusion` on each component with its own
+    :func:`~hf_precision.diffusion.loaded_policy` (it keeps its dtype; its inputs follow it),
+    one report event ``<event>-<name>`` each, through the accelerator's plugin's reporter;
+    returns one :class:`~hf_precision.diffusion.DiffusionGuard` for them all."""
+    from ..diffusion import DiffusionGuard, guard_diffusion, loaded_policy
+    from ..diffusion_rules import DIFFUSION_GROUPS
+
+    plugin = getattr(accelerator, PLUGIN_ATTR, None) if accelerator is not None else None
+    mp = getattr(accelerator, "mixed_precision", None)
+    out: DiffusionGuard | None = None
+    for name, module in comps.items():
+        group = name.rstrip("_0123456789") if name not in DIFFUSION_GROUPS else name
+        key = group if group in DIFFUSION_GROUPS else name
+        one = guard_diffusion(
+            {key: module},
+            loaded_policy(mp, {key: module}),
+            reporter=getattr(plugin, "_reporter", None),
+            event=f"{event}-{name}",
+            step=getattr(plugin, "steps", 0),
+        )
+        if out is None:
+            out = DiffusionGuard(one.policy)
+        for field in ("groups", "reports", "handles", "guards"):
+            getattr(out, field)[name] = getattr(one, field)[key]
+    return out
 
 
 # ----------------------------------------------------------------------- the module patch
