@@ -13,7 +13,10 @@ diffusers' example training scripts, kohya-style scripts and custom loops build 
 * ``Accelerator.prepare``: the models passed go through a
   :class:`~hf_precision.PrecisionGuardPlugin` (one per accelerator, policy from its
   ``mixed_precision``: under bf16/fp16 the trainable weights become fp32, so a LoRA trained in
-  bf16 no longer rounds its updates away), reports in ``<project_dir>/precision``. A prepare
+  bf16 no longer rounds its updates away), reports in ``<project_dir>/precision``.
+  (TODO for the lead: where the policy keeps trainable weights in half precision on purpose
+  (``--policy bf16-true``), the lost-update check the Trainer path gets from
+  ``hf_precision/lost_updates.py`` belongs on the plugin's optimizer step pre-hook too.) A prepare
   with fp16 on a CPU (no fp16 autocast, no GradScaler there) is refused before anything is cast,
   with the fix;
 * ``Accelerator.accumulate`` / ``backward``: the first call after a prepare (the loop's start:
