@@ -277,13 +277,13 @@ def guard_pipeline(pipeline: Any) -> Any:
 
 
 def _component_name(module: Any, taken: dict[str, Any]) -> str:
-    from ..diffusion_rules import _is_text_encoder, denoiser_kind, is_vae
+    from ..diffusion_rules import denoiser_kind, is_text_encoder, is_vae
 
     base = (
         "vae"
         if is_vae(module)
         else denoiser_kind(module)
-        or ("text_encoder" if _is_text_encoder(module) else type(module).__name__.lower())
+        or ("text_encoder" if is_text_encoder(module) else type(module).__name__.lower())
     )
     name, i = base, 2
     while name in taken:
