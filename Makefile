@@ -7,7 +7,7 @@ export WANDB_SILENT ?= true
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo demo-setup test test-fast test-tf4 test-frameworks frameworks-setup lint typecheck bench gpu-test nightly clean notebooks
+.PHONY: setup demo demo-setup test test-fast test-tf4 test-frameworks frameworks-setup test-diffusers lint typecheck bench gpu-test nightly clean notebooks
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -55,7 +55,7 @@ demo: demo-setup
 		--report_to wandb
 
 test: setup
-	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -m "not frameworks"
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -m "not frameworks and not diffusers"
 
 # The transformers 4.x leg: its own venv (.venv-tf4) with the 4.57 line and the peft that goes
 # with it; the core, scenario and seed-layout tests run there (see the README's compatibility
@@ -80,7 +80,7 @@ test-tf4: $(TF4_VENV)/.installed
 	$(TF4_VENV)/bin/python -m pytest -n 2 --dist loadgroup -q $(TF4_TESTS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -x -m "not slow and not multiprocess and not frameworks"
+	$(BIN)/python -m pytest -q -x -m "not slow and not multiprocess and not frameworks and not diffusers"
 
 # The framework leg: each framework's real command line on a tiny VLM LoRA job, in its own venv
 # (a framework pins its own transformers/peft/trl). torch is the CPU wheel, pinned on every pip
@@ -144,6 +144,28 @@ test-frameworks: setup $(FRAMEWORK_VENVS)
 	HF_PRECISION_AXOLOTL_VENV=$(abspath $(AXOLOTL_VENV)) \
 		$(BIN)/python -m pytest -n 2 --dist loadgroup -q -m frameworks tests/integrations
 
+# The diffusers leg: diffusers' own example training scripts (vendored unmodified in
+# tests/integrations/diffusers_scripts/) under `hf-precision run -- accelerate launch` on a tiny
+# pipeline, in the main venv. The scripts import torchvision, whose PyPI wheels are CUDA builds:
+# its compiled ops cannot load next to the CPU torch (`operator torchvision::nms does not
+# exist`). Its wheel goes, without deps, into a folder of its own (on PYTHONPATH for these tests
+# only) without its compiled libraries, and its two fake-kernel registrations run only when the
+# ops exist (the scripts use torchvision.transforms only, pure Python).
+DIFFUSERS_SITE ?= .venv-diffusers/site
+TORCHVISION_PIN ?= "torchvision==0.28.0"
+
+$(DIFFUSERS_SITE)/.installed: | $(BIN)/python
+	$(BIN)/python -m pip install -q --no-deps --target $(DIFFUSERS_SITE) $(TORCHVISION_PIN)
+	rm -f $(DIFFUSERS_SITE)/torchvision/*.so
+	sed -i 's/^@torch\.library\.register_fake(/@(torch.library.register_fake if torchvision.extension._has_ops() else (lambda *a, **k: (lambda f: f)))(/' \
+		$(DIFFUSERS_SITE)/torchvision/_meta_registrations.py
+	PYTHONPATH=$(DIFFUSERS_SITE) $(BIN)/python -c "from torchvision import transforms"
+	touch $@
+
+test-diffusers: setup $(DIFFUSERS_SITE)/.installed
+	HF_PRECISION_DIFFUSERS_SITE=$(abspath $(DIFFUSERS_SITE)) \
+		$(BIN)/python -m pytest -n 2 --dist loadgroup -q -m diffusers tests/integrations
+
 lint: setup
 	$(BIN)/ruff check hf_precision tests recipes benchmarks
 	$(BIN)/ruff format --check hf_precision tests recipes benchmarks
@@ -161,4 +183,4 @@ nightly: setup
 	HF_PRECISION_PROPERTY_EXAMPLES=1000 $(BIN)/python -m pytest -q -m slow
 
 clean:
-	rm -rf $(VENV) $(DEMO_VENV) $(TF4_VENV) $(LF_VENV) $(SWIFT_VENV) $(AXOLOTL_VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) $(DEMO_VENV) $(TF4_VENV) $(LF_VENV) $(SWIFT_VENV) $(AXOLOTL_VENV) .venv-diffusers .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -37,8 +37,19 @@ FAMILIES: dict[str, str] = {
     "cli": "benchmarks.cli_startup",
     "silent": "benchmarks.silent_cost",
     "updates": "benchmarks.updates_cost",
+    "launcher": "benchmarks.launcher_step",
 }
-CPU_FAMILIES = ("step", "audit", "enforce", "batch", "reporting", "cli", "silent", "updates")
+CPU_FAMILIES = (
+    "step",
+    "audit",
+    "enforce",
+    "batch",
+    "reporting",
+    "cli",
+    "silent",
+    "updates",
+    "launcher",
+)
 
 
 def _as_figure(item: Any) -> Figure:

@@ -110,6 +110,9 @@ def guard_diffusion(
     mode: Mode | None = None,
     optimizer: Any = None,
     vae_images: torch.Tensor | None = None,
+    reporter: Any = None,
+    event: str = "setup",
+    step: int = 0,
 ) -> DiffusionGuard:
     """Enforce ``policy`` on every model of a pipeline, dict of components or single model,
     and install the guards, each component as its own root (so the denoiser's guard is the
@@ -119,6 +122,11 @@ def guard_diffusion(
     When the policy puts the VAE in fp16 and its weights (or, given ``vae_images``, its
     activations) exceed the fp16 range, the VAE is kept in fp32 with a
     :class:`PrecisionWarning`; guards cast into and out of it.
+
+    ``reporter`` (a :class:`~hf_precision.reporting.PrecisionReporter`) writes each component's
+    dtype map as the callback's do (``<report_dir>/<step>-<event>.json``, ``precision.log``,
+    W&B); ``event`` names it (the launcher uses ``validation_pipeline``), ``step`` the training
+    step it happens at.
 
     >>> from hf_precision.tiny import OneTrainerTiny
     >>> guard = guard_diffusion({"unet": OneTrainerTiny().requires_grad_(False)}, "fp16-vae32")
@@ -159,13 +167,54 @@ def guard_diffusion(
             p = dataclasses.replace(p, compute_dtype=p.group_dtype("vae"))
         if mode is not None:
             p = p.replace(mode=mode)
+        # one policy for the pipeline: each component sees the group dtypes of its own groups
+        own = {g: d for g, d in p.group_dtypes.items() if g in groups.names}
+        if own != p.group_dtypes:
+            p = dataclasses.replace(p, group_dtypes=own)
         # one-shot (no later events): a new guard_diffusion call replaces this one, no claim
-        guard = PrecisionGuard(module, p, name="guard_diffusion", groups=groups, claim=False)
-        report = guard.verify("setup", optimizer=optimizer)
+        guard = PrecisionGuard(
+            module, p, name="guard_diffusion", groups=groups, claim=False, reporter=reporter
+        )
+        ev = event if len(comps) == 1 else f"{event}-{name}"
+        report = guard.verify(ev, optimizer=optimizer, step=step)
         out.guards[name], out.groups[name], out.reports[name] = guard, groups, report
         assert guard.handle is not None
         out.handles[name] = guard.handle
     return out
 
 
-__all__ = [*diffusion_rules.__all__, "DiffusionGuard", "guard_diffusion"]
+def _main_dtype(module: torch.nn.Module) -> torch.dtype | None:
+    counts: dict[torch.dtype, int] = {}
+    for p in module.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.__getitem__) if counts else None
+
+
+def loaded_policy(mixed_precision: str | None, comps: dict[str, Any]) -> PrecisionPolicy:
+    """The policy for pipeline components *as loaded* (validation and inference pipelines):
+    each diffusion component's weights keep the dtype they have (a bf16 text encoder under
+    bf16 stays bf16, an fp32 VAE beside a bf16 UNet stays fp32: nothing is cast up or down),
+    activations run in the denoiser's dtype and the guards make inputs follow each component.
+    ``mixed_precision`` (the accelerator's: ``bf16``/``fp16``/``no``) names the preset the
+    policy is described by; without one, the denoiser's dtype does.
+
+    >>> import torch
+    >>> from hf_precision.tiny import OneTrainerTiny
+    >>> p = loaded_policy("bf16", {"unet": OneTrainerTiny(torch.bfloat16), "vae": OneTrainerTiny()})
+    >>> p.compute_dtype, p.group_dtype("vae")
+    (torch.bfloat16, torch.float32)
+    """
+    dtypes = {n: d for n, m in comps.items() if (d := _main_dtype(m)) is not None}
+    lead = next((dtypes[n] for n in diffusion_rules.DENOISER_GROUPS if n in dtypes), None)
+    lead = lead or next(iter(dtypes.values()), torch.float32)
+    preset = {"bf16": "bf16", "fp16": "fp16"}.get(str(mixed_precision or "no"))
+    if preset is None:
+        preset = {torch.bfloat16: "bf16-true", torch.float16: "fp16-true"}.get(lead, "fp32")
+    groups = {n: d for n, d in dtypes.items() if n in diffusion_rules.DIFFUSION_GROUPS}
+    return PrecisionPolicy.from_preset(preset).replace(
+        compute_dtype=lead, frozen_dtype=lead, trainable_dtype=None, group_dtypes=groups
+    )
+
+
+__all__ = [*diffusion_rules.__all__, "DiffusionGuard", "guard_diffusion", "loaded_policy"]

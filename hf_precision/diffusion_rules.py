@@ -123,8 +123,12 @@ def is_vae(module: object) -> bool:
     )
 
 
-def _is_text_encoder(module: nn.Module) -> bool:
+def is_text_encoder(module: nn.Module) -> bool:
+    """A text encoder of a diffusion pipeline (CLIP, T5, ... by class name)."""
     return type(module).__name__ in _TEXT_ENCODER_CLASSES
+
+
+_is_text_encoder = is_text_encoder
 
 
 class DiffusionModules(nn.ModuleDict):

@@ -774,3 +774,9 @@ def release_model(root: nn.Module, owner: object) -> None:
     held = root.__dict__.get(_OWNER_ATTR)
     if held is not None and held[0]() is owner:
         del root.__dict__[_OWNER_ATTR]
+
+
+def claimed_by(root: nn.Module) -> object | None:
+    """The live guard that claimed ``root`` (:func:`claim_model`), or ``None``."""
+    held = root.__dict__.get(_OWNER_ATTR)
+    return held[0]() if held is not None and callable(held[0]) else None

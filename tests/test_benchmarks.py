@@ -7,6 +7,7 @@ import doctest
 import importlib
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,22 @@ def test_updates_cost_quick_times_the_lost_update_sample() -> None:
     assert set(figs) == {"updates_watching", "updates_off", "updates_event_cost"}
     assert figs["updates_off"].detail["trainable_tensors"] > 5
     assert all(f.value is not None and f.value >= 0 for f in figs.values())
+
+
+def test_launcher_step_goes_through_the_plugin(monkeypatch: Any) -> None:
+    pytest.importorskip("diffusers")
+    from accelerate.state import AcceleratorState, GradientState
+
+    from benchmarks import launcher_step
+
+    monkeypatch.delenv("HF_PRECISION_GUARD", raising=False)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    [fig] = launcher_step.run(quick=True, reps=1)
+    AcceleratorState._reset_state(True)
+    assert fig.id == "launcher_step_unet" and fig.value is not None and fig.value > 0
+    assert fig.detail["optimizer_checks"] == 3  # warm-up 2 + 1 repetition: the plugin's hook
+    assert "HF_PRECISION_GUARD" not in os.environ
 
 
 def test_enforce_memory_is_measured_and_everything_cast() -> None:

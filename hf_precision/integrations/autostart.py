@@ -6,10 +6,13 @@ puts on ``PYTHONPATH``: importing the ``hf_precision`` package would import torc
 process of the tree, even those that never train. Nothing here runs unless ``HF_PRECISION_GUARD``
 is set to something else than ``0``/``off``/``false``/``no``.
 
-:func:`activate` puts a finder at the front of ``sys.meta_path`` that waits for
-``transformers.trainer``: when (and only when) that module is imported, it lets the normal
+:func:`activate` puts a finder at the front of ``sys.meta_path`` that waits for the modules of
+:data:`HOOKS`: when (and only when) ``transformers.trainer`` is imported, it lets the normal
 loader execute it, then hands the module to
-:func:`hf_precision.integrations.launcher.patch_trainer_module`, which wraps ``Trainer.__init__``.
+:func:`hf_precision.integrations.launcher.patch_trainer_module`, which wraps ``Trainer.__init__``;
+``accelerate.accelerator`` goes to
+:func:`hf_precision.integrations.accelerate_hook.patch_accelerator_module` (plain accelerate
+loops: diffusers' training scripts, kohya-style scripts).
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ _MARK = "_hf_precision_guard_finder"
 #: what runs on the executed ``transformers.trainer`` module, named as an entry point is: this
 #: file is loaded on its own at interpreter start and imports the package only then
 ON_IMPORT = "hf_precision.integrations.launcher:patch_trainer_module"
+#: the other modules the hook waits for, and what runs on each once executed
+HOOKS = {
+    "accelerate.accelerator": "hf_precision.integrations.accelerate_hook:patch_accelerator_module"
+}
 
 
 def enabled(environ: Any = None) -> bool:
@@ -62,7 +69,7 @@ class _TrainerFinder:
     _hf_precision_guard_finder = True
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != TARGET:
+        if fullname != TARGET and fullname not in HOOKS:
             return None
         for finder in sys.meta_path:
             if finder is self or getattr(finder, _MARK, False):
@@ -79,13 +86,20 @@ class _TrainerFinder:
         pass
 
 
+_SAID: list[bool] = []  # the "cannot be imported" line is printed once per process
+
+
 def _patch(module: Any) -> None:
     import importlib
 
-    target, _, name = ON_IMPORT.partition(":")
+    entry = HOOKS.get(getattr(module, "__name__", ""), ON_IMPORT)
+    target, _, name = entry.partition(":")
     try:
         patch_trainer_module = getattr(importlib.import_module(target), name)
     except ImportError as err:
+        if _SAID:
+            return
+        _SAID.append(True)
         print(
             f"hf-precision: {ENV_GUARD} is set but hf-precision cannot be imported in this "
             f"Python ({sys.executable}: {err}): this process trains WITHOUT the precision "
@@ -94,7 +108,7 @@ def _patch(module: Any) -> None:
             flush=True,
         )
         return
-    patch_trainer_module(module)
+    patch_trainer_module(module)  # (or the HOOKS entry's function)
 
 
 def activate() -> bool:
@@ -103,11 +117,14 @@ def activate() -> bool:
     imported. Returns whether the guard is on."""
     if not enabled():
         return False
-    trainer = sys.modules.get(TARGET)
-    if trainer is not None and hasattr(trainer, "Trainer"):
-        _patch(trainer)
-        return True
-    if not any(getattr(f, _MARK, False) for f in sys.meta_path):
+    waiting = False
+    for target, cls in ((TARGET, "Trainer"), *((t, "Accelerator") for t in HOOKS)):
+        module = sys.modules.get(target)
+        if module is not None and hasattr(module, cls):
+            _patch(module)
+        else:
+            waiting = True
+    if waiting and not any(getattr(f, _MARK, False) for f in sys.meta_path):
         sys.meta_path.insert(0, _TrainerFinder())
     return True
 

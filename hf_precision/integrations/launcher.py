@@ -481,10 +481,14 @@ _RUN_EXAMPLES = f"""examples:
   hf-precision run -- llamafactory-cli train cfg.yaml
   hf-precision run --policy bf16 -- trl sft --model_name_or_path ./tiny ...
   hf-precision run --mode audit --report-dir ./precision -- torchrun --nproc_per_node 2 train.py
+  hf-precision run -- accelerate launch train_text_to_image_lora.py --mixed_precision bf16 ...
   {ENV_GUARD}=auto llamafactory-cli train cfg.yaml      # without the wrapper (see below)
 
 Every transformers Trainer (and subclass) built in any Python process COMMAND starts gets a
-PrecisionGuardCallback; torchrun / accelerate launch / deepspeed workers too. The variable form
+PrecisionGuardCallback; every other accelerate Accelerator (diffusers' training scripts, custom
+loops) prepares its models through a PrecisionGuardPlugin, and the pipelines and models such a
+script loads with from_pretrained are guarded as loaded; torchrun / accelerate launch /
+deepspeed workers too. The variable form
 needs the start-up line a wheel install ships (an editable install: run
 'hf-precision install-hook' once). Off: unset {ENV_GUARD} (or set it to 0)."""
 

@@ -1,0 +1,82 @@
+"""A tiny Stable Diffusion pipeline saved to disk from configs, and a tiny image dataset, so the
+diffusers example training scripts run unmodified on CPU (``--pretrained_model_name_or_path``,
+``--train_data_dir`` / ``--instance_data_dir``).
+
+The pipeline is ``StableDiffusionPipeline`` with the tiny UNet, VAE and one-layer CLIP text
+encoder of :mod:`.diffusion`, a ``DDPMScheduler`` and a CLIP tokenizer over a 56-token vocabulary
+(letters, no merges): 32×32 images <-> 4×16×16 latents. No safety checker.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .vlm import fragment_kwargs
+
+_SPECIAL = ("<|startoftext|>", "<|endoftext|>")
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _tokenizer(folder: Path) -> Any:
+    from transformers import CLIPTokenizer
+
+    vocab = {tok: i for i, tok in enumerate(_SPECIAL)}
+    for c in _LETTERS:
+        vocab[c] = len(vocab)
+        vocab[f"{c}</w>"] = len(vocab)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    return CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=8)
+
+
+def save_tiny_sd_pipeline(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny ``StableDiffusionPipeline`` (fp32, ~60k parameters) under ``path``."""
+    from diffusers import DDPMScheduler, StableDiffusionPipeline
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from .diffusion import tiny_unet, tiny_vae
+
+    path = Path(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = _tokenizer(Path(tmp))
+    torch.manual_seed(seed)
+    config = CLIPTextConfig(**{**fragment_kwargs("clip_text_16"), "vocab_size": 64})
+    pipe: Any = StableDiffusionPipeline(
+        vae=tiny_vae(seed).requires_grad_(True),
+        text_encoder=CLIPTextModel(config),
+        tokenizer=tokenizer,
+        unet=tiny_unet(seed=seed).requires_grad_(True),
+        scheduler=DDPMScheduler(num_train_timesteps=1000),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.save_pretrained(path)
+    return path
+
+
+def save_tiny_image_folder(path: str | Path, n: int = 4, size: int = 32, seed: int = 0) -> Path:
+    """``n`` random RGB PNGs and a ``metadata.jsonl`` (``file_name``, ``text``): what
+    ``datasets``' ``imagefolder`` reads (``--train_data_dir``; DreamBooth's
+    ``--instance_data_dir`` reads the images alone)."""
+    from PIL import Image
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    lines = []
+    for i in range(n):
+        pixels = torch.randint(0, 256, (size, size, 3), generator=g, dtype=torch.uint8)
+        Image.fromarray(pixels.numpy()).save(path / f"{i}.png")
+        lines.append(json.dumps({"file_name": f"{i}.png", "text": "a cat"}))
+    (path / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+    return path
+
+
+__all__ = ["save_tiny_image_folder", "save_tiny_sd_pipeline"]
