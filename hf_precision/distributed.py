@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,12 +38,12 @@ from .deepspeed_config import (
 from .dtype_maps import DtypeMap, dtype_map
 from .dtypes import dtype_name, is_castable, zero3_dtype
 from .enforce import Change, EnforceReport
-from .errors import PrecisionError
+from .errors import PrecisionError, PrecisionWarning
 from .groups import ModuleGroups, find_module_groups
 from .keep_rules import model_keep_lists
 from .plan import group_compute_dtypes
 from .policy import PrecisionPolicy, tensor_role
-from .view import walk_modules
+from .view import ModelView, walk_modules
 from .wrappers import (
     WRAPPERS,
     clean_name,
@@ -399,3 +400,34 @@ def explain_wrapped(
         for name, group, held, want, rule in check.casts
     ]
     return kept
+
+
+def check_zero3_split(view: ModelView, where: str, mode: str) -> None:
+    """Refuse (warn in mode ``audit``) a model whose ZeRO-3 partitions hold trainable weights in
+    more than one dtype: ZeRO-3 flattens every trainable partition into one buffer of one dtype
+    (DeepSpeed's ``defragment`` asserts on it), and the partitions belong to DeepSpeed, so the
+    guard cannot cast them. A model built after ``Accelerator``/``TrainingArguments`` turned
+    ZeRO-3 on is partitioned at construction (``deepspeed.zero.Init``): its split is frozen in."""
+    params = [p for p in view.parameters() if hasattr(p, "ds_id") and p.requires_grad]
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(zero3_dtype(p) or p.dtype, []).append(p)
+    if len(by_dtype) < 2:
+        return
+    names = {id(p): clean_name(n) for n, p in view.root.named_parameters()}
+    parts = "; ".join(
+        f"{len(ps)} in {dtype_name(d)} (e.g. {names.get(id(ps[0]), '?')})"
+        for d, ps in sorted(by_dtype.items(), key=lambda kv: -len(kv[1]))
+    )
+    msg = (
+        f"{where}: DeepSpeed ZeRO-3 partitioned the trainable weights in {len(by_dtype)} dtypes "
+        f"({parts}); ZeRO-3 flattens them into one buffer of one dtype and fails "
+        "(`assert len(set(t.dtype for t in tensors)) == 1`), and the partitions are DeepSpeed's: "
+        "the guard does not cast them. Fix: load the model in one dtype "
+        "(from_pretrained(..., dtype=torch.bfloat16)), or build it before the "
+        "Accelerator / TrainingArguments that enable ZeRO-3, so the guard casts it first."
+    )
+    if mode == "audit":
+        warnings.warn(msg, PrecisionWarning, stacklevel=3)
+    else:
+        raise PrecisionError(msg)

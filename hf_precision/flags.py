@@ -153,9 +153,10 @@ def set_flag(
     """
     tool = detect_tool(args) if tool is None else tool
     argv = sys.argv if argv is None else argv
-    if tool in ("cli", "trl") and not any(
-        a == f"--{name}" or a.startswith(f"--{name}=") for a in argv[1:]
-    ):
+    # TRL's CLI: only when this process is `trl` (its configs default bf16=True in Python)
+    program = PurePath(argv[0]).name if argv else ""
+    typed_here = tool == "cli" or (tool == "trl" and program == "trl")
+    if typed_here and not any(a == f"--{name}" or a.startswith(f"--{name}=") for a in argv[1:]):
         tool = "python"
     return flag(name, value, tool=tool, args=args)
 

@@ -43,8 +43,13 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .distributed import check_model_ranks, check_wrapped, explain_wrapped
-from .dtypes import dtype_name
+from .distributed import (
+    check_model_ranks,
+    check_wrapped,
+    check_zero3_split,
+    explain_wrapped,
+)
+from .dtypes import dtype_name, zero3_dtype
 from .enforce import EnforceReport, apply_plan, enforce_policy, restore_values
 from .errors import PrecisionError, PrecisionWarning
 from .fsdp2 import bridge_outputs, fsdp2_outputs
@@ -200,6 +205,7 @@ class PrecisionGuard:
         model, policy, where = self.model, self._renamed(self.policy), f"{self.name}.{event}"
         first = not self.events
         view = ModelView.of(model, self.groups)  # the one walk of the model for this event
+        check_zero3_split(view, where, policy.mode)
         if wrapper == "auto":
             inner = [m for _, _, m in view.modules] if model is view.root else None
             wrapper = detect_wrapper(model, args=args, modules=inner)
@@ -214,7 +220,12 @@ class PrecisionGuard:
             master_fp32=self.master_fp32(view),
         )
         report, found = audit, len(audit.changes)
-        if wrapper in HOLDING_WRAPPERS:
+        # built under deepspeed.zero.Init, no engine yet: the plan left the partitions
+        # (DeepSpeed's) alone; what is not partitioned yet is cast like any weight
+        held = wrapper in HOLDING_WRAPPERS and not (
+            wrapper == "DeepSpeed" and _zero_init_only(model, policy.mode)
+        )
+        if held and wrapper is not None:
             report, found = self._explain(model, wrapper, audit, where)
         elif audit.changes and policy.mode != "audit":
             if wrapper == "DDP":
@@ -228,7 +239,7 @@ class PrecisionGuard:
             )
         if wrapper == "FSDP2":
             report = self._fsdp2_outputs(model, report, where)
-        self._say(where, audit, report, found, first=first, held=wrapper in HOLDING_WRAPPERS)
+        self._say(where, audit, report, found, first=first, held=held)
         self._account(report, first=first)
         self.last_report = report
         self.handle = install_guards(
@@ -262,17 +273,24 @@ class PrecisionGuard:
         return report
 
     def master_fp32(self, view: ModelView | None = None) -> torch.dtype | None:
-        """The half dtype DeepSpeed ZeRO-3 holds this run in, whose fp32 master copies live in
-        its optimizer: trainable weights in it stay as they are (``wrapper_master_fp32``). The
-        stage comes from the front end's config, or from the model (ZeRO-3 partitions in
-        place: ``ds_id``)."""
+        """The half dtype DeepSpeed ZeRO-3 holds this run's trainable weights in, whose fp32
+        master copies live in its optimizer (rule ``wrapper_master_fp32``), or ``None``. ZeRO-3
+        flattens every trainable partition into one buffer of one dtype: once some trainable
+        weights are partitioned in the half dtype (``ds_id``: a model built under
+        ``deepspeed.zero.Init``), the others join them; before any partition (the stage known
+        from the front end's config), only when every trainable weight is in it already (TRL's
+        bf16 LoRA) — otherwise DeepSpeed casts the module itself and nothing is kept."""
         half = self.deepspeed_dtype
         if half not in (torch.bfloat16, torch.float16):
             return None
-        if self.deepspeed_stage == 3:
+        params = list(view.parameters() if view is not None else self.root.parameters())
+        trainable = [p for p in params if p.requires_grad and p.is_floating_point()]
+        parted = [p for p in trainable if hasattr(p, "ds_id")]
+        if parted:
+            return half if all(zero3_dtype(p) == half for p in parted) else None
+        if self.deepspeed_stage == 3 and all(p.dtype == half for p in trainable):
             return half
-        params = view.parameters() if view is not None else self.root.parameters()
-        return half if any(hasattr(p, "ds_id") for p in params) else None
+        return None
 
     def _outside_reads(self, report: EnforceReport, where: str, view: ModelView) -> None:
         """Weights read outside their module: in the report; a fused LM head also on the
@@ -839,3 +857,9 @@ __all__ = [
     "memory_line",
     "policy_origin",
 ]
+
+
+def _zero_init_only(model: nn.Module, mode: str) -> bool:
+    """A model partitioned in place by ``deepspeed.zero.Init`` that no engine wraps yet (the
+    guard's setup before ``prepare``), in a mode that casts."""
+    return mode != "audit" and type(model).__name__ != "DeepSpeedEngine"

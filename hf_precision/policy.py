@@ -618,14 +618,15 @@ class PrecisionPolicy:
         if (
             trainable
             and master_fp32 is not None
-            and current == master_fp32
             and self.trainable_dtype not in (None, master_fp32)
         ):
+            how = "left as is" if current == master_fp32 else "joins the others"
             return Decision(
                 master_fp32,
                 "wrapper_master_fp32",
                 f"trainable {dtype_name(master_fp32)} under DeepSpeed ZeRO-3, which keeps fp32 "
-                "master copies: left as is (TRL's autocast_adapter_dtype=False)",
+                f"master copies and flattens every trainable partition into one "
+                f"{dtype_name(master_fp32)} buffer: {how} (TRL's autocast_adapter_dtype=False)",
             )
         decision = self._decide_unkept(name, group, trainable, current, role, group_dtype)
         if decision.dtype == torch.float16 and self.honour_model_keep_fp32:

@@ -469,7 +469,9 @@ def test_no_flag_fp16_trainables_outside_an_fp16_model_follow_the_preset():
 def test_half_trainables_of_a_zero3_run_keep_their_dtype() -> None:
     """Under DeepSpeed ZeRO-3 in bf16 (``master_fp32``) a trainable bf16 weight stays bf16
     (rule wrapper_master_fp32: DeepSpeed's optimizer holds the fp32 copy); keep rules still come
-    first, fp32 trainables and other runs keep the preset's trainable dtype."""
+    first; an fp32 trainable joins them (ZeRO-3 flattens every trainable partition into one
+    buffer of one dtype: the engine passes ``master_fp32`` only where that is so); other runs
+    keep the preset's trainable dtype."""
     policy = PrecisionPolicy.from_preset("bf16")
     bf16, fp32 = torch.bfloat16, torch.float32
     lora = "model.language_model.layers.0.self_attn.q_proj.lora_A.default.weight"
@@ -477,12 +479,10 @@ def test_half_trainables_of_a_zero3_run_keep_their_dtype() -> None:
     assert (d.dtype, d.rule, d.keeps_fp32, d.kept) == (bf16, "wrapper_master_fp32", False, True)
     assert "DeepSpeed ZeRO-3" in d.reason and "autocast_adapter_dtype=False" in d.reason
     assert policy.decide(lora, "language_model", trainable=True, current=bf16).rule == "trainable"
-    assert (
-        policy.decide(  # fp32 trainables: the preset's fp32, as before
-            lora, "language_model", trainable=True, current=fp32, master_fp32=bf16
-        ).dtype
-        == fp32
-    )
+    joined = policy.decide(lora, "language_model", trainable=True, current=fp32, master_fp32=bf16)
+    assert (joined.dtype, joined.rule) == (bf16, "wrapper_master_fp32")
+    assert "joins the others" in joined.reason
+    assert policy.decide(lora, "language_model", trainable=True, current=fp32).dtype == fp32
     assert (
         policy.decide(  # frozen weights follow the preset
             "lm_head.weight", "lm_head", trainable=False, current=bf16, master_fp32=bf16

@@ -647,6 +647,17 @@ def gpu_fsdp2_bf16_true(out: Path) -> dict[str, Any]:
 
 
 @scenario
+def ds_accelerate_zero3_init_split(out: Path) -> dict[str, Any]:
+    """accelerate's DeepSpeed plugin at stage 3 turns on ``deepspeed.zero.Init`` before the model
+    is built: a split tiny LLaVA comes out with 59 trainable partitions in bf16 and 5 weights
+    (projector, lm_head) unpartitioned in fp32, which ZeRO-3 cannot flatten into one buffer
+    (``defragment`` asserts) with or without a plain guard. The guard casts the 5 to bf16
+    (rule ``wrapper_master_fp32``: DeepSpeed keeps the fp32 master copies) and leaves the
+    partitions alone. The same run as ``gpu_deepspeed_zero3``, on the CPU (gloo)."""
+    return _gpu_run(out, zero=3)
+
+
+@scenario
 def gpu_deepspeed_zero2(out: Path) -> dict[str, Any]:
     return _gpu_run(out, zero=2)
 
