@@ -77,8 +77,9 @@ def test_updates_cost_quick_times_the_lost_update_sample() -> None:
     assert all(f.value is not None and f.value >= 0 for f in figs.values())
 
 
-def test_launcher_step_goes_through_the_plugin(monkeypatch: Any) -> None:
+def test_launcher_step_goes_through_the_plugin(monkeypatch: Any, tmp_path: Any) -> None:
     pytest.importorskip("diffusers")
+    monkeypatch.chdir(tmp_path)  # the plugin reports into ./precision
     from accelerate.state import AcceleratorState, GradientState
 
     from benchmarks import launcher_step
