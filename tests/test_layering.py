@@ -110,8 +110,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "lost_updates",
         "memory_account",
         "provenance",
+        "console",
     ),
-    "engine": ("guard",),
+    "engine": ("guard", "frontend"),
     "frontends": (
         "callback",
         "accelerate_plugin",
