@@ -4,11 +4,12 @@ At each event (``setup``, ``on_train_begin``, ``after_evaluate``, ...) :meth:`Pr
 walks the same steps, in one direction (docs/architecture.md):
 
 1. **plan** — :func:`~hf_precision.plan.plan_policy` on one :class:`~hf_precision.view.ModelView`
-   (what ``enforce_policy(mode="audit")`` returns): what differs from the policy, nothing cast;
+   (a frozen :class:`~hf_precision.plan.Plan`), read in ``audit`` mode: what differs from the
+   policy, nothing cast;
 2. **wrapper** — if FSDP/FSDP2/DeepSpeed holds the parameters, explain what it does on purpose
    and raise for the rest (never cast); under DDP only a return to the wrap-time dtypes is cast;
-3. **apply** — :func:`~hf_precision.enforce.apply_plan` when the plan is not empty (the one
-   place that casts);
+3. **apply** — :func:`~hf_precision.enforce.apply_plan` of the same plan when it is not empty
+   (the one place that casts);
 4. **guards** — install or update the batch, boundary and leaf hooks;
 5. **report** — the reporter's files / W&B, then, where the front end asks, the ranks compared.
 
@@ -54,7 +55,7 @@ from .console import (
 )
 from .distributed import check_model_ranks, check_wrapped, explain_wrapped
 from .dtypes import dtype_name
-from .enforce import EnforceReport, apply_plan, enforce_policy, restore_values
+from .enforce import EnforceReport, apply_plan, restore_values
 from .errors import PrecisionError, PrecisionWarning
 from .fsdp2 import bridge_outputs, fsdp2_outputs
 from .groups import ModuleGroups, find_module_groups
@@ -69,6 +70,7 @@ from .hooks import (
 from .keep_rules import model_keep_lists
 from .memory_account import account_line, memory_account
 from .outside_reads import find_outside_reads, install_fused_head_check
+from .plan import plan_policy
 from .policy import PrecisionPolicy
 from .view import ModelView
 from .wrappers import detect_wrapper, settle_shards, unwrap_model
@@ -206,27 +208,16 @@ class PrecisionGuard:
             wrapper = detect_wrapper(model, args=args, modules=inner)
         if wrapper == "FSDP2":
             settle_shards(model)  # FSDP2 keeps the root unsharded after forward: read shards
-        audit = enforce_policy(
-            model,
-            policy,
-            groups=self.groups,
-            mode="audit",
-            view=view,
-            master_fp32=self.master_fp32(view),
-        )
+        plan = plan_policy(view, policy, master_fp32=self.master_fp32(view))
+        audit = apply_plan(plan, "audit")
         report, found = audit, len(audit.changes)
         if wrapper in HOLDING_WRAPPERS:
             report, found = self._explain(model, wrapper, audit, where)
         elif audit.changes and policy.mode != "audit":
             if wrapper == "DDP":
                 self._check_ddp_restore(audit, where)
-            report = apply_plan(  # the audit's plan, not a second one
-                model,
-                audit,
-                mode=policy.mode,
-                optimizer=optimizer,
-                allow_wrapped=wrapper is not None,
-            )
+            # the same plan, not a second one
+            report = apply_plan(plan, policy.mode, optimizer, allow_wrapped=wrapper is not None)
         if wrapper == "FSDP2":
             report = self._fsdp2_outputs(model, report, where)
         self._say(where, audit, report, found, first=first, held=wrapper in HOLDING_WRAPPERS)

@@ -2,9 +2,9 @@
 
 The third step of the data walk (model -> view -> **plan** -> apply -> guards -> report,
 ``docs/architecture.md``). :func:`plan_policy` reads the event's walk of the model
-(:class:`~hf_precision.view.ModelView`) and returns an :class:`EnforceReport` whose ``changes``
+(:class:`~hf_precision.view.ModelView`) and returns a frozen :class:`Plan` whose ``changes``
 say what would be cast and why, and whose ``planned`` :class:`PlannedCast` records
-:func:`~hf_precision.enforce.apply_plan` carries out.
+:func:`~hf_precision.enforce.apply_plan` carries out (returning an :class:`EnforceReport`).
 Quantized storage, tensors a wrapper owns (FSDP2 shards, ZeRO-3 partitions) and integer buffers
 are never planned for a cast; before a downcast to fp16 the plan checks the value range, so
 nothing becomes ``inf``.
@@ -13,9 +13,9 @@ nothing becomes ``inf``.
 >>> from hf_precision.tiny import tiny_llava
 >>> from hf_precision.view import ModelView
 >>> model = tiny_llava()
->>> report = plan_policy(model, PrecisionPolicy.from_preset("bf16-true"), ModelView.of(model))
->>> report.applied, {c.after for c in report.changes}, len(report.planned) == len(report.changes)
-(False, {'bfloat16'}, True)
+>>> plan = plan_policy(ModelView.of(model), PrecisionPolicy.from_preset("bf16-true"))
+>>> {c.after for c in plan.changes}, len(plan.planned) == len(plan.changes)
+({'bfloat16'}, True)
 """
 
 from __future__ import annotations
@@ -242,31 +242,86 @@ def _unmatched_patterns(
     return out
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What a policy wants changed in one walk of a model (:func:`plan_policy`): frozen, a
+    value; :func:`~hf_precision.enforce.apply_plan` carries it out and returns a fresh
+    :class:`EnforceReport` each time."""
+
+    view: ModelView
+    policy: PrecisionPolicy
+    device: torch.device | None
+    changes: tuple[Change, ...]
+    #: the casts behind ``changes``, in order
+    planned: tuple[PlannedCast, ...]
+    kept_fp32: tuple[tuple[str, str], ...]
+    kept: tuple[tuple[str, str, Rule, str], ...]
+    overflow: tuple[tuple[str, float], ...]
+    skipped: tuple[tuple[str, str], ...]
+    warnings: tuple[str, ...]
+    group_dtypes: tuple[tuple[str, frozenset[torch.dtype]], ...]
+    #: tensors on the meta device while the model is elsewhere
+    meta: tuple[str, ...]
+
+    @property
+    def groups(self) -> ModuleGroups:
+        return self.view.groups
+
+    def __bool__(self) -> bool:
+        return bool(self.changes)
+
+    def report(self, *, applied: bool = False) -> EnforceReport:
+        """A new :class:`EnforceReport` of this plan (its lists the caller's to extend)."""
+        return EnforceReport(
+            self.policy,
+            self.view.groups,
+            applied=applied,
+            changes=list(self.changes),
+            kept_fp32=list(self.kept_fp32),
+            kept=list(self.kept),
+            overflow=list(self.overflow),
+            skipped=list(self.skipped),
+            warnings=list(self.warnings),
+            group_dtypes={g: set(d) for g, d in self.group_dtypes},
+            device=self.device,
+            planned=list(self.planned),
+            meta=list(self.meta),
+        )
+
+
 def plan_policy(
-    root: nn.Module,
-    policy: PrecisionPolicy,
-    view: ModelView,
-    *,
-    master_fp32: torch.dtype | None = None,
-) -> EnforceReport:
-    """What ``policy`` wants changed in ``root`` (the walk ``view``); changes nothing.
+    view: ModelView, policy: PrecisionPolicy, *, master_fp32: torch.dtype | None = None
+) -> Plan:
+    """What ``policy`` wants changed in the model of the walk ``view``; changes nothing.
     ``master_fp32``: the half dtype of a DeepSpeed ZeRO-3 run (trainable weights in it are left
     as they are, rule ``wrapper_master_fp32``)."""
-    groups = view.groups
+    root, groups = view.root, view.groups
     model_keep, strict = model_keep_lists(root)
     device_mapped = bool(getattr(root, "hf_device_map", None))
     device = model_device(root, groups) if policy.move_devices and not device_mapped else None
-    report = EnforceReport(policy, groups, applied=False, device=device)
-    planner = _Planner(report, policy, model_keep, device, strict=strict, master_fp32=master_fp32)
+    found = EnforceReport(policy, groups, applied=False, device=device)
+    planner = _Planner(found, policy, model_keep, device, strict=strict, master_fp32=master_fp32)
     planner.walk(root, groups, view.modules)
-    if report.overflow:
+    if found.overflow:
         planner.keep_with_overflowed(root)
-    report.warnings += _unmatched_patterns(root, policy, groups, report)
-    note = model_dtype_note(root, view.modules, report.kept, policy.frozen_dtype)
+    found.warnings += _unmatched_patterns(root, policy, groups, found)
+    note = model_dtype_note(root, view.modules, found.kept, policy.frozen_dtype)
     if note is not None:  # a keep rule on the first floating parameter: model.dtype says fp32
-        report.warnings.append(note)
-    report.planned, report.meta = planner.todo, planner.meta
-    return report
+        found.warnings.append(note)
+    return Plan(
+        view,
+        policy,
+        device,
+        changes=tuple(found.changes),
+        planned=tuple(planner.todo),
+        kept_fp32=tuple(found.kept_fp32),
+        kept=tuple(found.kept),
+        overflow=tuple(found.overflow),
+        skipped=tuple(found.skipped),
+        warnings=tuple(found.warnings),
+        group_dtypes=tuple((g, frozenset(d)) for g, d in found.group_dtypes.items()),
+        meta=tuple(planner.meta),
+    )
 
 
 def group_compute_dtypes(

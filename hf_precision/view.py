@@ -9,7 +9,7 @@ walking the model again.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -53,12 +53,19 @@ class ModelView:
     root: nn.Module
     groups: ModuleGroups
     modules: list[tuple[str, str, nn.Module]]
+    #: the object the walk was asked for (``root`` or the DDP/DeepSpeed/PEFT wrapper around it)
+    model: nn.Module = field(default=None, repr=False)  # type: ignore[assignment]
+    _parameters: list[nn.Parameter] | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            self.model = self.root
 
     @classmethod
     def of(cls, model: nn.Module, groups: ModuleGroups | None = None) -> ModelView:
         root, _ = unwrap_model(model)
         groups = groups if groups is not None else find_module_groups(root)
-        return cls(root, groups, list(walk_modules(root, groups)))
+        return cls(root, groups, list(walk_modules(root, groups)), model)
 
     @classmethod
     def reuse(
@@ -67,10 +74,15 @@ class ModelView:
         """``view`` when it is a walk of ``model``'s root (the caller's walk for this event),
         else a new walk."""
         root, _ = unwrap_model(model)
-        return view if view is not None and view.root is root else cls.of(root, groups)
+        if view is None or view.root is not root:
+            return cls.of(model, groups)
+        return view if view.model is model else replace(view, model=model)
 
     def parameters(self) -> list[nn.Parameter]:
-        """Every parameter once, in walk order (``root.parameters()`` plus hidden modules')."""
+        """Every parameter once, in walk order (``root.parameters()`` plus hidden modules'),
+        listed once per view."""
+        if self._parameters is not None:
+            return list(self._parameters)
         seen: set[int] = set()
         out = []
         for _, _, mod in self.modules:
@@ -78,4 +90,5 @@ class ModelView:
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
                     out.append(p)
-        return out
+        self._parameters = out
+        return list(out)

@@ -20,6 +20,7 @@ from hf_precision import (
     PrecisionWarning,
     enforce,
 )
+from hf_precision import guard as guard_module
 from hf_precision.guard import PrecisionGuard
 from hf_precision.reporting import PrecisionReporter
 from hf_precision.tiny import tiny_batch, tiny_llava
@@ -69,14 +70,14 @@ def test_one_walk_of_the_model_per_event(drift: bool, tmp_path: Path) -> None:
     if drift:
         model.model.multi_modal_projector.float()
     plans: list[int] = []
-    plan = enforce.plan_policy
+    plan = guard_module.plan_policy
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         plans.append(1)
         return plan(*args, **kwargs)
 
     with walks_of(model) as walks, pytest.MonkeyPatch.context() as mp:
-        mp.setattr(enforce, "plan_policy", counted)
+        mp.setattr(guard_module, "plan_policy", counted)
         report = guard.verify("check")  # plan, apply, guards, dtype map and files
     assert walks == ["view.py:walk_modules"]  # the event's ModelView, nothing else
     assert len(plans) == 1  # the audit's plan is the one applied, not planned again
