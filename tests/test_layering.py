@@ -97,6 +97,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),
     "model": ("view", "dtype_maps"),
     "core": (
+        "records",
         "plan",
         "enforce",
         "batch",
