@@ -67,11 +67,11 @@ from .hooks import (
     release_model,
     remove_guards,
 )
-from .keep_rules import model_keep_lists
 from .memory_account import account_line, memory_account
 from .outside_reads import find_outside_reads, install_fused_head_check
 from .plan import plan_policy
 from .policy import PrecisionPolicy
+from .stash import stash_tensors
 from .view import ModelView
 from .wrappers import detect_wrapper, settle_shards, unwrap_model
 
@@ -492,66 +492,13 @@ class PrecisionGuard:
         rounded values."""
         if eval_dtype is None:
             return
-        model_keep, strict = model_keep_lists(self.root)
         # what the last plan kept in fp32 (rotary tables by module, deliberate fp32 norms)
         kept = {k[0] for k in self.last_report.kept} if self.last_report is not None else set()
-        tiers: tuple[list[tuple[str, torch.Tensor]], ...] = ([], [], [])
-        for kind, named in (
-            ("param", self.root.named_parameters()),
-            ("buffer", self.root.named_buffers()),
-        ):
-            for name, t in named:
-                if not t.is_floating_point() or t.dtype == eval_dtype or t.device.type == "meta":
-                    continue
-                if kind == "param" and t.requires_grad:
-                    tiers[0].append((name, t))
-                elif name in kept or self.policy.keep_fp32_reason(
-                    name,
-                    is_buffer=kind == "buffer",
-                    model_patterns=model_keep,
-                    strict_patterns=strict,
-                ):
-                    tiers[1].append((name, t))
-                else:
-                    tiers[2].append((name, t))
-        keep: dict[str, torch.Tensor] = {}
-        left: list[tuple[str, int]] = [("", 0)] * 3  # per tier: (first name, bytes) left out
-        counts = [0, 0, 0]
-        total = 0
-        for k, tier in enumerate(tiers):
-            for name, t in tier:
-                size = t.numel() * t.element_size()
-                if total + size > limit_bytes:
-                    counts[k] += 1
-                    left[k] = (left[k][0] or name, left[k][1] + size)
-                    continue
-                keep[name] = t
-                total += size
-        self._stash = {k: v.detach().to("cpu", copy=True) for k, v in keep.items()}
+        self._stash, said = stash_tensors(self.root, self.policy, kept, eval_dtype, limit_bytes)
         if "memory" in self.sections:
             self.sections["memory"]["stash_host_bytes"] = self.stash_bytes
-        if any(counts):
-            what = (
-                "trainable weight(s)",
-                "tensor(s) the policy keeps in float32",
-                "frozen tensor(s)",
-            )
-            lost = "; ".join(
-                f"{n} {what[k]} ({left[k][1] / 2**20:.0f} MiB, e.g. {left[k][0]})"
-                for k, n in enumerate(counts)
-                if n
-            )
-            ev = dtype_name(eval_dtype)
-            warnings.warn(
-                f"{ev}_full_eval casts the model to {ev} in place. The guard keeps exact copies "
-                f"of {len(self._stash)} tensor(s) ({total / 2**20:.0f} MiB) to give their values "
-                f"back after the evaluation, up to its {limit_bytes / 2**30:.1f} GiB limit; "
-                f"these do not fit and come back in their dtype with {ev}-rounded values: "
-                f"{lost}. Fix: drop {ev}_full_eval (evaluation then runs under autocast), "
-                f"load the frozen weights in {ev}, or train LoRA.",
-                PrecisionWarning,
-                stacklevel=3,
-            )
+        if said is not None:
+            warnings.warn(said, PrecisionWarning, stacklevel=3)
 
     def restore(self) -> int:
         """Give stashed tensors their exact values (and dtypes) back where their dtype changed:

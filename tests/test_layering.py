@@ -112,6 +112,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "memory_account",
         "provenance",
         "console",
+        "stash",
     ),
     "engine": ("guard", "frontend"),
     "frontends": (
