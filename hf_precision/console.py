@@ -17,6 +17,7 @@ from .plan import EnforceReport
 from .policy import KEEP_RULES, PrecisionPolicy
 
 __all__ = [
+    "bridged_line",
     "cast_line",
     "flag_conflict",
     "kept_as_is",
@@ -207,4 +208,27 @@ def policy_origin(policy: PrecisionPolicy, inferred: bool, said: str, call: str)
         f"{dtype_name(policy.group_dtype('language_model'))}, trainable weights keep the "
         "dtype they were "
         "loaded in"
+    )
+
+
+def bridged_line(
+    kind: str,
+    path: str,
+    what: str,
+    src: torch.dtype,
+    dst: torch.dtype,
+    cast: bool,
+    report_dir: str | None,
+) -> str:
+    """The console line for a guard that cast an input at run time (once per kind); ``cast``:
+    whether the setup cast weights."""
+    how = (
+        "the guard cast weights at setup and its hooks bridge the rest"
+        if cast
+        else "nothing in the model was cast: its hooks alone keep this run going"
+    )
+    where = f" at {path}" if path else ""
+    return (
+        f"hf-precision: the {kind} guard{where} casts {what} {dtype_name(src)} → "
+        f"{dtype_name(dst)} (said once per guard kind); {how}; report: {report_dir or 'off'}"
     )

@@ -63,6 +63,7 @@ __all__ = [
     "check_ranks_agree",
     "check_training_args",
     "check_wrapped",
+    "ddp_restore_error",
     "deepspeed_config_of",
     "detect_wrapper",
     "explain_wrapped",
@@ -399,3 +400,34 @@ def explain_wrapped(
         for name, group, held, want, rule in check.casts
     ]
     return kept
+
+
+def ddp_restore_error(
+    changes: list[Change],
+    ref: dict[int, torch.dtype],
+    root: nn.Module,
+    *,
+    where: str,
+    name: str,
+) -> PrecisionError | None:
+    """The error for planned parameter changes that do not go back to the dtypes DDP built its
+    gradient buckets for (``ref``: ``id(parameter)`` -> dtype at wrapping time); ``None`` when
+    every change does."""
+    named = dict(root.named_parameters())
+    bad = [
+        c
+        for c in changes
+        if c.kind == "param"
+        and c.name in named
+        and dtype_name(ref.get(id(named[c.name]), named[c.name].dtype)) != c.after
+    ]
+    if not bad:
+        return None
+    return PrecisionError(
+        f"{where}: {len(bad)} parameter(s) would change dtype under DDP, whose gradient "
+        "buckets were built for the dtypes at wrapping time:\n  "
+        + "\n  ".join(c.describe() for c in bad[:_MAX_LISTED])
+        + f"\nFix: let {name} cast before the model is wrapped (keep it in the "
+        "callbacks / call guard.prepare before accelerator.prepare), or load the model "
+        "in the policy's dtypes."
+    )

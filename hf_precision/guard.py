@@ -46,6 +46,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .console import (
+    bridged_line,
     cast_line,
     flag_conflict,
     kept_as_is,
@@ -53,11 +54,10 @@ from .console import (
     memory_line,
     policy_origin,
 )
-from .distributed import check_model_ranks, check_wrapped, explain_wrapped
-from .dtypes import dtype_name
+from .distributed import check_model_ranks, check_wrapped, ddp_restore_error, explain_wrapped
 from .enforce import EnforceReport, apply_plan, restore_values
-from .errors import PrecisionError, PrecisionWarning
-from .fsdp2 import bridge_outputs, fsdp2_outputs
+from .errors import PrecisionWarning
+from .fsdp2 import settle_outputs
 from .groups import ModuleGroups, find_module_groups
 from .hooks import (
     GuardHandle,
@@ -344,18 +344,12 @@ class PrecisionGuard:
         return kept, len(check.violations)
 
     def _fsdp2_outputs(self, model: nn.Module, report: EnforceReport, where: str) -> EnforceReport:
-        """FSDP2's ``output_dtype`` (:mod:`hf_precision.fsdp2`): a half root output (the loss
-        rounded) is said with the fix; a nested unit returning another dtype than its parent
-        computes in is bridged by a forward hook on its outputs (once per unit) and said."""
-        outputs = fsdp2_outputs(model)
-        messages = outputs.messages(self.name)
-        if not messages:
-            return report
-        for b in outputs.bridges:
-            if b.unit not in self._bridges:
-                self._bridges[b.unit] = bridge_outputs(model, [b])
+        """FSDP2's ``output_dtype``, said and bridged (:func:`.fsdp2.settle_outputs`)."""
+        messages = settle_outputs(model, self.name, self._bridges)
         for message in messages:
             self._warn_once(message)
+        if not messages:
+            return report
         report = copy.copy(report)
         report.wrapper_findings = [*report.wrapper_findings, *messages]
         return report
@@ -364,23 +358,9 @@ class PrecisionGuard:
         """DDP built its gradient buckets for the dtypes at wrapping time (or, when the guard
         did not see the wrapping, at its last verify): only going back to those is safe."""
         ref = self.wrap_dtypes or {id(p): d for p, d in zip(self.params, self.dtypes)}
-        named = dict(self.root.named_parameters())
-        bad = [
-            c
-            for c in audit.changes
-            if c.kind == "param"
-            and c.name in named
-            and dtype_name(ref.get(id(named[c.name]), named[c.name].dtype)) != c.after
-        ]
-        if bad:
-            raise PrecisionError(
-                f"{where}: {len(bad)} parameter(s) would change dtype under DDP, whose gradient "
-                "buckets were built for the dtypes at wrapping time:\n  "
-                + "\n  ".join(c.describe() for c in bad[:_MAX_LISTED])
-                + f"\nFix: let {self.name} cast before the model is wrapped (keep it in the "
-                "callbacks / call guard.prepare before accelerator.prepare), or load the model "
-                "in the policy's dtypes."
-            )
+        error = ddp_restore_error(audit.changes, ref, self.root, where=where, name=self.name)
+        if error is not None:
+            raise error
 
     def _say(
         self,
@@ -459,30 +439,13 @@ class PrecisionGuard:
     def _bridged(self, kind: str, path: str, what: str, src: torch.dtype, dst: torch.dtype) -> None:
         """A guard cast an input at run time (called once per kind by the hooks)."""
         cast = bool(self.events) and self.events[0][1] > 0
-        how = (
-            "the guard cast weights at setup and its hooks bridge the rest"
-            if cast
-            else "nothing in the model was cast: its hooks alone keep this run going"
-        )
-        where = f" at {path}" if path else ""
-        logger.warning(
-            "hf-precision: the %s guard%s casts %s %s → %s (said once per guard kind); %s; "
-            "report: %s",
-            kind,
-            where,
-            what,
-            dtype_name(src),
-            dtype_name(dst),
-            how,
-            self._report_dir() or "off",
-        )
+        logger.warning(bridged_line(kind, path, what, src, dst, cast, self._report_dir()))
 
     def _warn_once(self, message: str) -> None:
         if message not in self._said:
             self._said.add(message)
             warnings.warn(message, PrecisionWarning, stacklevel=4)
 
-    # ------------------------------------------------------------------ full-precision eval
     def stash(self, eval_dtype: torch.dtype | None, limit_bytes: int) -> None:
         """Keep CPU copies of what an in-place ``model.to(eval_dtype)`` (``*_full_eval``) would
         round, to give their exact values back after: every floating parameter and buffer not
@@ -505,7 +468,6 @@ class PrecisionGuard:
         after a ``*_full_eval`` evaluation, what :meth:`stash` kept is bit for bit as before."""
         return restore_values(self.root, self._stash) if self._stash else 0
 
-    # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:
         """Take the guards off and release the model."""
         remove_guards(self.model)
@@ -520,8 +482,7 @@ class PrecisionGuard:
 
 
 def __getattr__(name: str) -> Any:
-    """``GuardFrontEnd`` lived here: it is :mod:`hf_precision.frontend`'s now (it sits above the
-    engine; importing it here would make a cycle)."""
+    """``GuardFrontEnd`` lived here (:mod:`hf_precision.frontend` now: it sits above us)."""
     if name == "GuardFrontEnd":
         return importlib.import_module("hf_precision.frontend").GuardFrontEnd
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
