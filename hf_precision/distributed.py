@@ -42,7 +42,7 @@ from .groups import ModuleGroups, find_module_groups
 from .keep_rules import model_keep_lists
 from .plan import group_compute_dtypes
 from .policy import PrecisionPolicy, tensor_role
-from .view import walk_modules
+from .view import ModelView, walk_modules
 from .wrappers import (
     WRAPPERS,
     clean_name,
@@ -201,13 +201,17 @@ def check_model_ranks(
     *,
     policy: Any = None,
     where: str = "check_model_ranks",
+    view: ModelView | None = None,
+    dmap: DtypeMap | None = None,
 ) -> None:
-    """:func:`check_ranks_agree` on ``dtype_map(model)``; free in a single process."""
+    """:func:`check_ranks_agree` on ``dtype_map(model)``; free in a single process. ``view``:
+    the event's walk; ``dmap``: the event's map when the reporter made it already (one map
+    per event)."""
     if is_distributed():
         in_place = wrapper_of(model) in ("FSDP", "DeepSpeed")  # per-rank slices: numel differs
-        check_ranks_agree(
-            dtype_map(model, groups, policy=policy), where=where, with_numel=not in_place
-        )
+        if dmap is None:
+            dmap = dtype_map(model, groups, policy=policy, view=view)
+        check_ranks_agree(dmap, where=where, with_numel=not in_place)
 
 
 @dataclass

@@ -324,7 +324,8 @@ def dtype_map(
     # Every container built here is kept (records, per-dtype counts): cyclic-GC passes during
     # the walk would only rescan them, a cost that grows faster than the model (measured on
     # LLaVA-1.5-7B: 4x the layers took up to 3.9x as long with the collector on, 3.1x off).
-    check_model(model, "dtype_map(model)")
+    if view is None or (model is not view.model and model is not view.root):
+        check_model(model, "dtype_map(model)")  # else the event's view checked it
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -427,7 +428,10 @@ class _Tally:
 def _dtype_map(
     model: nn.Module, groups: ModuleGroups | None, policy: Any, view: ModelView | None = None
 ) -> DtypeMap:
-    root, _ = unwrap_model(model)
+    if view is not None and (model is view.model or model is view.root):
+        root = view.root  # the view unwrapped it
+    else:
+        root, _ = unwrap_model(model)
     if view is not None and view.root is root:
         groups = view.groups
     elif groups is None:

@@ -230,6 +230,7 @@ class PrecisionGuard:
         self.params = tuple(view.parameters())
         self.dtypes = tuple(p.dtype for p in self.params)
         self.events.append((event, found))
+        dmap = None  # the event's one dtype map: the reporter's, shared with the rank check
         if self.reporter is not None and (log_clean or found):
             # a wrapper's choice kept (wrapper_master_fp32) is in the event's JSON too
             noted = (
@@ -239,7 +240,7 @@ class PrecisionGuard:
                 or report.outside_reads
                 or kept_as_is(report)
             )
-            self.reporter.log_event(
+            dmap = self.reporter.log_event(
                 event,
                 model,
                 step=step,
@@ -250,7 +251,7 @@ class PrecisionGuard:
                 sections=self.sections,
             )
         if check_ranks:  # a collective: every rank reaches the same events
-            check_model_ranks(model, self.groups, policy=policy, where=where)
+            check_model_ranks(model, self.groups, policy=policy, where=where, view=view, dmap=dmap)
         return report
 
     def master_fp32(self, view: ModelView | None = None) -> torch.dtype | None:
