@@ -270,3 +270,28 @@ def test_the_cast_line_says_what_was_kept_in_float32_on_purpose(caplog: Any) -> 
     assert {w.dtype for w in norms} == {torch.float32}
     assert any(rule == "rotary" for _, _, rule, _ in guard.last_report.kept)
     guard.teardown()
+
+
+def test_one_dtype_map_per_event_shared_by_the_reporter_and_the_rank_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hf_precision import distributed, dtype_maps
+
+    model = _split()
+    reporter = PrecisionReporter(tmp_path)
+    guard = PrecisionGuard(model, PrecisionPolicy.from_preset("bf16-true"), reporter=reporter)
+    guard.verify("setup")
+    maps: list[Any] = []
+    compared: list[Any] = []
+    build = dtype_maps._dtype_map
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        maps.append(build(*args, **kwargs))
+        return maps[-1]
+
+    monkeypatch.setattr(dtype_maps, "_dtype_map", counted)
+    monkeypatch.setattr(distributed, "is_distributed", lambda: True)  # the rank check runs
+    monkeypatch.setattr(distributed, "check_ranks_agree", lambda m, **kw: compared.append(m))
+    guard.verify("check", check_ranks=True)
+    assert len(maps) == 1 and compared == maps and reporter.last_map is maps[0]
+    guard.teardown()
