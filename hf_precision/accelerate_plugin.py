@@ -53,7 +53,7 @@ from .distributed import rank
 from .dtypes import dtype_name
 from .enforce import EnforceReport
 from .errors import PrecisionError, PrecisionWarning
-from .guard import GuardFrontEnd, PrecisionGuard, policy_origin
+from .frontend import GuardFrontEnd, PrecisionGuard, policy_origin
 from .lost_updates import LostUpdateCheck, LostUpdates, check_option, watch
 from .policy import LeafGuards, Mode, PrecisionPolicy
 from .reporting import PrecisionReporter

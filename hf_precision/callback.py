@@ -37,8 +37,8 @@ from .blame import BlameMode, NonFiniteBlame, check_mode
 from .deepspeed_config import check_training_args, zero_stage
 from .enforce import EnforceReport
 from .errors import PrecisionError, PrecisionWarning
+from .frontend import GuardFrontEnd, PrecisionGuard, policy_origin
 from .groups import ModuleGroups
-from .guard import GuardFrontEnd, PrecisionGuard, policy_origin
 from .hooks import GuardHandle
 from .lost_updates import LostUpdateCheck, LostUpdates, check_option, watch
 from .policy import LeafGuards, Mode, PrecisionPolicy

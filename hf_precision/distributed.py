@@ -64,6 +64,7 @@ __all__ = [
     "check_ranks_agree",
     "check_training_args",
     "check_wrapped",
+    "ddp_restore_error",
     "deepspeed_config_of",
     "detect_wrapper",
     "explain_wrapped",
@@ -201,13 +202,17 @@ def check_model_ranks(
     *,
     policy: Any = None,
     where: str = "check_model_ranks",
+    view: ModelView | None = None,
+    dmap: DtypeMap | None = None,
 ) -> None:
-    """:func:`check_ranks_agree` on ``dtype_map(model)``; free in a single process."""
+    """:func:`check_ranks_agree` on ``dtype_map(model)``; free in a single process. ``view``:
+    the event's walk; ``dmap``: the event's map when the reporter made it already (one map
+    per event)."""
     if is_distributed():
         in_place = wrapper_of(model) in ("FSDP", "DeepSpeed")  # per-rank slices: numel differs
-        check_ranks_agree(
-            dtype_map(model, groups, policy=policy), where=where, with_numel=not in_place
-        )
+        if dmap is None:
+            dmap = dtype_map(model, groups, policy=policy, view=view)
+        check_ranks_agree(dmap, where=where, with_numel=not in_place)
 
 
 @dataclass
@@ -431,3 +436,34 @@ def check_zero3_split(view: ModelView, where: str, mode: str) -> None:
         warnings.warn(msg, PrecisionWarning, stacklevel=3)
     else:
         raise PrecisionError(msg)
+
+
+def ddp_restore_error(
+    changes: list[Change],
+    ref: dict[int, torch.dtype],
+    root: nn.Module,
+    *,
+    where: str,
+    name: str,
+) -> PrecisionError | None:
+    """The error for planned parameter changes that do not go back to the dtypes DDP built its
+    gradient buckets for (``ref``: ``id(parameter)`` -> dtype at wrapping time); ``None`` when
+    every change does."""
+    named = dict(root.named_parameters())
+    bad = [
+        c
+        for c in changes
+        if c.kind == "param"
+        and c.name in named
+        and dtype_name(ref.get(id(named[c.name]), named[c.name].dtype)) != c.after
+    ]
+    if not bad:
+        return None
+    return PrecisionError(
+        f"{where}: {len(bad)} parameter(s) would change dtype under DDP, whose gradient "
+        "buckets were built for the dtypes at wrapping time:\n  "
+        + "\n  ".join(c.describe() for c in bad[:_MAX_LISTED])
+        + f"\nFix: let {name} cast before the model is wrapped (keep it in the "
+        "callbacks / call guard.prepare before accelerator.prepare), or load the model "
+        "in the policy's dtypes."
+    )

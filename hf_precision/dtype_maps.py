@@ -17,7 +17,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -26,10 +26,8 @@ from torch import nn
 
 from .dtypes import (
     dtype_name,
-    is_castable,
     is_quantized,
     logical_numel,
-    majority_dtype,
     quantized_format,
     storage_bytes,
     zero3_dtype,
@@ -39,7 +37,7 @@ from .groups import OTHER, ModuleGroups, find_module_groups, hidden_module
 from .keep_rules import model_keep_lists
 from .policy import tensor_role
 from .tables import fmt_bytes, render_table
-from .view import ModelView
+from .view import ModelView, receiving
 from .wrappers import clean_name, is_sharded, unwrap_model
 
 #: Tensor types that are never DTensors nor packed quantized storage.
@@ -287,34 +285,6 @@ class DtypeMap:
 
 
 # ---------------------------------------------------------------------------- receiving
-def receiving(
-    mod: nn.Module,
-    compute: Mapping[int, torch.dtype] | None = None,
-    params: Iterable[torch.Tensor] | None = None,
-) -> tuple[torch.dtype | None, torch.device | None]:
-    """The dtype a module's inputs must have (the majority dtype of its frozen floating
-    weights, of all of them when none is frozen; FSDP's compute dtype where ``compute`` says
-    so) and the device most of its weights are on (``None`` on meta). ``params``: the module's
-    parameters when the caller has them."""
-    frozen: list[tuple[torch.dtype, int]] = []
-    every: list[tuple[torch.dtype, int]] = []
-    devices: dict[torch.device, int] = {}
-    for p in params if params is not None else mod.parameters():
-        if not is_castable(p):
-            continue
-        # FSDP computes in its MixedPrecisionPolicy.param_dtype, not the storage dtype
-        dt = compute.get(id(p), p.dtype) if compute else p.dtype
-        every.append((dt, p.numel()))
-        if not p.requires_grad:
-            frozen.append((dt, p.numel()))
-        devices[p.device] = devices.get(p.device, 0) + p.numel()
-    dtype = majority_dtype(frozen) or majority_dtype(every)
-    device = max(devices, key=lambda d: devices[d]) if devices else None
-    if device is not None and device.type == "meta":
-        device = None
-    return dtype, device
-
-
 def receiving_dtypes(
     model: nn.Module,
     groups: ModuleGroups | None = None,
@@ -354,7 +324,8 @@ def dtype_map(
     # Every container built here is kept (records, per-dtype counts): cyclic-GC passes during
     # the walk would only rescan them, a cost that grows faster than the model (measured on
     # LLaVA-1.5-7B: 4x the layers took up to 3.9x as long with the collector on, 3.1x off).
-    check_model(model, "dtype_map(model)")
+    if view is None or (model is not view.model and model is not view.root):
+        check_model(model, "dtype_map(model)")  # else the event's view checked it
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -457,7 +428,10 @@ class _Tally:
 def _dtype_map(
     model: nn.Module, groups: ModuleGroups | None, policy: Any, view: ModelView | None = None
 ) -> DtypeMap:
-    root, _ = unwrap_model(model)
+    if view is not None and (model is view.model or model is view.root):
+        root = view.root  # the view unwrapped it
+    else:
+        root, _ = unwrap_model(model)
     if view is not None and view.root is root:
         groups = view.groups
     elif groups is None:

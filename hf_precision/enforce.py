@@ -1,6 +1,7 @@
 """``enforce_policy``: the one function in hf-precision that changes a model.
 
-It plans (:func:`~hf_precision.plan.plan_policy`) and applies (:func:`apply_plan`, the one
+It is two steps on one walk of the model (:class:`~hf_precision.view.ModelView`): plan
+(:func:`~hf_precision.plan.plan_policy`, frozen and pure) and apply (:func:`apply_plan`, the one
 place that casts). It casts parameters and buffers group by group, in place: each
 ``nn.Parameter`` keeps its identity (``param.data`` is replaced), so optimizer references stay
 valid and tied weights stay tied. Quantized storage, integer buffers and FSDP2-sharded parameters
@@ -32,6 +33,7 @@ from .groups import ModuleGroups
 from .plan import (
     Change,
     EnforceReport,
+    Plan,
     PlannedCast,
     TensorKind,
     model_device,
@@ -45,6 +47,7 @@ from .wrappers import owning_wrapper, unwrap_model
 __all__ = [
     "Change",
     "EnforceReport",
+    "Plan",
     "PlannedCast",
     "TensorKind",
     "apply_plan",
@@ -133,41 +136,47 @@ def enforce_policy(
     in it are left as they are (rule ``wrapper_master_fp32``; the front ends pass it).
     """
     check_model(model, "enforce_policy(model, policy)")
-    root, _ = unwrap_model(model)
-    policy = PrecisionPolicy.resolve(policy, root)
-    mode = policy.mode if mode is None else mode
+    view = ModelView.reuse(view, model, groups)
+    policy, mode = _policy_and_mode(view, policy, mode)
+    plan = plan_policy(view, policy, master_fp32=master_fp32)
+    return apply_plan(plan, mode, optimizer, allow_wrapped=allow_wrapped)
+
+
+def _policy_and_mode(
+    view: ModelView, policy: PrecisionPolicy | str | None, mode: Mode | None
+) -> tuple[PrecisionPolicy, Mode]:
+    resolved = PrecisionPolicy.resolve(policy, view.root)
+    mode = resolved.mode if mode is None else mode
     if mode not in MODES:
         raise PrecisionError(f"enforce_policy(mode={mode!r}): allowed modes audit, fix, raise.")
-    report = plan_policy(root, policy, ModelView.reuse(view, root, groups), master_fp32=master_fp32)
-    return apply_plan(model, report, mode=mode, optimizer=optimizer, allow_wrapped=allow_wrapped)
+    return resolved, mode
 
 
 def apply_plan(
-    model: nn.Module,
-    report: EnforceReport,
-    *,
+    plan: Plan,
     mode: Mode = "fix",
     optimizer: Any = None,
+    *,
     allow_wrapped: bool = False,
 ) -> EnforceReport:
-    """Carry out, in ``mode``, the plan of a report :func:`enforce_policy` made for ``model``
-    (an ``audit``), without planning again: the engine audits every event and applies only
-    when the audit found something. Returns ``report``, applied in ``fix`` mode."""
-    wrapper = owning_wrapper(model)
+    """Carry out ``plan`` (:func:`~hf_precision.plan.plan_policy`) in ``mode``, without planning
+    again: the one place that casts. Returns a new :class:`EnforceReport`, ``applied`` in
+    ``fix`` mode; ``audit`` casts nothing and ``raise`` raises on any change."""
+    report = plan.report()
+    wrapper = owning_wrapper(plan.view.model)
     if mode == "fix" and report.changes and wrapper is not None and not allow_wrapped:
-        raise _refuse_wrapped(model, wrapper, report)
+        raise _refuse_wrapped(plan.view.model, wrapper, report)
     if report.meta and report.device is not None:
         msg = _meta_message(report.groups, report.meta, report.device)
         if mode != "audit":
             raise PrecisionError(msg)
-        if msg not in report.warnings:
-            report.warnings.append(msg)
+        report.warnings.append(msg)
     if mode == "fix":  # audits repeat every step: they report, they do not warn
         for w in report.warnings:
             warnings.warn(w, PrecisionWarning, stacklevel=3)
     if mode == "raise" and (report.changes or report.overflow):
         raise _violations(report)
-    if mode == "fix" and not report.applied:
+    if mode == "fix":
         with torch.no_grad():
             for c in report.planned:
                 _apply(

@@ -29,7 +29,14 @@ from torch.utils.hooks import RemovableHandle
 from .dtypes import dtype_name
 from .wrappers import clean_name, fsdp_param_groups, is_fsdp2_module
 
-__all__ = ["Fsdp2Outputs", "OutputBridge", "bridge_outputs", "fsdp2_outputs", "unit_policy"]
+__all__ = [
+    "Fsdp2Outputs",
+    "OutputBridge",
+    "bridge_outputs",
+    "fsdp2_outputs",
+    "settle_outputs",
+    "unit_policy",
+]
 
 _HALF = (torch.bfloat16, torch.float16)
 #: the fix, in accelerate's words and in torch's
@@ -156,3 +163,19 @@ def bridge_outputs(model: nn.Module, bridges: Iterable[OutputBridge]) -> list[Re
                 unit.register_forward_hook(lambda _m, _i, o, d=b.compute: _cast_output(d, o))
             )
     return handles
+
+
+def settle_outputs(
+    model: nn.Module, name: str, bridges: dict[str, list[RemovableHandle]]
+) -> list[str]:
+    """FSDP2's ``output_dtype`` in words for the front end ``name``: a half root output (the
+    loss rounded) is said with the fix; a nested unit returning another dtype than its parent
+    computes in is bridged by a forward hook on its outputs (once per unit, kept in
+    ``bridges``) and said. Returns the messages (none: nothing to say)."""
+    outputs = fsdp2_outputs(model)
+    messages = outputs.messages(name)
+    if messages:
+        for b in outputs.bridges:
+            if b.unit not in bridges:
+                bridges[b.unit] = bridge_outputs(model, [b])
+    return messages

@@ -4,11 +4,12 @@ At each event (``setup``, ``on_train_begin``, ``after_evaluate``, ...) :meth:`Pr
 walks the same steps, in one direction (docs/architecture.md):
 
 1. **plan** — :func:`~hf_precision.plan.plan_policy` on one :class:`~hf_precision.view.ModelView`
-   (what ``enforce_policy(mode="audit")`` returns): what differs from the policy, nothing cast;
+   (a frozen :class:`~hf_precision.plan.Plan`), read in ``audit`` mode: what differs from the
+   policy, nothing cast;
 2. **wrapper** — if FSDP/FSDP2/DeepSpeed holds the parameters, explain what it does on purpose
    and raise for the rest (never cast); under DDP only a return to the wrap-time dtypes is cast;
-3. **apply** — :func:`~hf_precision.enforce.apply_plan` when the plan is not empty (the one
-   place that casts);
+3. **apply** — :func:`~hf_precision.enforce.apply_plan` of the same plan when it is not empty
+   (the one place that casts);
 4. **guards** — install or update the batch, boundary and leaf hooks;
 5. **report** — the reporter's files / W&B, then, where the front end asks, the ranks compared.
 
@@ -34,6 +35,7 @@ True
 from __future__ import annotations
 
 import copy
+import importlib
 import logging
 import os
 import warnings
@@ -43,16 +45,26 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .console import (
+    bridged_line,
+    cast_line,
+    flag_conflict,
+    kept_as_is,
+    kept_words,
+    memory_line,
+    policy_origin,
+)
 from .distributed import (
     check_model_ranks,
     check_wrapped,
     check_zero3_split,
+    ddp_restore_error,
     explain_wrapped,
 )
-from .dtypes import dtype_name, zero3_dtype
-from .enforce import EnforceReport, apply_plan, enforce_policy, restore_values
-from .errors import PrecisionError, PrecisionWarning
-from .fsdp2 import bridge_outputs, fsdp2_outputs
+from .dtypes import zero3_dtype
+from .enforce import EnforceReport, apply_plan, restore_values
+from .errors import PrecisionWarning
+from .fsdp2 import settle_outputs
 from .groups import ModuleGroups, find_module_groups
 from .hooks import (
     GuardHandle,
@@ -62,18 +74,11 @@ from .hooks import (
     release_model,
     remove_guards,
 )
-from .keep_rules import model_keep_lists
 from .memory_account import account_line, memory_account
 from .outside_reads import find_outside_reads, install_fused_head_check
-from .policy import (
-    KEEP_RULES,
-    LeafGuards,
-    Mode,
-    PrecisionPolicy,
-    policy_call,
-    resolve_policy,
-    with_overrides,
-)
+from .plan import plan_policy
+from .policy import PrecisionPolicy
+from .stash import stash_tensors
 from .view import ModelView
 from .wrappers import detect_wrapper, settle_shards, unwrap_model
 
@@ -211,14 +216,8 @@ class PrecisionGuard:
             wrapper = detect_wrapper(model, args=args, modules=inner)
         if wrapper == "FSDP2":
             settle_shards(model)  # FSDP2 keeps the root unsharded after forward: read shards
-        audit = enforce_policy(
-            model,
-            policy,
-            groups=self.groups,
-            mode="audit",
-            view=view,
-            master_fp32=self.master_fp32(view),
-        )
+        plan = plan_policy(view, policy, master_fp32=self.master_fp32(view))
+        audit = apply_plan(plan, "audit")
         report, found = audit, len(audit.changes)
         # built under deepspeed.zero.Init, no engine yet: the plan left the partitions
         # (DeepSpeed's) alone; what is not partitioned yet is cast like any weight
@@ -230,13 +229,8 @@ class PrecisionGuard:
         elif audit.changes and policy.mode != "audit":
             if wrapper == "DDP":
                 self._check_ddp_restore(audit, where)
-            report = apply_plan(  # the audit's plan, not a second one
-                model,
-                audit,
-                mode=policy.mode,
-                optimizer=optimizer,
-                allow_wrapped=wrapper is not None,
-            )
+            # the same plan, not a second one
+            report = apply_plan(plan, policy.mode, optimizer, allow_wrapped=wrapper is not None)
         if wrapper == "FSDP2":
             report = self._fsdp2_outputs(model, report, where)
         self._say(where, audit, report, found, first=first, held=held)
@@ -249,6 +243,7 @@ class PrecisionGuard:
         self.params = tuple(view.parameters())
         self.dtypes = tuple(p.dtype for p in self.params)
         self.events.append((event, found))
+        dmap = None  # the event's one dtype map: the reporter's, shared with the rank check
         if self.reporter is not None and (log_clean or found):
             # a wrapper's choice kept (wrapper_master_fp32) is in the event's JSON too
             noted = (
@@ -256,9 +251,9 @@ class PrecisionGuard:
                 or report.wrapper_casts
                 or report.wrapper_findings
                 or report.outside_reads
-                or _kept_as_is(report)
+                or kept_as_is(report)
             )
-            self.reporter.log_event(
+            dmap = self.reporter.log_event(
                 event,
                 model,
                 step=step,
@@ -269,7 +264,7 @@ class PrecisionGuard:
                 sections=self.sections,
             )
         if check_ranks:  # a collective: every rank reaches the same events
-            check_model_ranks(model, self.groups, policy=policy, where=where)
+            check_model_ranks(model, self.groups, policy=policy, where=where, view=view, dmap=dmap)
         return report
 
     def master_fp32(self, view: ModelView | None = None) -> torch.dtype | None:
@@ -370,18 +365,12 @@ class PrecisionGuard:
         return kept, len(check.violations)
 
     def _fsdp2_outputs(self, model: nn.Module, report: EnforceReport, where: str) -> EnforceReport:
-        """FSDP2's ``output_dtype`` (:mod:`hf_precision.fsdp2`): a half root output (the loss
-        rounded) is said with the fix; a nested unit returning another dtype than its parent
-        computes in is bridged by a forward hook on its outputs (once per unit) and said."""
-        outputs = fsdp2_outputs(model)
-        messages = outputs.messages(self.name)
-        if not messages:
-            return report
-        for b in outputs.bridges:
-            if b.unit not in self._bridges:
-                self._bridges[b.unit] = bridge_outputs(model, [b])
+        """FSDP2's ``output_dtype``, said and bridged (:func:`.fsdp2.settle_outputs`)."""
+        messages = settle_outputs(model, self.name, self._bridges)
         for message in messages:
             self._warn_once(message)
+        if not messages:
+            return report
         report = copy.copy(report)
         report.wrapper_findings = [*report.wrapper_findings, *messages]
         return report
@@ -390,23 +379,9 @@ class PrecisionGuard:
         """DDP built its gradient buckets for the dtypes at wrapping time (or, when the guard
         did not see the wrapping, at its last verify): only going back to those is safe."""
         ref = self.wrap_dtypes or {id(p): d for p, d in zip(self.params, self.dtypes)}
-        named = dict(self.root.named_parameters())
-        bad = [
-            c
-            for c in audit.changes
-            if c.kind == "param"
-            and c.name in named
-            and dtype_name(ref.get(id(named[c.name]), named[c.name].dtype)) != c.after
-        ]
-        if bad:
-            raise PrecisionError(
-                f"{where}: {len(bad)} parameter(s) would change dtype under DDP, whose gradient "
-                "buckets were built for the dtypes at wrapping time:\n  "
-                + "\n  ".join(c.describe() for c in bad[:_MAX_LISTED])
-                + f"\nFix: let {self.name} cast before the model is wrapped (keep it in the "
-                "callbacks / call guard.prepare before accelerator.prepare), or load the model "
-                "in the policy's dtypes."
-            )
+        error = ddp_restore_error(audit.changes, ref, self.root, where=where, name=self.name)
+        if error is not None:
+            raise error
 
     def _say(
         self,
@@ -432,7 +407,7 @@ class PrecisionGuard:
                 f"nothing cast (mode 'audit'); the policy would cast "
                 + line.removeprefix("hf-precision: ")
             )
-        elif first and not found and _kept_as_is(report):
+        elif first and not found and kept_as_is(report):
             # nothing to cast, but a wrapper's choice was kept: said once, at setup
             logger.warning(
                 f"hf-precision: nothing cast; {kept_words(report)}; policy {policy.describe()}; "
@@ -485,30 +460,13 @@ class PrecisionGuard:
     def _bridged(self, kind: str, path: str, what: str, src: torch.dtype, dst: torch.dtype) -> None:
         """A guard cast an input at run time (called once per kind by the hooks)."""
         cast = bool(self.events) and self.events[0][1] > 0
-        how = (
-            "the guard cast weights at setup and its hooks bridge the rest"
-            if cast
-            else "nothing in the model was cast: its hooks alone keep this run going"
-        )
-        where = f" at {path}" if path else ""
-        logger.warning(
-            "hf-precision: the %s guard%s casts %s %s → %s (said once per guard kind); %s; "
-            "report: %s",
-            kind,
-            where,
-            what,
-            dtype_name(src),
-            dtype_name(dst),
-            how,
-            self._report_dir() or "off",
-        )
+        logger.warning(bridged_line(kind, path, what, src, dst, cast, self._report_dir()))
 
     def _warn_once(self, message: str) -> None:
         if message not in self._said:
             self._said.add(message)
             warnings.warn(message, PrecisionWarning, stacklevel=4)
 
-    # ------------------------------------------------------------------ full-precision eval
     def stash(self, eval_dtype: torch.dtype | None, limit_bytes: int) -> None:
         """Keep CPU copies of what an in-place ``model.to(eval_dtype)`` (``*_full_eval``) would
         round, to give their exact values back after: every floating parameter and buffer not
@@ -518,73 +476,19 @@ class PrecisionGuard:
         rounded values."""
         if eval_dtype is None:
             return
-        model_keep, strict = model_keep_lists(self.root)
         # what the last plan kept in fp32 (rotary tables by module, deliberate fp32 norms)
         kept = {k[0] for k in self.last_report.kept} if self.last_report is not None else set()
-        tiers: tuple[list[tuple[str, torch.Tensor]], ...] = ([], [], [])
-        for kind, named in (
-            ("param", self.root.named_parameters()),
-            ("buffer", self.root.named_buffers()),
-        ):
-            for name, t in named:
-                if not t.is_floating_point() or t.dtype == eval_dtype or t.device.type == "meta":
-                    continue
-                if kind == "param" and t.requires_grad:
-                    tiers[0].append((name, t))
-                elif name in kept or self.policy.keep_fp32_reason(
-                    name,
-                    is_buffer=kind == "buffer",
-                    model_patterns=model_keep,
-                    strict_patterns=strict,
-                ):
-                    tiers[1].append((name, t))
-                else:
-                    tiers[2].append((name, t))
-        keep: dict[str, torch.Tensor] = {}
-        left: list[tuple[str, int]] = [("", 0)] * 3  # per tier: (first name, bytes) left out
-        counts = [0, 0, 0]
-        total = 0
-        for k, tier in enumerate(tiers):
-            for name, t in tier:
-                size = t.numel() * t.element_size()
-                if total + size > limit_bytes:
-                    counts[k] += 1
-                    left[k] = (left[k][0] or name, left[k][1] + size)
-                    continue
-                keep[name] = t
-                total += size
-        self._stash = {k: v.detach().to("cpu", copy=True) for k, v in keep.items()}
+        self._stash, said = stash_tensors(self.root, self.policy, kept, eval_dtype, limit_bytes)
         if "memory" in self.sections:
             self.sections["memory"]["stash_host_bytes"] = self.stash_bytes
-        if any(counts):
-            what = (
-                "trainable weight(s)",
-                "tensor(s) the policy keeps in float32",
-                "frozen tensor(s)",
-            )
-            lost = "; ".join(
-                f"{n} {what[k]} ({left[k][1] / 2**20:.0f} MiB, e.g. {left[k][0]})"
-                for k, n in enumerate(counts)
-                if n
-            )
-            ev = dtype_name(eval_dtype)
-            warnings.warn(
-                f"{ev}_full_eval casts the model to {ev} in place. The guard keeps exact copies "
-                f"of {len(self._stash)} tensor(s) ({total / 2**20:.0f} MiB) to give their values "
-                f"back after the evaluation, up to its {limit_bytes / 2**30:.1f} GiB limit; "
-                f"these do not fit and come back in their dtype with {ev}-rounded values: "
-                f"{lost}. Fix: drop {ev}_full_eval (evaluation then runs under autocast), "
-                f"load the frozen weights in {ev}, or train LoRA.",
-                PrecisionWarning,
-                stacklevel=3,
-            )
+        if said is not None:
+            warnings.warn(said, PrecisionWarning, stacklevel=3)
 
     def restore(self) -> int:
         """Give stashed tensors their exact values (and dtypes) back where their dtype changed:
         after a ``*_full_eval`` evaluation, what :meth:`stash` kept is bit for bit as before."""
         return restore_values(self.root, self._stash) if self._stash else 0
 
-    # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:
         """Take the guards off and release the model."""
         remove_guards(self.model)
@@ -598,258 +502,15 @@ class PrecisionGuard:
         return f"PrecisionGuard({self.policy.describe()}, rule={self.groups.rule!r})"
 
 
-_HALF = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-#: how many tensor names the console line lists
-_NAMED = 3
-_RULE_WORDS = {
-    "frozen": "frozen",
-    "trainable": "trainable",
-    "keep_trainable_fp32": "trainable kept fp32",
-    "device": "moved",
-}
-
-
-def _why(reason: str) -> str:
-    """A plan record's reason (the :class:`~hf_precision.policy.Decision`'s) in words."""
-    return _RULE_WORDS.get(reason, reason)
-
-
-def cast_line(report: EnforceReport, *, origin: str | None, report_dir: str | None) -> str:
-    """The one console line for what a guard cast at setup: target dtypes with counts and the
-    rule that decided each, the first names, where the policy came from, the report's path.
-
-    ``hf-precision: 46 tensors → bfloat16 (frozen), 18 → float32 (trainable) in projector,
-    language_model (e.g. ...); policy bf16 (...), inferred from TrainingArguments(bf16=True);
-    report: out/precision/``
-    """
-    by_dtype: dict[str, dict[str, int]] = {}
-    moved: dict[str, int] = {}
-    for c in report.changes:
-        if c.before == c.after:
-            moved[c.device_after] = moved.get(c.device_after, 0) + 1
-            continue
-        rules = by_dtype.setdefault(c.after, {})
-        rules[_why(c.reason)] = rules.get(_why(c.reason), 0) + 1
-    parts = []
-    for i, (dtype, rules) in enumerate(
-        sorted(by_dtype.items(), key=lambda kv: -sum(kv[1].values()))
-    ):
-        n = sum(rules.values())
-        ranked = sorted(rules.items(), key=lambda kv: -kv[1])
-        why = ranked[0][0] if len(ranked) == 1 else ", ".join(f"{k} {v}" for k, v in ranked)
-        parts.append(f"{n}{' tensors' if i == 0 else ''} → {dtype} ({why})")
-    parts += [f"{n} moved to {dev}" for dev, n in moved.items()]
-    held = kept_words(report)
-    touched = {c.group for c in report.changes}
-    order = [g for g in report.groups.names if g in touched]  # forward order, then the rest
-    groups = ", ".join(order + sorted(touched - set(order)))
-    named = [f"{c.name} {c.before} → {c.after}" for c in report.changes[:_NAMED]]
-    more = len(report.changes) - len(named)
-    names = "; ".join(named) + (f"; and {more} more" if more > 0 else "")
-    source = f", {origin}" if origin else ""
-    return (
-        f"hf-precision: {', '.join(parts)} in {groups} (e.g. {names}); "
-        + (f"{held}; " if held else "")
-        + "policy "
-        f"{report.policy.describe()}{source}; report: {report_dir or 'off (report=False)'}"
-    )
-
-
-def _kept_as_is(report: EnforceReport) -> bool:
-    """A rule kept a tensor in its own (half) dtype on purpose (``wrapper_master_fp32``)."""
-    return any(k[2] not in KEEP_RULES for k in report.kept)
-
-
-def kept_words(report: EnforceReport) -> str:
-    """What keep rules held on purpose, for the console: ``kept in float32 on purpose: 4
-    (deliberate_fp32); kept in their dtype on purpose: 8 (wrapper_master_fp32)``; ``""`` for
-    none. Rotary tables (every model has them) are in the report, not on the console."""
-    by_rule: dict[str, int] = {}
-    for _, _, rule, _ in report.kept:
-        if rule != "rotary":
-            by_rule[rule] = by_rule.get(rule, 0) + 1
-    parts = []
-    for words, rules in (
-        ("kept in float32 on purpose", {r: n for r, n in by_rule.items() if r in KEEP_RULES}),
-        (
-            "kept in their dtype on purpose",
-            {r: n for r, n in by_rule.items() if r not in KEEP_RULES},
-        ),
-    ):
-        if rules:
-            ranked = sorted(rules.items(), key=lambda kv: -kv[1])
-            parts.append(f"{words}: " + ", ".join(f"{n} ({rule})" for rule, n in ranked))
-    return "; ".join(parts)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def memory_line(report: EnforceReport) -> str | None:
-    """Bytes before → after per group where the setup upcast weights (the memory a user of
-    PEFT's ``print_trainable_parameters()`` watches), with the rules that decided; ``None``
-    when no weight grew."""
-    before: dict[str, int] = {}
-    after: dict[str, int] = {}
-    rules: dict[str, int] = {}
-    for item in report.planned:
-        t, change = item.tensor, item.change
-        was = getattr(torch, change.before, None)  # the tensor may hold its new data already
-        if not isinstance(was, torch.dtype):
-            continue
-        size, new = _itemsize(was), _itemsize(item.dtype)
-        if change.kind != "param" or new <= size:
-            continue
-        before[change.group] = before.get(change.group, 0) + t.numel() * size
-        after[change.group] = after.get(change.group, 0) + t.numel() * new
-        rules[_why(change.reason)] = rules.get(_why(change.reason), 0) + 1
-    if not before:
-        return None
-    from .tables import fmt_bytes
-
-    listed = ", ".join(
-        f"{g} {fmt_bytes(before[g])} → {fmt_bytes(after[g])}" for g in sorted(before)
-    )
-    why = ", ".join(f"{k} {v}" for k, v in sorted(rules.items(), key=lambda kv: -kv[1]))
-    return (
-        f"hf-precision: upcast weights take more memory: {listed} "
-        f"({sum(rules.values())} weights; rule: {why})"
-    )
-
-
-def flag_conflict(
-    policy: PrecisionPolicy,
-    flag: str | None,
-    *,
-    call: str,
-    said: str,
-    runner: str,
-    owner: str,
-    words: Any,
-) -> PrecisionError | str | None:
-    """What a mixed-precision flag (``"bf16"``/``"fp16"``, ``None``: no flag) and an explicit
-    policy make together, checked before anything is cast: a :class:`PrecisionError` when they
-    cannot run together (a half dtype of the policy is not the one autocast computes in: the
-    two meet in every op autocast promotes), a warning text when it runs but is not what either
-    says (fp32 weights under autocast), else ``None``.
-
-    ``call`` is the user's call, ``said`` how the user set the flag (``bf16: true``), ``runner``
-    who autocasts (``the Trainer``), ``owner`` the front end's name and ``words(flag, value)``
-    the flag in the user's tool (:func:`hf_precision.flags.flag`).
-    """
-    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(flag or "")
-    if autocast is None:
-        return None
-    held = (policy.compute_dtype, policy.frozen_dtype, policy.trainable_dtype)
-    halves = {d for d in (*held, *policy.group_dtypes.values()) if d in _HALF}
-    other = sorted(halves - {autocast}, key=str)
-    follow = f"{owner}() (it follows {said}), or {owner}({flag!r})"
-    if other:
-        theirs = other[0]
-        return PrecisionError(
-            f"{call} with {said}: {runner} autocasts to {dtype_name(autocast)}, but the policy "
-            f"holds weights in {dtype_name(theirs)} ({policy.describe()}). {dtype_name(theirs)} "
-            f"weights under {dtype_name(autocast)} autocast fail in the first op that mixes "
-            "them ('RuntimeError: Unexpected floating ScalarType in "
-            "at::autocast::prioritize', 'expected scalar type'). Nothing was cast.\n"
-            f"Fix: {follow}, or train in {dtype_name(theirs)}: "
-            f"{words(_HALF[theirs], True)} instead of {said}."
-        )
-    if policy.compute_dtype != autocast:
-        return (
-            f"{call} with {said}: {runner} autocasts to {dtype_name(autocast)}, but the policy "
-            f"keeps weights in {dtype_name(policy.compute_dtype)} ({policy.describe()}): it "
-            f"runs, with {dtype_name(policy.compute_dtype)} memory for weights that compute in "
-            f"{dtype_name(autocast)}. Fix: {follow}, or {words(flag, False)} to train in "
-            f"{dtype_name(policy.compute_dtype)}."
-        )
-    return None
-
-
-def policy_origin(policy: PrecisionPolicy, inferred: bool, said: str, call: str) -> str:
-    """Where a front end's policy came from, in the user's words: the flag it follows
-    (``said``), the no-flag rule, or the user's own ``call``."""
-    if not inferred:
-        return f"as given: {call}"
-    if said:
-        return f"inferred from {said}"
-    return (
-        f"no precision flag: frozen weights follow the language model's "
-        f"{dtype_name(policy.group_dtype('language_model'))}, trainable weights keep the "
-        "dtype they were "
-        "loaded in"
-    )
-
-
-class GuardFrontEnd:
-    """What the front ends share: the user's policy argument, checked when they are built (a
-    bad preset fails at the call, not at train time), with its ``mode``/``leaf_guards``
-    overrides, and the user's own call for messages. Subclasses run :class:`PrecisionGuard`."""
-
-    policy: PrecisionPolicy | None
-    _reporter: Any  # the front end's PrecisionReporter (or None), made when it knows where
-
-    def _init_policy(
-        self,
-        name: str,
-        policy: PrecisionPolicy | str | None,
-        *,
-        mode: Mode | None,
-        leaf_guards: LeafGuards | None,
-    ) -> None:
-        self._name, self._policy_arg = name, policy
-        self._mode, self._leaf_guards = mode, leaf_guards
-        self._call = policy_call(name, policy, mode=mode, leaf_guards=leaf_guards)
-        # nothing the caller passed in changes (a policy is a value)
-        given = self._with_overrides(resolve_policy(policy, call=self._call))
-        self.policy = None if policy is None else given
-
-    def _check_flag(
-        self, flag: str | None, *, said: str, runner: str, words: Any, stacklevel: int
-    ) -> None:
-        """The user's explicit policy against the run's mixed-precision flag, before anything
-        is cast (:func:`flag_conflict`): refused with a :class:`PrecisionError`, or a warning
-        when it runs but not as asked."""
-        if self._policy_arg is None or self.policy is None:
-            return  # an inferred policy follows the flags
-        conflict = flag_conflict(
-            self.policy,
-            flag,
-            call=self._call,
-            said=said,
-            runner=runner,
-            owner=self._name,
-            words=words,
-        )
-        if isinstance(conflict, PrecisionError):
-            raise conflict
-        if conflict:
-            warnings.warn(conflict, PrecisionWarning, stacklevel=stacklevel + 1)
-
-    def _new_guard(self, model: nn.Module, **kwargs: Any) -> PrecisionGuard:
-        """The engine for ``model``, owned by this front end, speaking in its user's call and
-        reporting through its reporter."""
-        assert self.policy is not None
-        return PrecisionGuard(
-            model,
-            self.policy,
-            name=self._name,
-            call=self._call,
-            owner=self,
-            reporter=self._reporter,
-            **kwargs,
-        )
-
-    def _with_overrides(self, policy: PrecisionPolicy) -> PrecisionPolicy:
-        return with_overrides(
-            policy, call=self._call, mode=self._mode, leaf_guards=self._leaf_guards
-        )
+def __getattr__(name: str) -> Any:
+    """``GuardFrontEnd`` lived here (:mod:`hf_precision.frontend` now: it sits above us)."""
+    if name == "GuardFrontEnd":
+        return importlib.import_module("hf_precision.frontend").GuardFrontEnd
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "HOLDING_WRAPPERS",
-    "GuardFrontEnd",
     "PrecisionGuard",
     "cast_line",
     "flag_conflict",

@@ -2,9 +2,9 @@
 
 The third step of the data walk (model -> view -> **plan** -> apply -> guards -> report,
 ``docs/architecture.md``). :func:`plan_policy` reads the event's walk of the model
-(:class:`~hf_precision.view.ModelView`) and returns an :class:`EnforceReport` whose ``changes``
+(:class:`~hf_precision.view.ModelView`) and returns a frozen :class:`Plan` whose ``changes``
 say what would be cast and why, and whose ``planned`` :class:`PlannedCast` records
-:func:`~hf_precision.enforce.apply_plan` carries out.
+:func:`~hf_precision.enforce.apply_plan` carries out (returning an :class:`EnforceReport`).
 Quantized storage, tensors a wrapper owns (FSDP2 shards, ZeRO-3 partitions) and integer buffers
 are never planned for a cast; before a downcast to fp16 the plan checks the value range, so
 nothing becomes ``inf``.
@@ -13,18 +13,16 @@ nothing becomes ``inf``.
 >>> from hf_precision.tiny import tiny_llava
 >>> from hf_precision.view import ModelView
 >>> model = tiny_llava()
->>> report = plan_policy(model, PrecisionPolicy.from_preset("bf16-true"), ModelView.of(model))
->>> report.applied, {c.after for c in report.changes}, len(report.planned) == len(report.changes)
-(False, {'bfloat16'}, True)
+>>> plan = plan_policy(ModelView.of(model), PrecisionPolicy.from_preset("bf16-true"))
+>>> {c.after for c in plan.changes}, len(plan.planned) == len(plan.changes)
+({'bfloat16'}, True)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -41,13 +39,16 @@ from .dtypes import (
 from .errors import did_you_mean
 from .groups import ModuleGroups, hidden_module
 from .keep_rules import model_dtype_note, model_keep_lists
-from .policy import PrecisionPolicy, Role, Rule, tensor_role
-from .view import ModelView
+from .policy import PrecisionPolicy, Role, tensor_role
+from .records import Change, EnforceReport, Plan, PlannedCast, TensorKind
+from .view import ModelView, model_device
 from .wrappers import is_sharded
 
+#: the records live in :mod:`hf_precision.records`; importable from here as before
 __all__ = [
     "Change",
     "EnforceReport",
+    "Plan",
     "PlannedCast",
     "TensorKind",
     "group_compute_dtypes",
@@ -55,154 +56,10 @@ __all__ = [
     "plan_policy",
 ]
 
-TensorKind = Literal["param", "buffer"]
-
-_MAX_LISTED = 12
 #: Adapter weights whose layers cast their own input to the adapter dtype and the result back
 #: (peft LoRA's ``_cast_input_dtype``): fp32 LoRA beside bf16 base weights does not make a group
 #: "mixed", so a LoRA model gets no leaf guard on every Linear of its language model.
 _SELF_CASTING = re.compile(r"(^|\.)lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
-
-
-@dataclass
-class Change:
-    """One tensor the policy wants changed (applied or not, see :attr:`EnforceReport.applied`)."""
-
-    name: str
-    kind: TensorKind
-    group: str
-    before: str
-    after: str
-    reason: str
-    device_before: str = ""
-    device_after: str = ""
-
-    def describe(self) -> str:
-        dev = (
-            f", {self.device_before} -> {self.device_after}"
-            if self.device_after and self.device_after != self.device_before
-            else ""
-        )
-        return f"{self.name} [{self.group}]: {self.before} -> {self.after}{dev} ({self.reason})"
-
-
-@dataclass
-class PlannedCast:
-    """One tensor the plan casts or moves: where it lives, the tensor, what and why."""
-
-    module: nn.Module
-    key: str  # the attribute name in ``module._parameters`` / ``module._buffers``
-    tensor: torch.Tensor
-    change: Change
-    dtype: torch.dtype
-    device: torch.device
-    #: the exact values to write instead of a cast (a rotary table recomputed from the config)
-    value: torch.Tensor | None = None
-
-
-@dataclass
-class EnforceReport:
-    """What :func:`enforce_policy` changed (or, in ``audit`` mode, would change)."""
-
-    policy: PrecisionPolicy
-    groups: ModuleGroups
-    applied: bool
-    changes: list[Change] = field(default_factory=list)
-    kept_fp32: list[tuple[str, str]] = field(default_factory=list)
-    #: every tensor a keep rule held on purpose: (name, group, rule, reason), the rule one of
-    #: ``rotary``, ``keep_fp32``, ``keep_fp32_strict``, ``deliberate_fp32`` (float32,
-    #: :data:`~hf_precision.policy.KEEP_RULES`) or ``wrapper_master_fp32`` (a trainable half
-    #: weight DeepSpeed ZeRO-3 keeps fp32 master copies of, left in its dtype)
-    kept: list[tuple[str, str, Rule, str]] = field(default_factory=list)
-    overflow: list[tuple[str, float]] = field(default_factory=list)
-    skipped: list[tuple[str, str]] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    group_dtypes: dict[str, set[torch.dtype]] = field(default_factory=dict)
-    #: what a wrapper (DeepSpeed, FSDP) cast against the policy: reported, never cast back
-    wrapper_casts: list[Change] = field(default_factory=list)
-    #: the message (with the fix) that goes with ``wrapper_casts``
-    wrapper_note: str | None = None
-    #: what a wrapper's own settings do to the outputs (FSDP2's ``output_dtype``), with fixes
-    wrapper_findings: list[str] = field(default_factory=list)
-    device: torch.device | None = None
-    #: weights read outside their module (fused LM heads, raw parameters): set by the guard
-    #: (:mod:`hf_precision.outside_reads`), reported, never cast for it
-    outside_reads: list[Any] = field(default_factory=list)
-    #: the plan behind ``changes`` (:func:`apply_plan` carries it out) and the tensors found on
-    #: the meta device while the model is elsewhere
-    planned: list[PlannedCast] = field(default_factory=list, repr=False, compare=False)
-    meta: list[str] = field(default_factory=list, repr=False, compare=False)
-
-    def __bool__(self) -> bool:
-        return bool(self.changes)
-
-    def __iter__(self) -> Iterator[Change]:
-        return iter(self.changes)
-
-    @property
-    def mixed_groups(self) -> tuple[str, ...]:
-        """Groups whose floating parameters end up in more than one dtype (leaf guards go there)."""
-        return tuple(g for g, d in self.group_dtypes.items() if len(d) > 1)
-
-    def listed_changes(self) -> list[str]:
-        """The first changes, one line each, and how many more there are."""
-        lines = [c.describe() for c in self.changes[:_MAX_LISTED]]
-        if len(self.changes) > _MAX_LISTED:
-            lines.append(f"... and {len(self.changes) - _MAX_LISTED} more")
-        return lines
-
-    def summary(self) -> str:
-        verb = "cast" if self.applied else "would cast"
-        lines = [f"enforce_policy[{self.policy.describe()}]: {verb} {len(self.changes)} tensor(s)"]
-        lines += ["  " + line for line in self.listed_changes()]
-        by_rule: dict[str, list[str]] = {}
-        for kept in self.kept:
-            by_rule.setdefault(kept[2], []).append(kept[0])
-        for rule, names in by_rule.items():
-            held = "as they are" if rule == "wrapper_master_fp32" else "in float32"
-            lines.append(f"  kept {len(names)} {held} ({rule}), e.g. {', '.join(names[:3])}")
-        for name, value in self.overflow:
-            lines.append(f"  kept {name}: max |value| {value:g} exceeds fp16 range")
-        for name, why in self.skipped[:_MAX_LISTED]:
-            lines.append(f"  skipped {name}: {why}")
-        for read in self.outside_reads[:_MAX_LISTED]:
-            lines.append(f"  read outside its module: {read.describe()}")
-        return "\n".join(lines)
-
-    __str__ = summary
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "policy": self.policy.to_dict(),
-            "applied": self.applied,
-            "changes": [c.__dict__ for c in self.changes],
-            "wrapper_casts": [c.__dict__ for c in self.wrapper_casts],
-            "wrapper_findings": self.wrapper_findings,
-            "kept_fp32": self.kept_fp32,
-            "kept": [
-                {"name": n, "group": g, "rule": r, "reason": why} for n, g, r, why in self.kept
-            ],
-            "overflow": self.overflow,
-            "skipped": self.skipped,
-            "mixed_groups": list(self.mixed_groups),
-            "rule": self.groups.rule,
-            "outside_reads": [r.to_dict() for r in self.outside_reads],
-        }
-
-
-def model_device(root: nn.Module, groups: ModuleGroups) -> torch.device | None:
-    """Where the model lives: the language model's device, else the majority device."""
-
-    def weights_per_device(mods: list[nn.Module]) -> dict[torch.device, int]:
-        counts: dict[torch.device, int] = {}
-        for p in (p for mod in mods for p in mod.parameters()):
-            if p.device.type != "meta":
-                counts[p.device] = counts.get(p.device, 0) + p.numel()
-        return counts
-
-    counts = weights_per_device(groups.modules("language_model") or [root])
-    counts = counts or weights_per_device([root])
-    return max(counts, key=lambda d: counts[d]) if counts else None
 
 
 def _unmatched_patterns(
@@ -243,30 +100,38 @@ def _unmatched_patterns(
 
 
 def plan_policy(
-    root: nn.Module,
-    policy: PrecisionPolicy,
-    view: ModelView,
-    *,
-    master_fp32: torch.dtype | None = None,
-) -> EnforceReport:
-    """What ``policy`` wants changed in ``root`` (the walk ``view``); changes nothing.
+    view: ModelView, policy: PrecisionPolicy, *, master_fp32: torch.dtype | None = None
+) -> Plan:
+    """What ``policy`` wants changed in the model of the walk ``view``; changes nothing.
     ``master_fp32``: the half dtype of a DeepSpeed ZeRO-3 run (trainable weights in it are left
     as they are, rule ``wrapper_master_fp32``)."""
-    groups = view.groups
+    root, groups = view.root, view.groups
     model_keep, strict = model_keep_lists(root)
     device_mapped = bool(getattr(root, "hf_device_map", None))
     device = model_device(root, groups) if policy.move_devices and not device_mapped else None
-    report = EnforceReport(policy, groups, applied=False, device=device)
-    planner = _Planner(report, policy, model_keep, device, strict=strict, master_fp32=master_fp32)
+    found = EnforceReport(policy, groups, applied=False, device=device)
+    planner = _Planner(found, policy, model_keep, device, strict=strict, master_fp32=master_fp32)
     planner.walk(root, groups, view.modules)
-    if report.overflow:
+    if found.overflow:
         planner.keep_with_overflowed(root)
-    report.warnings += _unmatched_patterns(root, policy, groups, report)
-    note = model_dtype_note(root, view.modules, report.kept, policy.frozen_dtype)
+    found.warnings += _unmatched_patterns(root, policy, groups, found)
+    note = model_dtype_note(root, view.modules, found.kept, policy.frozen_dtype)
     if note is not None:  # a keep rule on the first floating parameter: model.dtype says fp32
-        report.warnings.append(note)
-    report.planned, report.meta = planner.todo, planner.meta
-    return report
+        found.warnings.append(note)
+    return Plan(
+        view,
+        policy,
+        device,
+        changes=tuple(found.changes),
+        planned=tuple(planner.todo),
+        kept_fp32=tuple(found.kept_fp32),
+        kept=tuple(found.kept),
+        overflow=tuple(found.overflow),
+        skipped=tuple(found.skipped),
+        warnings=tuple(found.warnings),
+        group_dtypes=tuple((g, frozenset(d)) for g, d in found.group_dtypes.items()),
+        meta=tuple(planner.meta),
+    )
 
 
 def group_compute_dtypes(

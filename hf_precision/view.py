@@ -8,11 +8,13 @@ walking the model again.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 
+import torch
 from torch import nn
 
+from .dtypes import is_castable, majority_dtype
 from .groups import OTHER, ModuleGroups, find_module_groups, hidden_module
 from .wrappers import unwrap_model
 
@@ -53,12 +55,19 @@ class ModelView:
     root: nn.Module
     groups: ModuleGroups
     modules: list[tuple[str, str, nn.Module]]
+    #: the object the walk was asked for (``root`` or the DDP/DeepSpeed/PEFT wrapper around it)
+    model: nn.Module = field(default=None, repr=False)  # type: ignore[assignment]
+    _parameters: list[nn.Parameter] | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            self.model = self.root
 
     @classmethod
     def of(cls, model: nn.Module, groups: ModuleGroups | None = None) -> ModelView:
         root, _ = unwrap_model(model)
         groups = groups if groups is not None else find_module_groups(root)
-        return cls(root, groups, list(walk_modules(root, groups)))
+        return cls(root, groups, list(walk_modules(root, groups)), model)
 
     @classmethod
     def reuse(
@@ -67,10 +76,15 @@ class ModelView:
         """``view`` when it is a walk of ``model``'s root (the caller's walk for this event),
         else a new walk."""
         root, _ = unwrap_model(model)
-        return view if view is not None and view.root is root else cls.of(root, groups)
+        if view is None or view.root is not root:
+            return cls.of(model, groups)
+        return view if view.model is model else replace(view, model=model)
 
     def parameters(self) -> list[nn.Parameter]:
-        """Every parameter once, in walk order (``root.parameters()`` plus hidden modules')."""
+        """Every parameter once, in walk order (``root.parameters()`` plus hidden modules'),
+        listed once per view."""
+        if self._parameters is not None:
+            return list(self._parameters)
         seen: set[int] = set()
         out = []
         for _, _, mod in self.modules:
@@ -78,4 +92,48 @@ class ModelView:
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
                     out.append(p)
-        return out
+        self._parameters = out
+        return list(out)
+
+
+def receiving(
+    mod: nn.Module,
+    compute: Mapping[int, torch.dtype] | None = None,
+    params: Iterable[torch.Tensor] | None = None,
+) -> tuple[torch.dtype | None, torch.device | None]:
+    """The dtype a module's inputs must have (the majority dtype of its frozen floating
+    weights, of all of them when none is frozen; FSDP's compute dtype where ``compute`` says
+    so) and the device most of its weights are on (``None`` on meta). ``params``: the module's
+    parameters when the caller has them."""
+    frozen: list[tuple[torch.dtype, int]] = []
+    every: list[tuple[torch.dtype, int]] = []
+    devices: dict[torch.device, int] = {}
+    for p in params if params is not None else mod.parameters():
+        if not is_castable(p):
+            continue
+        # FSDP computes in its MixedPrecisionPolicy.param_dtype, not the storage dtype
+        dt = compute.get(id(p), p.dtype) if compute else p.dtype
+        every.append((dt, p.numel()))
+        if not p.requires_grad:
+            frozen.append((dt, p.numel()))
+        devices[p.device] = devices.get(p.device, 0) + p.numel()
+    dtype = majority_dtype(frozen) or majority_dtype(every)
+    device = max(devices, key=lambda d: devices[d]) if devices else None
+    if device is not None and device.type == "meta":
+        device = None
+    return dtype, device
+
+
+def model_device(root: nn.Module, groups: ModuleGroups) -> torch.device | None:
+    """Where the model lives: the language model's device, else the majority device."""
+
+    def weights_per_device(mods: list[nn.Module]) -> dict[torch.device, int]:
+        counts: dict[torch.device, int] = {}
+        for p in (p for mod in mods for p in mod.parameters()):
+            if p.device.type != "meta":
+                counts[p.device] = counts.get(p.device, 0) + p.numel()
+        return counts
+
+    counts = weights_per_device(groups.modules("language_model") or [root])
+    counts = counts or weights_per_device([root])
+    return max(counts, key=lambda d: counts[d]) if counts else None

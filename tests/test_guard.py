@@ -20,6 +20,7 @@ from hf_precision import (
     PrecisionWarning,
     enforce,
 )
+from hf_precision import guard as guard_module
 from hf_precision.guard import PrecisionGuard
 from hf_precision.reporting import PrecisionReporter
 from hf_precision.tiny import tiny_batch, tiny_llava
@@ -69,14 +70,14 @@ def test_one_walk_of_the_model_per_event(drift: bool, tmp_path: Path) -> None:
     if drift:
         model.model.multi_modal_projector.float()
     plans: list[int] = []
-    plan = enforce.plan_policy
+    plan = guard_module.plan_policy
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         plans.append(1)
         return plan(*args, **kwargs)
 
     with walks_of(model) as walks, pytest.MonkeyPatch.context() as mp:
-        mp.setattr(enforce, "plan_policy", counted)
+        mp.setattr(guard_module, "plan_policy", counted)
         report = guard.verify("check")  # plan, apply, guards, dtype map and files
     assert walks == ["view.py:walk_modules"]  # the event's ModelView, nothing else
     assert len(plans) == 1  # the audit's plan is the one applied, not planned again
@@ -268,4 +269,29 @@ def test_the_cast_line_says_what_was_kept_in_float32_on_purpose(caplog: Any) -> 
     assert "(rotary)" not in line  # the recomputed tables are a cast, said as one
     assert {w.dtype for w in norms} == {torch.float32}
     assert any(rule == "rotary" for _, _, rule, _ in guard.last_report.kept)
+    guard.teardown()
+
+
+def test_one_dtype_map_per_event_shared_by_the_reporter_and_the_rank_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hf_precision import distributed, dtype_maps
+
+    model = _split()
+    reporter = PrecisionReporter(tmp_path)
+    guard = PrecisionGuard(model, PrecisionPolicy.from_preset("bf16-true"), reporter=reporter)
+    guard.verify("setup")
+    maps: list[Any] = []
+    compared: list[Any] = []
+    build = dtype_maps._dtype_map
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        maps.append(build(*args, **kwargs))
+        return maps[-1]
+
+    monkeypatch.setattr(dtype_maps, "_dtype_map", counted)
+    monkeypatch.setattr(distributed, "is_distributed", lambda: True)  # the rank check runs
+    monkeypatch.setattr(distributed, "check_ranks_agree", lambda m, **kw: compared.append(m))
+    guard.verify("check", check_ranks=True)
+    assert len(maps) == 1 and compared == maps and reporter.last_map is maps[0]
     guard.teardown()

@@ -97,6 +97,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),
     "model": ("view", "dtype_maps"),
     "core": (
+        "records",
         "plan",
         "enforce",
         "batch",
@@ -110,8 +111,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "lost_updates",
         "memory_account",
         "provenance",
+        "console",
+        "stash",
     ),
-    "engine": ("guard",),
+    "engine": ("guard", "frontend"),
     "frontends": (
         "callback",
         "accelerate_plugin",

@@ -3,6 +3,7 @@ what apply_plan carries out without planning again."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -24,10 +25,10 @@ def test_planning_changes_nothing_and_records_every_change() -> None:
     model = tiny_llava()
     model.model.vision_tower.to(torch.float16)
     before = _state(model)
-    report = plan_policy(model, PrecisionPolicy.from_preset("bf16-true"), ModelView.of(model))
+    report = plan_policy(ModelView.of(model), PrecisionPolicy.from_preset("bf16-true"))
     assert _state(model) == before
-    assert not report.applied and report.changes
-    assert [p.change for p in report.planned] == report.changes
+    assert report.changes and not apply_plan(report, "audit").applied
+    assert [p.change for p in report.planned] == list(report.changes)
     params = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}
     for cast in report.planned:
         assert id(cast.tensor) in params
@@ -41,14 +42,17 @@ def test_apply_carries_out_the_plan_it_is_given() -> None:
     model = tiny_llava()
     model.model.multi_modal_projector.to(torch.float16)
     policy = PrecisionPolicy.from_preset("fp32")
-    report = plan_policy(model, policy, ModelView.of(model))
+    report = plan_policy(ModelView.of(model), policy)
     planned = {id(p.tensor) for p in report.planned}
     assert planned == {id(p) for p in model.model.multi_modal_projector.parameters()}
     ids = [id(p) for p in model.parameters()]
-    assert apply_plan(model, report) is report and report.applied
+    applied = apply_plan(report)
+    assert applied.applied and applied.changes == list(report.changes)
     assert [id(p) for p in model.parameters()] == ids  # the same Parameter objects
     assert {p.dtype for p in model.parameters()} == {torch.float32}
-    assert apply_plan(model, report).applied  # applied once: a second call casts nothing
+    with pytest.raises(dataclasses.FrozenInstanceError):  # the plan is a value
+        report.changes = ()  # type: ignore[misc]
+    assert apply_plan(report) is not applied  # each apply reports anew; the plan is unchanged
 
 
 def test_an_fp16_overflow_is_planned_as_kept_not_cast() -> None:
@@ -57,7 +61,7 @@ def test_an_fp16_overflow_is_planned_as_kept_not_cast() -> None:
         model.lm_head.weight[0, 0] = 1e6  # beyond fp16's 65504
     policy = PrecisionPolicy.from_preset("fp16-true")
     with pytest.warns(UserWarning, match="exceeds the float16 range"):
-        report = apply_plan(model, plan_policy(model, policy, ModelView.of(model)))
+        report = apply_plan(plan_policy(ModelView.of(model), policy))
     assert report.overflow == [("lm_head.weight", 1e6)]
     assert model.lm_head.weight.dtype == torch.float32
     assert torch.isfinite(model.lm_head.weight).all()
@@ -190,7 +194,7 @@ def test_fp32_norms_beside_half_weights_are_kept_a_whole_fp32_group_is_cast(pres
         p.requires_grad = False
     upcast = _upcast_layernorm(model)
     assert "model.visual.merger.ln_q.weight" in upcast  # a LayerNorm: kept by type too
-    report = plan_policy(model, PrecisionPolicy.from_preset(preset), ModelView.of(model))
+    report = plan_policy(ModelView.of(model), PrecisionPolicy.from_preset(preset))
     kept = {n: rule for n, _, rule, _ in report.kept}
     norms = [n for n in upcast if kept.get(n) == "deliberate_fp32"]
     assert "model.visual.merger.ln_q.weight" in norms
@@ -200,7 +204,7 @@ def test_fp32_norms_beside_half_weights_are_kept_a_whole_fp32_group_is_cast(pres
     assert all(named[n].dtype == torch.float32 for n in upcast)
     # the seed: a whole fp32 vision tower in a bf16 model is cast, its norms with it
     model.model.visual.float()
-    report = plan_policy(model, PrecisionPolicy.from_preset(preset), ModelView.of(model))
+    report = plan_policy(ModelView.of(model), PrecisionPolicy.from_preset(preset))
     cast = {c.name: c.after for c in report.changes}
     assert cast["model.visual.blocks.0.norm1.weight"] == "bfloat16"
     assert cast["model.visual.blocks.0.attn.qkv.weight"] == "bfloat16"
@@ -213,7 +217,7 @@ def test_a_renamed_group_says_its_name_now() -> None:
 
     model = tiny_qwen2_vl()
     policy = PrecisionPolicy.from_preset("fp32", group_dtypes={"resampler": "bf16"})
-    report = plan_policy(model, policy, ModelView.of(model))
+    report = plan_policy(ModelView.of(model), policy)
     (said,) = [w for w in report.warnings if "group_dtypes['resampler']" in w]
     assert "Fix: name 'projector': rule 'qwen2_vl' calls that group 'projector' now." in said
 
