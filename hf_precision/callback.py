@@ -20,7 +20,6 @@ Lifecycle (docs/architecture.md):
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 import os
 import sys
@@ -50,6 +49,14 @@ logger = logging.getLogger("hf_precision")
 #: first, then what the policy keeps in float32, then other frozen tensors the in-place cast
 #: rounds); what does not fit comes back rounded, said in one warning when the copies are made.
 STASH_LIMIT_BYTES = 2 * 1024**3
+
+#: Trainer adapters (as transformers' ``INTEGRATION_TO_CALLBACK``): the top-level package a
+#: Trainer class comes from -> the module whose ``trainer_models(trainer, init_args)`` names the
+#: other models that Trainer runs. Loaded only when a Trainer of that package is seen;
+#: tests/test_layering.py checks every module here exists in ``hf_precision/integrations/``.
+TRAINER_ADAPTERS: dict[str, str] = {
+    "trl": "hf_precision.integrations.trl_models",
+}
 
 
 class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
@@ -272,7 +279,7 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         """The other models the Trainer runs (TRL's ``ref_model``, reward, value and teacher
         models) get this callback's policy, guards and report (``<step>-<event>.<name>.json``),
         each its own engine. They are found by the adapter of the library the Trainer's class
-        comes from (``hf_precision/integrations/<library>_models.py``, its ``trainer_models``)."""
+        comes from (:data:`TRAINER_ADAPTERS`, the module's ``trainer_models``)."""
         trainer, init_args = _find_trainer(self)
         if trainer is None:
             return
@@ -404,8 +411,8 @@ def _trainer_models(trainer: Any, init_args: dict[str, Any]) -> dict[str, nn.Mod
     trainer is a TRL DPOTrainer) for the other models it runs."""
     found: dict[str, nn.Module] = {}
     for library in dict.fromkeys(c.__module__.split(".")[0] for c in type(trainer).__mro__):
-        name = f"{__package__}.integrations.{library}_models"
-        if importlib.util.find_spec(name) is None:
+        name = TRAINER_ADAPTERS.get(library)
+        if name is None:
             continue
         adapter = importlib.import_module(name)
         models = getattr(adapter, "trainer_models", None)
