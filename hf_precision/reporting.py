@@ -313,7 +313,7 @@ class _Snapshot:
         return text
 
 
-class PrecisionReporter:
+class PrecisionReporter:  # implements hf_precision.reporter.Reporter (tests/test_reporter.py)
     """Writes the dtype map of each event to files and, when asked, to W&B.
 
     Args:

@@ -95,7 +95,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "keep_rules",
         "policy",
     ),
-    "model": ("view", "dtype_maps"),
+    "model": ("view", "dtype_maps", "reporter"),
     "core": (
         "plan",
         "enforce",
