@@ -20,11 +20,11 @@ Lifecycle (docs/architecture.md):
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 import os
 import sys
 import warnings
+import weakref
 from types import FrameType
 from typing import Any
 
@@ -50,6 +50,14 @@ logger = logging.getLogger("hf_precision")
 #: first, then what the policy keeps in float32, then other frozen tensors the in-place cast
 #: rounds); what does not fit comes back rounded, said in one warning when the copies are made.
 STASH_LIMIT_BYTES = 2 * 1024**3
+
+#: Trainer adapters (as transformers' ``INTEGRATION_TO_CALLBACK``): the top-level package a
+#: Trainer class comes from -> the module whose ``trainer_models(trainer, init_args)`` names the
+#: other models that Trainer runs. Loaded only when a Trainer of that package is seen;
+#: tests/test_layering.py checks every module here exists in ``hf_precision/integrations/``.
+TRAINER_ADAPTERS: dict[str, str] = {
+    "trl": "hf_precision.integrations.trl_models",
+}
 
 
 class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
@@ -89,7 +97,11 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         blame: BlameMode = "auto",
         trace: bool | str = False,
         lost_updates: LostUpdates = "auto",
+        keep_fp32: tuple[str, ...] | list[str] = (),
     ) -> None:
+        #: extra ``keep_fp32`` patterns added to the policy (given or inferred), as the
+        #: launcher's ``--keep-fp32``
+        self.extra_keep_fp32 = tuple(keep_fp32)
         self._init_policy("PrecisionGuardCallback", policy, mode=mode, leaf_guards=leaf_guards)
         self.blame_mode = check_mode(blame, call="PrecisionGuardCallback")
         if trace not in (True, False, "setup"):
@@ -102,13 +114,16 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         self.blame: NonFiniteBlame | None = None
         self.trace_result: Any = None
         self._tracer: Any = None
-        self.report = report
+        #: whether dtype maps are written (the ``report=`` argument)
+        self.write_reports = report
         self.report_dir = report_dir
         self.report_to = report_to
         #: the engine for the model of the current Trainer (None before the first event)
         self.guard: PrecisionGuard | None = None
         self.restored = 0  # tensors given back their exact values after a *_full_eval cast
-        self._reporter: Any = None
+        #: the :class:`~hf_precision.reporting.PrecisionReporter` (None before the first event)
+        self.reporter: Any = None
+        self._trainer: Any = None  # bound by bind_trainer (the launcher), else found in frames
         self._deepspeed_dtype: torch.dtype | None = None
         self._deepspeed_stage: int | None = None
         #: one engine per other model the Trainer runs (TRL's ref_model, reward models...)
@@ -126,8 +141,36 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         return self.guard.handle if self.guard is not None else None
 
     @property
-    def last_report(self) -> EnforceReport | None:
+    def last_enforce_report(self) -> EnforceReport | None:
+        """The plan of the last event (what was cast or found)."""
         return self.guard.last_report if self.guard is not None else None
+
+    # the old names, kept as aliases
+    @property
+    def last_report(self) -> EnforceReport | None:
+        return self.last_enforce_report
+
+    @property
+    def report(self) -> bool:
+        return self.write_reports
+
+    @property  # type: ignore[override]
+    def _reporter(self) -> Any:
+        return self.reporter
+
+    @_reporter.setter
+    def _reporter(self, value: Any) -> None:
+        self.reporter = value
+
+    def bind_trainer(self, trainer: Any) -> None:
+        """The Trainer this callback serves, given directly (the launcher does, before
+        ``Trainer.__init__`` runs); a callback added by hand finds it in the calling frames."""
+        self._trainer = weakref.ref(trainer)  # no cycle keeps a finished Trainer alive
+
+    def _with_overrides(self, policy: PrecisionPolicy) -> PrecisionPolicy:
+        policy = super()._with_overrides(policy)
+        missing = tuple(p for p in self.extra_keep_fp32 if p not in policy.keep_fp32)
+        return policy.replace(keep_fp32=(*policy.keep_fp32, *missing)) if missing else policy
 
     @property
     def events(self) -> list[tuple[str, int]]:
@@ -155,7 +198,7 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
                     stacklevel=3,
                 )
             if not first:
-                self._reporter = None  # this Trainer's output_dir and report_to
+                self.reporter = None  # this Trainer's output_dir and report_to
         elif self.policy is not None and self.policy.full_eval_dtype is None:
             from_flags = PrecisionPolicy.from_training_args(args)
             self.policy = self.policy.replace(full_eval_dtype=from_flags.full_eval_dtype)
@@ -164,10 +207,10 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
             self.policy = self.policy.replace(keep_fp32_head=True)  # TRL's fp32 lm_head, kept
         said = self._check_args(args, root)
         origin = policy_origin(self.policy, self._policy_arg is None, said, self._call)
-        if self.report and self._reporter is None:
+        if self.write_reports and self.reporter is None:
             from .reporting import PrecisionReporter
 
-            self._reporter = PrecisionReporter.from_training_args(
+            self.reporter = PrecisionReporter.from_training_args(
                 args, report_dir=self.report_dir, report_to=self.report_to
             )
         self.guard = self._new_guard(
@@ -272,8 +315,10 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         """The other models the Trainer runs (TRL's ``ref_model``, reward, value and teacher
         models) get this callback's policy, guards and report (``<step>-<event>.<name>.json``),
         each its own engine. They are found by the adapter of the library the Trainer's class
-        comes from (``hf_precision/integrations/<library>_models.py``, its ``trainer_models``)."""
-        trainer, init_args = _find_trainer(self)
+        comes from (:data:`TRAINER_ADAPTERS`, the module's ``trainer_models``)."""
+        trainer, init_args = _find_trainer(
+            self, self._trainer() if self._trainer is not None else None
+        )
         if trainer is None:
             return
         for name, model in _trainer_models(trainer, init_args).items():
@@ -287,7 +332,7 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
                     deepspeed_dtype=self._deepspeed_dtype,
                     deepspeed_stage=self._deepspeed_stage,
                 )
-                if self.report:
+                if self.write_reports:
                     from .reporting import PrecisionReporter
 
                     other.reporter = PrecisionReporter.from_training_args(
@@ -343,12 +388,12 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         if self._tracer is not None:
             self.trace_result, self._tracer = self._tracer.result(), None
             logger.info("%s", self.trace_result.line())
-            if self._reporter is not None:
-                self._reporter.log_trace(self.trace_result, step=step)
+            if self.reporter is not None:
+                self.reporter.log_trace(self.trace_result, step=step)
         if self.blame is not None and self.blame.armed:
             finding = self.blame.collect(step=step)
-            if finding is not None and self._reporter is not None:
-                self._reporter.log_nonfinite(finding, step=step)
+            if finding is not None and self.reporter is not None:
+                self.reporter.log_nonfinite(finding, step=step)
         if getattr(control, "should_evaluate", False):
             self._verify("before_evaluate", args, state, kwargs)
 
@@ -376,13 +421,13 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         self._stash()
 
 
-def _find_trainer(callback: object) -> tuple[Any, dict[str, Any]]:
-    """The Trainer whose event is running with ``callback`` among its callbacks (read from the
-    calling frames: a callback is given the model, not the Trainer), and the arguments of its
-    ``__init__`` while that runs (at ``on_init_end``: models a subclass stores only after
-    ``Trainer.__init__`` returns)."""
+def _find_trainer(callback: object, bound: Any = None) -> tuple[Any, dict[str, Any]]:
+    """The Trainer whose event is running with ``callback`` among its callbacks (``bound``
+    when the launcher bound it, else read from the calling frames: a callback is given the
+    model, not the Trainer), and the arguments of its ``__init__`` while that runs (at
+    ``on_init_end``: models a subclass stores only after ``Trainer.__init__`` returns)."""
     frame: FrameType | None = sys._getframe(1)
-    trainer: Any = None
+    trainer: Any = bound
     init_args: dict[str, Any] = {}
     for _ in range(64):
         if frame is None:
@@ -404,8 +449,8 @@ def _trainer_models(trainer: Any, init_args: dict[str, Any]) -> dict[str, nn.Mod
     trainer is a TRL DPOTrainer) for the other models it runs."""
     found: dict[str, nn.Module] = {}
     for library in dict.fromkeys(c.__module__.split(".")[0] for c in type(trainer).__mro__):
-        name = f"{__package__}.integrations.{library}_models"
-        if importlib.util.find_spec(name) is None:
+        name = TRAINER_ADAPTERS.get(library)
+        if name is None:
             continue
         adapter = importlib.import_module(name)
         models = getattr(adapter, "trainer_models", None)

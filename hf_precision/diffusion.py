@@ -70,6 +70,7 @@ from .groups import ModuleGroups, find_module_groups
 from .guard import PrecisionGuard
 from .hooks import GuardHandle
 from .policy import Mode, PrecisionPolicy
+from .reporter import Reporter
 
 
 @dataclass
@@ -110,7 +111,7 @@ def guard_diffusion(
     mode: Mode | None = None,
     optimizer: Any = None,
     vae_images: torch.Tensor | None = None,
-    reporter: Any = None,
+    reporter: Reporter | None = None,
     event: str = "setup",
     step: int = 0,
 ) -> DiffusionGuard:
@@ -141,36 +142,7 @@ def guard_diffusion(
     out = DiffusionGuard(policy)
     for name, module in comps.items():
         groups = find_module_groups(module) if name == "model" else component_groups(name, module)
-        p = policy
-        if "vae" in groups and narrows_range(torch.float32, policy.group_dtype("vae")):
-            vae = groups.modules("vae")[0]  # the VAE itself: paths[0] is "" or "vae"
-            hits = vae_overflow(vae, vae_images, dtype=policy.group_dtype("vae"))
-            if hits:
-                out.vae_overflow = hits
-                p = dataclasses.replace(
-                    policy, group_dtypes={**policy.group_dtypes, "vae": torch.float32}
-                )
-                listed = ", ".join(f"{n} ({v:g})" for n, v in hits[:3])
-                warnings.warn(
-                    f"guard_diffusion: the VAE ({name!r}) leaves the "
-                    f"{dtype_name(policy.group_dtype('vae'))} range (±"
-                    f"{torch.finfo(policy.group_dtype('vae')).max:g}) at {len(hits)} place(s): "
-                    f"{listed}; the VAE is kept in float32 and the guards cast into and out of "
-                    "it. Fix: use the 'fp16-vae32' preset or group_dtypes={'vae': 'fp32'} to "
-                    "say so explicitly.",
-                    PrecisionWarning,
-                    stacklevel=2,
-                )
-        if groups.names == ("vae",):
-            # vae(x) enters through the batch guard: x follows the VAE, not the denoiser, so an
-            # fp32 VAE never sees inputs rounded to half on the way in.
-            p = dataclasses.replace(p, compute_dtype=p.group_dtype("vae"))
-        if mode is not None:
-            p = p.replace(mode=mode)
-        # one policy for the pipeline: each component sees the group dtypes of its own groups
-        own = {g: d for g, d in p.group_dtypes.items() if g in groups.names}
-        if own != p.group_dtypes:
-            p = dataclasses.replace(p, group_dtypes=own)
+        p = _component_policy(name, groups, policy, mode, vae_images, out)
         # one-shot (no later events): a new guard_diffusion call replaces this one, no claim
         guard = PrecisionGuard(
             module, p, name="guard_diffusion", groups=groups, claim=False, reporter=reporter
@@ -181,6 +153,50 @@ def guard_diffusion(
         assert guard.handle is not None
         out.handles[name] = guard.handle
     return out
+
+
+def _component_policy(
+    name: str,
+    groups: ModuleGroups,
+    policy: PrecisionPolicy,
+    mode: Mode | None,
+    vae_images: torch.Tensor | None,
+    out: DiffusionGuard,
+) -> PrecisionPolicy:
+    """The pipeline's policy as one component sees it: an overflowing fp16 VAE kept in fp32
+    (said in a warning at guard_diffusion's caller), a VAE's compute dtype its own, ``mode``,
+    and only the group dtypes of the component's own groups."""
+    p = policy
+    if "vae" in groups and narrows_range(torch.float32, policy.group_dtype("vae")):
+        vae = groups.modules("vae")[0]  # the VAE itself: paths[0] is "" or "vae"
+        hits = vae_overflow(vae, vae_images, dtype=policy.group_dtype("vae"))
+        if hits:
+            out.vae_overflow = hits
+            p = dataclasses.replace(
+                policy, group_dtypes={**policy.group_dtypes, "vae": torch.float32}
+            )
+            listed = ", ".join(f"{n} ({v:g})" for n, v in hits[:3])
+            warnings.warn(
+                f"guard_diffusion: the VAE ({name!r}) leaves the "
+                f"{dtype_name(policy.group_dtype('vae'))} range (±"
+                f"{torch.finfo(policy.group_dtype('vae')).max:g}) at {len(hits)} place(s): "
+                f"{listed}; the VAE is kept in float32 and the guards cast into and out of "
+                "it. Fix: use the 'fp16-vae32' preset or group_dtypes={'vae': 'fp32'} to "
+                "say so explicitly.",
+                PrecisionWarning,
+                stacklevel=3,  # guard_diffusion's caller
+            )
+    if groups.names == ("vae",):
+        # vae(x) enters through the batch guard: x follows the VAE, not the denoiser, so an
+        # fp32 VAE never sees inputs rounded to half on the way in.
+        p = dataclasses.replace(p, compute_dtype=p.group_dtype("vae"))
+    if mode is not None:
+        p = p.replace(mode=mode)
+    # one policy for the pipeline: each component sees the group dtypes of its own groups
+    own = {g: d for g, d in p.group_dtypes.items() if g in groups.names}
+    if own != p.group_dtypes:
+        p = dataclasses.replace(p, group_dtypes=own)
+    return p
 
 
 def _main_dtype(module: torch.nn.Module) -> torch.dtype | None:

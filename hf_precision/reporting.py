@@ -313,7 +313,7 @@ class _Snapshot:
         return text
 
 
-class PrecisionReporter:
+class PrecisionReporter:  # implements hf_precision.reporter.Reporter (tests/test_reporter.py)
     """Writes the dtype map of each event to files and, when asked, to W&B.
 
     Args:
@@ -480,13 +480,32 @@ class PrecisionReporter:
         if not self.is_main_process:
             return dmap
         self.events.append((event, step))
+        snap = self._snapshot(event, step, policy, report, dmap, diff, previous, first)
+        snap.sections = json.loads(json.dumps(dict(sections or {}), default=str))
+        snap.png = self._render_png(dmap, event, step, policy, report, model)
+        self._publish(snap)
+        return dmap
+
+    def _snapshot(
+        self,
+        event: str,
+        step: int,
+        policy: Any,
+        report: Any,
+        dmap: DtypeMap,
+        diff: Any,
+        previous: str | None,
+        first: bool,
+    ) -> _Snapshot:
+        """One event's rows: the module table (said once while it does not change) and the
+        drift since the previous event."""
         rows, aggregated = module_table_rows(dmap, self.max_table_rows)
         unchanged = None
         if self._table is not None and not self._table[2].diff(dmap):
             unchanged = self._table[:2]
         else:
             self._table = (event, step, dmap)
-        snap = _Snapshot(
+        return _Snapshot(
             event,
             step,
             policy,
@@ -499,8 +518,10 @@ class PrecisionReporter:
             stem=self._stem(event, step),
             unchanged_since=unchanged,
         )
-        snap.sections = json.loads(json.dumps(dict(sections or {}), default=str))
-        snap.png = self._render_png(dmap, event, step, policy, report, model)
+
+    def _publish(self, snap: _Snapshot) -> None:
+        """Files, the log and W&B; a failing one warns once and never stops training."""
+        event = snap.event
         png_path = None
         if self.report_dir is not None:
             try:
@@ -520,7 +541,6 @@ class PrecisionReporter:
                     "wandb",
                     f"could not log the dtype map of {event} to W&B ({type(err).__name__}: {err})",
                 )
-        return dmap
 
     def _append_log(self, text: str) -> None:
         if self.console:

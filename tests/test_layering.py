@@ -95,7 +95,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "keep_rules",
         "policy",
     ),
-    "model": ("view", "dtype_maps"),
+    "model": ("view", "dtype_maps", "reporter"),
     "core": (
         "records",
         "plan",
@@ -214,3 +214,15 @@ def test_no_integration_module_shadows_a_package() -> None:
         if p.stem != "__init__" and importlib.util.find_spec(p.stem) is not None
     ]
     assert shadows == [], f"rename these (e.g. <tool>_models.py): {shadows}"
+
+
+def test_trainer_adapters_are_integrations_that_exist() -> None:
+    """``callback.TRAINER_ADAPTERS`` loads its modules by name: each one must be a module of
+    ``hf_precision/integrations/`` (the ``frameworks`` layer) with a ``trainer_models``."""
+    from hf_precision.callback import TRAINER_ADAPTERS
+
+    assert TRAINER_ADAPTERS, "the table is empty"
+    for package, module in TRAINER_ADAPTERS.items():
+        assert module in RANK and module.startswith("hf_precision.integrations."), (package, module)
+        assert RANK[module] == RANK["hf_precision.integrations"], module
+        assert "def trainer_models(" in (PKG.parent / f"{module.replace('.', '/')}.py").read_text()

@@ -2,9 +2,9 @@
 
 Each module here is imported only when its tool is used (a launcher, a framework's plugin
 loader, or ``PrecisionGuardCallback`` when its Trainer's class comes from the tool's package: it
-loads ``integrations/<package>.py`` by name and calls its ``trainer_models(trainer, init_args)``
-for the other models the trainer runs); nothing imports them statically, and adding one touches
-nothing else
+looks the package up in ``hf_precision.callback.TRAINER_ADAPTERS`` and calls that module's
+``trainer_models(trainer, init_args)`` for the other models the trainer runs); nothing imports
+them statically (a trainer adapter is one row in that table)
 (``tests/test_layering.py`` places every module of this folder in the ``frameworks`` layer).
 
 Name no module here after an installed package (``swift``, ``trl``, ``accelerate``...): ms-swift's

@@ -15,8 +15,10 @@ optimizer and any wrapper) fires; ``add_callbacks_post_trainer`` would use ``add
 miss it. The policy is then inferred from the ``TrainingArguments`` axolotl built (``bf16``,
 ``fp16``) and the model it loaded, unless ``precision_guard`` names one.
 
-This module imports without axolotl (it needs Python >= 3.12); ``PrecisionGuardPlugin`` and
+This module imports without axolotl (it needs Python >= 3.12); ``AxolotlPrecisionPlugin`` and
 ``PrecisionGuardArgs`` are built on first access, from axolotl's ``BasePlugin`` and pydantic.
+``PrecisionGuardPlugin`` (the path written in YAML files) is the same class under its old name
+(not to be confused with accelerate's :class:`hf_precision.PrecisionGuardPlugin`).
 """
 
 from __future__ import annotations
@@ -104,8 +106,8 @@ def flags_set_by_axolotl(raw: Mapping[str, Any], cfg: Any) -> dict[str, bool]:
     }
 
 
-class PrecisionGuardPluginMethods:
-    """What :class:`PrecisionGuardPlugin` adds to axolotl's ``BasePlugin`` (plain, so it can be
+class AxolotlPrecisionPluginMethods:
+    """What :class:`AxolotlPrecisionPlugin` adds to axolotl's ``BasePlugin`` (plain, so it can be
     used and tested without axolotl)."""
 
     def __init__(self) -> None:
@@ -142,6 +144,13 @@ class PrecisionGuardPluginMethods:
         return [] if callback is None else [callback]
 
 
+#: the old name of :class:`AxolotlPrecisionPluginMethods`
+PrecisionGuardPluginMethods = AxolotlPrecisionPluginMethods
+
+#: old name -> the name it is built under (both give the same object)
+_ALIASES = {"PrecisionGuardPlugin": "AxolotlPrecisionPlugin"}
+
+
 def _build(name: str) -> Any:
     if name == "PrecisionGuardArgs":
         from pydantic import BaseModel
@@ -160,16 +169,18 @@ def _build(name: str) -> Any:
             "`pip install axolotl`, or use `hf-precision run -- axolotl train cfg.yaml`."
         ) from err
 
-    class PrecisionGuardPlugin(PrecisionGuardPluginMethods, BasePlugin):  # type: ignore[misc, valid-type]
+    class AxolotlPrecisionPlugin(AxolotlPrecisionPluginMethods, BasePlugin):  # type: ignore[misc, valid-type]
         """hf-precision's guard on axolotl's Trainer, configured by ``precision_guard:``."""
 
-    return PrecisionGuardPlugin
+    return AxolotlPrecisionPlugin
 
 
 def __getattr__(name: str) -> Any:
-    """``PrecisionGuardPlugin`` / ``PrecisionGuardArgs``, built on first access (PEP 562)."""
-    if name in ("PrecisionGuardPlugin", "PrecisionGuardArgs"):
-        value = _build(name)
-        globals()[name] = value
+    """``AxolotlPrecisionPlugin`` (old name ``PrecisionGuardPlugin``) / ``PrecisionGuardArgs``,
+    built on first access (PEP 562)."""
+    if name in ("AxolotlPrecisionPlugin", "PrecisionGuardPlugin", "PrecisionGuardArgs"):
+        built = _ALIASES.get(name, name)
+        value = globals().get(built) or _build(built)
+        globals()[built] = globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -245,36 +245,18 @@ class LaunchConfig:
         self.check_blame(call=call)
         policy = self.resolved_policy(call=call)
         mode: Any = self.mode
-        extra: dict[str, Any] = {"blame": self.blame, "trace": self.trace}
-        if policy is None and self.keep_fp32:
-            cb: Any = _keep_fp32_class()(
-                self.keep_fp32, mode=mode, report_dir=self.report_dir, **extra
-            )
-        else:
-            cb = PrecisionGuardCallback(policy, mode=mode, report_dir=self.report_dir, **extra)
+        # an inferred policy gets the --keep-fp32 patterns at each Trainer (a given one has them)
+        keep = self.keep_fp32 if policy is None else ()
+        cb = PrecisionGuardCallback(
+            policy,
+            mode=mode,
+            report_dir=self.report_dir,
+            blame=self.blame,  # type: ignore[arg-type]  # checked by check_blame
+            trace=self.trace,
+            keep_fp32=keep,
+        )
         setattr(cb, LAUNCHED_ATTR, True)
         return cb
-
-
-@functools.cache
-def _keep_fp32_class() -> type:
-    from ..callback import PrecisionGuardCallback
-    from ..policy import PrecisionPolicy
-
-    class LaunchedGuardCallback(PrecisionGuardCallback):
-        """``PrecisionGuardCallback()`` (policy inferred from each Trainer) plus the
-        ``--keep-fp32`` patterns: the callback's own overrides cover mode and leaf guards only."""
-
-        def __init__(self, keep: tuple[str, ...], **kwargs: Any) -> None:
-            self._extra_keep = tuple(keep)
-            super().__init__(None, **kwargs)
-
-        def _with_overrides(self, policy: PrecisionPolicy) -> PrecisionPolicy:
-            policy = super()._with_overrides(policy)
-            missing = tuple(p for p in self._extra_keep if p not in policy.keep_fp32)
-            return policy.replace(keep_fp32=(*policy.keep_fp32, *missing)) if missing else policy
-
-    return LaunchedGuardCallback
 
 
 def parse_keep_fp32(value: str, *, where: str) -> tuple[str, ...]:
@@ -387,6 +369,7 @@ def _wrap_init(init: Any) -> Any:
         cb = None
         if "callbacks" in signature.parameters and not _has_guard(callbacks):
             cb = config.make_callback()
+            cb.bind_trainer(self)  # the callback needs no frame walk to find its Trainer
             bound.arguments["callbacks"] = [*(callbacks or ()), cb]
         _state.depth = depth + 1
         try:

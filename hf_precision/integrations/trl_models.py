@@ -4,8 +4,8 @@
 model (``DPOTrainer``, ``KTOTrainer``, ``GRPOTrainer``, ``RLOOTrainer``, the experimental
 ``OnlineDPOTrainer``), reward models (``reward_funcs`` entries that are models: GRPO, RLOO,
 Online DPO), a teacher (``DistillationTrainer``, GKD) and, where a trainer has one, a value
-model. The callback calls :func:`trainer_models` at each of its events (it looks for this
-module, ``trl_models``, because the trainer's class comes from ``trl``; it is not named ``trl``: a
+model. The callback calls :func:`trainer_models` at each of its events (its table
+``TRAINER_ADAPTERS`` maps ``trl``, the trainer's package, to this module; it is not named ``trl``: a
 module of this folder never shadows a package ms-swift imports when its plugin loader puts this
 folder on ``sys.path``) and guards every model found with the same policy, hooks and report
 (files named ``<step>-<event>.<name>.json``).

@@ -80,6 +80,22 @@ def test_every_trainer_gets_one_guard_before_init_end(launched, make_trainer, ca
     assert (Path(trainer.args.output_dir) / "precision" / "000000-on_init_end.json").is_file()
 
 
+def test_the_launcher_binds_its_trainer_without_frames(launched, make_trainer, monkeypatch):
+    """The wrapped ``Trainer.__init__`` hands the Trainer to its callback (``bind_trainer``):
+    the callback finds it with no frame holding it (frames stay the fallback of hand-added
+    callbacks)."""
+    from hf_precision import callback as callback_module
+
+    model = _split_llava()
+    trainer = make_trainer(model, tiny_batch(model))
+    [cb] = _guards(trainer)
+    assert cb._trainer() is trainer
+    monkeypatch.setattr(callback_module.sys, "_getframe", lambda depth=0: None)
+    found, _ = callback_module._find_trainer(cb, cb._trainer())
+    assert found is trainer
+    assert callback_module._find_trainer(PrecisionGuardCallback(), None)[0] is None
+
+
 def test_trainer_signature_is_kept(launched):
     assert inspect.signature(Trainer.__init__) == ORIGINAL_SIGNATURE
     assert "processing_class" in inspect.signature(Trainer.__init__).parameters
@@ -186,6 +202,7 @@ def test_keep_fp32_with_the_inferred_policy(launched, make_trainer):
     [cb] = _guards(trainer)
     assert isinstance(cb, PrecisionGuardCallback)
     assert cb.policy.name == "fp16-true" and "multi_modal_projector" in cb.policy.keep_fp32
+    assert cb.extra_keep_fp32 == ("multi_modal_projector",)  # a constructor parameter
     assert {p.dtype for p in model.model.multi_modal_projector.parameters()} == {torch.float32}
     assert {p.dtype for p in model.model.language_model.parameters()} == {torch.float16}
 
