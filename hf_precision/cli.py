@@ -403,9 +403,9 @@ def _audit_rows(dmap: Any, policy: Any, by_group: dict[str, dict[str, int]]) -> 
 def _audit(args: argparse.Namespace) -> int:
     from .dtype_maps import dtype_map
     from .enforce import check_policy
-    from .policy import PrecisionPolicy
+    from .policy_spec import parse_policy
 
-    policy = PrecisionPolicy.from_preset(args.policy)
+    policy = parse_policy(args.policy)
     src = _open_source(args.source)
     if src.kind in ("adapter", "diffusers", "component"):
         if args.weights:

@@ -66,9 +66,8 @@ from .policy import (
     Mode,
     PrecisionPolicy,
     policy_call,
-    resolve_policy,
-    with_overrides,
 )
+from .policy_spec import parse_policy
 from .view import ModelView
 from .wrappers import detect_wrapper, settle_shards, unwrap_model
 
@@ -784,7 +783,7 @@ class GuardFrontEnd:
         self._mode, self._leaf_guards = mode, leaf_guards
         self._call = policy_call(name, policy, mode=mode, leaf_guards=leaf_guards)
         # nothing the caller passed in changes (a policy is a value)
-        given = self._with_overrides(resolve_policy(policy, call=self._call))
+        given = self._with_overrides(parse_policy(policy, call=self._call))
         self.policy = None if policy is None else given
 
     def _check_flag(
@@ -824,9 +823,7 @@ class GuardFrontEnd:
         )
 
     def _with_overrides(self, policy: PrecisionPolicy) -> PrecisionPolicy:
-        return with_overrides(
-            policy, call=self._call, mode=self._mode, leaf_guards=self._leaf_guards
-        )
+        return parse_policy(policy, call=self._call, mode=self._mode, leaf_guards=self._leaf_guards)
 
 
 __all__ = [

@@ -98,6 +98,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "policy_json",
         "inference",
         "policy",
+        "policy_spec",
     ),
     "model": ("view", "dtype_maps"),
     "core": (
