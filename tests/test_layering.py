@@ -128,7 +128,16 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # the folder hf_precision/integrations/: one adapter module per third-party tool; every module
     # in it belongs to this layer without being listed (adding one touches nothing else)
     "frameworks": ("integrations",),
-    "tools": ("findings", "diagnostics", "checkpoint", "doctor", "cli", "__main__"),
+    "tools": (
+        "findings",
+        "diagnostics",
+        "checkpoint",
+        "audit_files",
+        "audit",
+        "doctor",
+        "cli",
+        "__main__",
+    ),
 }
 RANK = {f"hf_precision.{m}": i for i, mods in enumerate(LAYERS.values()) for m in mods}
 RANK.update(
