@@ -35,7 +35,6 @@ Targets are computed at install time; the per-call cost is a dtype comparison.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -46,6 +45,11 @@ from torch import nn
 
 from .batch import cast_batch, cast_tensor, eager_when_compiled_alone, key_dtypes_for
 from .batch_keys import batch_key_kind, is_metadata_key, notice_unknown
+
+# moved to hf_precision.claims; still importable from here
+from .claims import claim_model as claim_model
+from .claims import claimed_by as claimed_by
+from .claims import release_model as release_model
 from .dtype_maps import receiving, receiving_dtypes
 from .dtypes import dtype_name, is_castable, quantized_compute_dtype
 from .errors import PrecisionError, check_model
@@ -737,46 +741,3 @@ def guard_targets(model: nn.Module) -> Mapping[str, tuple[str, str]]:
         if st is not None:
             out[path] = (st.kind, dtype_name(st.dtype))
     return out
-
-
-_OWNER_ATTR = "_hf_precision_owner"
-
-
-def claim_model(root: nn.Module, owner: object, policy: PrecisionPolicy, call: str) -> None:
-    """Mark ``root`` as guarded by ``owner``. A second guard with another policy raises: the two
-    would "repair" each other's casts at every event and the last one would silently win."""
-    held = root.__dict__.get(_OWNER_ATTR)
-    if held is not None:
-        other, other_policy, other_call = held
-        alive = other() if callable(other) else None
-        if alive is not None and alive is not owner and other_policy != policy:
-            differ = ", ".join(
-                f"{f.name}={getattr(other_policy, f.name)!r} vs {getattr(policy, f.name)!r}"
-                for f in dataclasses.fields(policy)
-                if getattr(other_policy, f.name) != getattr(policy, f.name)
-            )
-            raise PrecisionError(
-                f"{call}: {type(root).__name__} is already guarded by {other_call} with "
-                f"policy {other_policy.describe()}; this guard's policy is "
-                f"{policy.describe()} (they differ in {differ}). Two guards with different "
-                "policies repair each other's "
-                "casts at every event and the last one wins.\nFix: keep one guard (one "
-                "PrecisionGuardCallback in Trainer(callbacks=[...]), or one "
-                "PrecisionGuardPlugin), or give both the same policy."
-            )
-    import weakref
-
-    root.__dict__[_OWNER_ATTR] = (weakref.ref(owner), policy, call)
-
-
-def release_model(root: nn.Module, owner: object) -> None:
-    """Undo :func:`claim_model` when ``owner`` holds the claim (its guards were removed)."""
-    held = root.__dict__.get(_OWNER_ATTR)
-    if held is not None and held[0]() is owner:
-        del root.__dict__[_OWNER_ATTR]
-
-
-def claimed_by(root: nn.Module) -> object | None:
-    """The live guard that claimed ``root`` (:func:`claim_model`), or ``None``."""
-    held = root.__dict__.get(_OWNER_ATTR)
-    return held[0]() if held is not None and callable(held[0]) else None

@@ -105,6 +105,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "plan",
         "enforce",
         "batch",
+        "claims",
         "hooks",
         "outside_reads",
         "deepspeed_config",
