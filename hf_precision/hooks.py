@@ -677,23 +677,69 @@ def install_guards(
         device = root_device if move else None
         put(root, _batch_state(root, policy, key_dtypes_for(policy, recv), device), handle.batch)
     if policy.boundary_guards:
-        for path, mod in _group_roots(root, groups):
-            if mod is not root:  # the root's own inputs are the batch guard's
-                dtype, device = receiving(mod, compute)
-                if dtype is not None:
-                    put(
-                        mod,
-                        _GuardState(
-                            "boundary",
-                            path,
-                            dtype,
-                            device if move else None,
-                            policy.mode,
-                            ref=_ref_param(mod, dtype, compute),
-                        ),
-                        handle.boundary,
-                    )
-            _put_entry(mod, path, policy, compute, move, put, handle)
+        _put_boundaries(root, groups, policy, compute, move, put, handle)
+    exits = _put_exits(root, groups, policy, report, view, notice, handle)
+    if leaf_groups is None:
+        leaf_groups = _leaf_groups(policy, groups, report)
+    if leaf_groups:
+        # modules holding a _keep_in_fp32_modules_strict tensor (routers) compute on their own
+        strict = strict_modules(report.kept) if report is not None else set()
+        for path, group, mod in view.modules:
+            if group not in leaf_groups or id(mod) in wanted or isinstance(mod, _SKIP_LEAVES):
+                continue
+            own = _own_weight(mod) if path not in strict else None
+            if own is not None and not _norm_held_fp32(mod, own):
+                put(mod, _leaf_state("leaf", path, own, policy, compute, move), handle.leaf)
+    _drop_unwanted(view, wanted, exits)
+    return handle
+
+
+def _drop_unwanted(view: ModelView, wanted: set[int], exits: set[int]) -> None:
+    """Remove the guards no longer wanted (a group stopped mixing); hidden modules are in the
+    view."""
+    for _, _, mod in view.modules:
+        if _ATTR in mod.__dict__ and id(mod) not in wanted:
+            _uninstall(mod)
+        if _EXIT_ATTR in mod.__dict__ and id(mod) not in exits:
+            _uninstall_exit(mod)
+
+
+def _put_boundaries(
+    root: nn.Module,
+    groups: ModuleGroups,
+    policy: PrecisionPolicy,
+    compute: Any,
+    move: bool,
+    put: Any,
+    handle: GuardHandle,
+) -> None:
+    """:func:`install_guards`' boundary and entry guards, one of each per group."""
+    for path, mod in _group_roots(root, groups):
+        if mod is not root:  # the root's own inputs are the batch guard's
+            dtype, device = receiving(mod, compute)
+            if dtype is not None:
+                st = _GuardState(
+                    "boundary",
+                    path,
+                    dtype,
+                    device if move else None,
+                    policy.mode,
+                    ref=_ref_param(mod, dtype, compute),
+                )
+                put(mod, st, handle.boundary)
+        _put_entry(mod, path, policy, compute, move, put, handle)
+
+
+def _put_exits(
+    root: nn.Module,
+    groups: ModuleGroups,
+    policy: PrecisionPolicy,
+    report: Any,
+    view: ModelView,
+    notice: Notice | None,
+    handle: GuardHandle,
+) -> set[int]:
+    """:func:`install_guards`' exit hooks; the ids of the modules that have one."""
     exits: set[int] = set()
     emb = _embedding_weight(root, groups) if policy.mode == "fix" else None
     if emb is not None and policy.boundary_guards:
@@ -710,26 +756,7 @@ def install_guards(
             exits.add(id(mod))
             handle.added += _install_exit(mod, _ExitState(path, after[1], notice=notice))
             handle.exit.append(path)
-    if leaf_groups is None:
-        leaf_groups = _leaf_groups(policy, groups, report)
-    if leaf_groups:
-        # modules holding a _keep_in_fp32_modules_strict tensor (routers) compute on their own
-        strict = strict_modules(report.kept) if report is not None else set()
-        for path, group, mod in view.modules:
-            if group not in leaf_groups or id(mod) in wanted or isinstance(mod, _SKIP_LEAVES):
-                continue
-            if path in strict:
-                continue
-            own = _own_weight(mod)
-            if own is not None and not _norm_held_fp32(mod, own):
-                put(mod, _leaf_state("leaf", path, own, policy, compute, move), handle.leaf)
-    # guards no longer wanted (a group stopped mixing); hidden modules are in the view
-    for _, _, mod in view.modules:
-        if _ATTR in mod.__dict__ and id(mod) not in wanted:
-            _uninstall(mod)
-        if _EXIT_ATTR in mod.__dict__ and id(mod) not in exits:
-            _uninstall_exit(mod)
-    return handle
+    return exits
 
 
 def guard_targets(model: nn.Module) -> Mapping[str, tuple[str, str]]:
