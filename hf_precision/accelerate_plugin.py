@@ -56,6 +56,7 @@ from .errors import PrecisionError, PrecisionWarning
 from .frontend import GuardFrontEnd, PrecisionGuard, policy_origin
 from .lost_updates import LostUpdateCheck, LostUpdates, check_option, watch
 from .policy import LeafGuards, Mode, PrecisionPolicy
+from .policy_spec import parse_policy, refuse_fp16_trainables
 from .reporting import PrecisionReporter
 from .wrappers import unwrap_model
 
@@ -75,7 +76,7 @@ def policy_from_checkpoint(path: str | os.PathLike[str]) -> PrecisionPolicy:
             "there. Fix: pass a folder written by accelerator.save_state with "
             "a PrecisionGuardPlugin registered."
         )
-    return PrecisionPolicy.from_json(file.read_text())
+    return parse_policy(file)
 
 
 class PrecisionGuardPlugin(GuardFrontEnd):
@@ -182,13 +183,16 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         self._said = said if flag else ""
         self._check_flag(flag, said=said, runner="accelerate", words=words, stacklevel=3)
         trainable = model is not None and any(p.requires_grad for p in model.parameters())
-        if flag == "fp16" and self.policy.trainable_dtype == torch.float16 and trainable:
-            raise PrecisionError(
-                f"{self._call} with {said}: trainable weights in float16 "
-                f"({self.policy.describe()}); accelerate's GradScaler raises 'Attempting to "
-                "unscale FP16 gradients'. Nothing was cast.\nFix: PrecisionGuardPlugin('fp16') "
-                "(trainable weights float32), or Accelerator(mixed_precision='bf16')."
-            )
+        refuse_fp16_trainables(
+            self.policy,
+            flag,
+            trainable,
+            call=self._call,
+            said=said,
+            scaler="accelerate's GradScaler",
+            fix="PrecisionGuardPlugin('fp16') (trainable weights float32), or "
+            "Accelerator(mixed_precision='bf16')",
+        )
         ds = deepspeed_config_of(accelerator)
         if ds is not None:
             self.deepspeed_stage = zero_stage(accelerator)

@@ -42,6 +42,7 @@ from .groups import ModuleGroups
 from .hooks import GuardHandle
 from .lost_updates import LostUpdateCheck, LostUpdates, check_option, watch
 from .policy import LeafGuards, Mode, PrecisionPolicy
+from .policy_spec import refuse_fp16_trainables
 from .wrappers import unwrap_model
 
 logger = logging.getLogger("hf_precision")
@@ -254,17 +255,12 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         # what the user set, in their words: `--bf16` typed, or `bf16=True` in Python
         said = flags.set_flag(flag, True, args=args) if flag else ""
         self._check_flag(flag, said=said, runner="the Trainer", words=words, stacklevel=4)
-        if (
-            flag == "fp16"
-            and policy.trainable_dtype == torch.float16
-            and any(p.requires_grad for p in root.parameters())
-        ):
-            raise PrecisionError(
-                f"{self._call} with {said}: trainable weights in float16 "
-                f"({policy.describe()}); the GradScaler raises 'Attempting to unscale FP16 "
-                "gradients'. Nothing was cast.\nFix: PrecisionGuardCallback('fp16') (trainable "
-                f"weights float32), or train in bfloat16 with {words('bf16', True)}."
-            )
+        trainable = flag == "fp16" and any(p.requires_grad for p in root.parameters())
+        fix = (
+            "PrecisionGuardCallback('fp16') (trainable weights float32), or train in bfloat16 "
+            f"with {words('bf16', True)}"
+        )
+        refuse_fp16_trainables(policy, flag, trainable, call=self._call, said=said, fix=fix)
         if flag == "fp16" and not torch.cuda.is_available():
             warnings.warn(
                 f"{said} without a GPU: transformers runs no autocast and no GradScaler here; "

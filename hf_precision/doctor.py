@@ -186,9 +186,9 @@ def doctor(args: argparse.Namespace) -> int:
     from .batch import cast_batch, key_dtypes_for
     from .enforce import enforce_policy
     from .hooks import receiving_dtypes
-    from .policy import PrecisionPolicy
+    from .policy_spec import parse_policy
 
-    policy = PrecisionPolicy.from_preset(args.policy)
+    policy = parse_policy(args.policy)
     model, batch, loaded = _doctor_model(args)
     checkpoint.set_trainable(model, args.trainable)
     model.train()

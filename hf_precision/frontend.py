@@ -13,7 +13,8 @@ from torch import nn
 from .console import flag_conflict, policy_origin
 from .errors import PrecisionError, PrecisionWarning
 from .guard import PrecisionGuard
-from .policy import LeafGuards, Mode, PrecisionPolicy, policy_call, resolve_policy, with_overrides
+from .policy import LeafGuards, Mode, PrecisionPolicy, policy_call
+from .policy_spec import parse_policy
 
 #: ``PrecisionGuard`` and ``policy_origin`` are re-exported for the front ends.
 __all__ = ["GuardFrontEnd", "PrecisionGuard", "policy_origin"]
@@ -39,7 +40,7 @@ class GuardFrontEnd:
         self._mode, self._leaf_guards = mode, leaf_guards
         self._call = policy_call(name, policy, mode=mode, leaf_guards=leaf_guards)
         # nothing the caller passed in changes (a policy is a value)
-        given = self._with_overrides(resolve_policy(policy, call=self._call))
+        given = self._with_overrides(parse_policy(policy, call=self._call))
         self.policy = None if policy is None else given
 
     def _check_flag(
@@ -79,6 +80,4 @@ class GuardFrontEnd:
         )
 
     def _with_overrides(self, policy: PrecisionPolicy) -> PrecisionPolicy:
-        return with_overrides(
-            policy, call=self._call, mode=self._mode, leaf_guards=self._leaf_guards
-        )
+        return parse_policy(policy, call=self._call, mode=self._mode, leaf_guards=self._leaf_guards)

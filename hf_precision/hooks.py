@@ -35,7 +35,6 @@ Targets are computed at install time; the per-call cost is a dtype comparison.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -46,6 +45,11 @@ from torch import nn
 
 from .batch import cast_batch, cast_tensor, eager_when_compiled_alone, key_dtypes_for
 from .batch_keys import batch_key_kind, is_metadata_key, notice_unknown
+
+# moved to hf_precision.claims; still importable from here
+from .claims import claim_model as claim_model
+from .claims import claimed_by as claimed_by
+from .claims import release_model as release_model
 from .dtype_maps import receiving, receiving_dtypes
 from .dtypes import dtype_name, is_castable, quantized_compute_dtype
 from .errors import PrecisionError, check_model
@@ -673,23 +677,69 @@ def install_guards(
         device = root_device if move else None
         put(root, _batch_state(root, policy, key_dtypes_for(policy, recv), device), handle.batch)
     if policy.boundary_guards:
-        for path, mod in _group_roots(root, groups):
-            if mod is not root:  # the root's own inputs are the batch guard's
-                dtype, device = receiving(mod, compute)
-                if dtype is not None:
-                    put(
-                        mod,
-                        _GuardState(
-                            "boundary",
-                            path,
-                            dtype,
-                            device if move else None,
-                            policy.mode,
-                            ref=_ref_param(mod, dtype, compute),
-                        ),
-                        handle.boundary,
-                    )
-            _put_entry(mod, path, policy, compute, move, put, handle)
+        _put_boundaries(root, groups, policy, compute, move, put, handle)
+    exits = _put_exits(root, groups, policy, report, view, notice, handle)
+    if leaf_groups is None:
+        leaf_groups = _leaf_groups(policy, groups, report)
+    if leaf_groups:
+        # modules holding a _keep_in_fp32_modules_strict tensor (routers) compute on their own
+        strict = strict_modules(report.kept) if report is not None else set()
+        for path, group, mod in view.modules:
+            if group not in leaf_groups or id(mod) in wanted or isinstance(mod, _SKIP_LEAVES):
+                continue
+            own = _own_weight(mod) if path not in strict else None
+            if own is not None and not _norm_held_fp32(mod, own):
+                put(mod, _leaf_state("leaf", path, own, policy, compute, move), handle.leaf)
+    _drop_unwanted(view, wanted, exits)
+    return handle
+
+
+def _drop_unwanted(view: ModelView, wanted: set[int], exits: set[int]) -> None:
+    """Remove the guards no longer wanted (a group stopped mixing); hidden modules are in the
+    view."""
+    for _, _, mod in view.modules:
+        if _ATTR in mod.__dict__ and id(mod) not in wanted:
+            _uninstall(mod)
+        if _EXIT_ATTR in mod.__dict__ and id(mod) not in exits:
+            _uninstall_exit(mod)
+
+
+def _put_boundaries(
+    root: nn.Module,
+    groups: ModuleGroups,
+    policy: PrecisionPolicy,
+    compute: Any,
+    move: bool,
+    put: Any,
+    handle: GuardHandle,
+) -> None:
+    """:func:`install_guards`' boundary and entry guards, one of each per group."""
+    for path, mod in _group_roots(root, groups):
+        if mod is not root:  # the root's own inputs are the batch guard's
+            dtype, device = receiving(mod, compute)
+            if dtype is not None:
+                st = _GuardState(
+                    "boundary",
+                    path,
+                    dtype,
+                    device if move else None,
+                    policy.mode,
+                    ref=_ref_param(mod, dtype, compute),
+                )
+                put(mod, st, handle.boundary)
+        _put_entry(mod, path, policy, compute, move, put, handle)
+
+
+def _put_exits(
+    root: nn.Module,
+    groups: ModuleGroups,
+    policy: PrecisionPolicy,
+    report: Any,
+    view: ModelView,
+    notice: Notice | None,
+    handle: GuardHandle,
+) -> set[int]:
+    """:func:`install_guards`' exit hooks; the ids of the modules that have one."""
     exits: set[int] = set()
     emb = _embedding_weight(root, groups) if policy.mode == "fix" else None
     if emb is not None and policy.boundary_guards:
@@ -706,26 +756,7 @@ def install_guards(
             exits.add(id(mod))
             handle.added += _install_exit(mod, _ExitState(path, after[1], notice=notice))
             handle.exit.append(path)
-    if leaf_groups is None:
-        leaf_groups = _leaf_groups(policy, groups, report)
-    if leaf_groups:
-        # modules holding a _keep_in_fp32_modules_strict tensor (routers) compute on their own
-        strict = strict_modules(report.kept) if report is not None else set()
-        for path, group, mod in view.modules:
-            if group not in leaf_groups or id(mod) in wanted or isinstance(mod, _SKIP_LEAVES):
-                continue
-            if path in strict:
-                continue
-            own = _own_weight(mod)
-            if own is not None and not _norm_held_fp32(mod, own):
-                put(mod, _leaf_state("leaf", path, own, policy, compute, move), handle.leaf)
-    # guards no longer wanted (a group stopped mixing); hidden modules are in the view
-    for _, _, mod in view.modules:
-        if _ATTR in mod.__dict__ and id(mod) not in wanted:
-            _uninstall(mod)
-        if _EXIT_ATTR in mod.__dict__ and id(mod) not in exits:
-            _uninstall_exit(mod)
-    return handle
+    return exits
 
 
 def guard_targets(model: nn.Module) -> Mapping[str, tuple[str, str]]:
@@ -737,46 +768,3 @@ def guard_targets(model: nn.Module) -> Mapping[str, tuple[str, str]]:
         if st is not None:
             out[path] = (st.kind, dtype_name(st.dtype))
     return out
-
-
-_OWNER_ATTR = "_hf_precision_owner"
-
-
-def claim_model(root: nn.Module, owner: object, policy: PrecisionPolicy, call: str) -> None:
-    """Mark ``root`` as guarded by ``owner``. A second guard with another policy raises: the two
-    would "repair" each other's casts at every event and the last one would silently win."""
-    held = root.__dict__.get(_OWNER_ATTR)
-    if held is not None:
-        other, other_policy, other_call = held
-        alive = other() if callable(other) else None
-        if alive is not None and alive is not owner and other_policy != policy:
-            differ = ", ".join(
-                f"{f.name}={getattr(other_policy, f.name)!r} vs {getattr(policy, f.name)!r}"
-                for f in dataclasses.fields(policy)
-                if getattr(other_policy, f.name) != getattr(policy, f.name)
-            )
-            raise PrecisionError(
-                f"{call}: {type(root).__name__} is already guarded by {other_call} with "
-                f"policy {other_policy.describe()}; this guard's policy is "
-                f"{policy.describe()} (they differ in {differ}). Two guards with different "
-                "policies repair each other's "
-                "casts at every event and the last one wins.\nFix: keep one guard (one "
-                "PrecisionGuardCallback in Trainer(callbacks=[...]), or one "
-                "PrecisionGuardPlugin), or give both the same policy."
-            )
-    import weakref
-
-    root.__dict__[_OWNER_ATTR] = (weakref.ref(owner), policy, call)
-
-
-def release_model(root: nn.Module, owner: object) -> None:
-    """Undo :func:`claim_model` when ``owner`` holds the claim (its guards were removed)."""
-    held = root.__dict__.get(_OWNER_ATTR)
-    if held is not None and held[0]() is owner:
-        del root.__dict__[_OWNER_ATTR]
-
-
-def claimed_by(root: nn.Module) -> object | None:
-    """The live guard that claimed ``root`` (:func:`claim_model`), or ``None``."""
-    held = root.__dict__.get(_OWNER_ATTR)
-    return held[0]() if held is not None and callable(held[0]) else None

@@ -37,22 +37,56 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import re
-import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
-from .dtypes import dtype_name, majority_dtype, parse_dtype
-from .errors import PrecisionError, PrecisionWarning, did_you_mean
+from . import inference, policy_json
+from .dtypes import dtype_name, parse_dtype
+from .errors import PrecisionError, did_you_mean
 from .groups import group_names
-from .names import PRESET_MISNAMES, preset_hint
+from .inference import infer_preset, loaded_dtype
+from .names import PRESET_MISNAMES
+from .policy_json import POLICY_VERSION, as_kwargs, reject_unknown_fields
+from .presets import PRESET_DEFAULTS, PRESET_HELP, PRESETS, preset_name
+from .roles import Role, is_norm_module, is_rotary_module, tensor_role
 
-POLICY_VERSION = 1
+#: Names that moved to their own modules, still importable from here.
+__all__ = [
+    "DEFAULT_KEEP_FP32_BUFFERS",
+    "DEFAULT_KEY_GROUPS",
+    "DEFAULT_SKIP_KEYS",
+    "KEEP_RULES",
+    "KEPT_RULES",
+    "LEAF_GUARDS",
+    "MODES",
+    "POLICY_VERSION",
+    "PRESETS",
+    "PRESET_DEFAULTS",
+    "PRESET_HELP",
+    "Decision",
+    "LeafGuards",
+    "Mode",
+    "PrecisionPolicy",
+    "Role",
+    "Rule",
+    "infer_preset",
+    "is_norm_module",
+    "is_rotary_module",
+    "loaded_dtype",
+    "match_pattern",
+    "policy_call",
+    "preset_name",
+    "register_preset",
+    "resolve_policy",
+    "tensor_role",
+    "with_overrides",
+]
+
 #: What an event does with drift: report it, fix it, or raise.
 Mode = Literal["audit", "fix", "raise"]
 MODES: tuple[Mode, ...] = get_args(Mode)
@@ -76,9 +110,6 @@ KEEP_RULES: tuple[Rule, ...] = ("rotary", "keep_fp32", "keep_fp32_strict", "deli
 #: the keep-fp32 rules and a wrapper's half-precision trainable weights (``wrapper_master_fp32``).
 KEPT_RULES: tuple[Rule, ...] = (*KEEP_RULES, "wrapper_master_fp32")
 _STRICT = "model._keep_in_fp32_modules_strict"
-#: What a tensor is, beyond its name (:func:`tensor_role`): a normalization layer's weight or a
-#: rotary/positional table.
-Role = Literal["norm", "rotary"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,101 +134,17 @@ class Decision:
         return self.rule in KEPT_RULES
 
 
-#: preset -> (compute, frozen, trainable)
-PRESETS: dict[str, tuple[torch.dtype, torch.dtype, torch.dtype]] = {
-    "bf16": (torch.bfloat16, torch.bfloat16, torch.float32),
-    "bf16-true": (torch.bfloat16, torch.bfloat16, torch.bfloat16),
-    "fp16": (torch.float16, torch.float16, torch.float32),
-    "fp16-true": (torch.float16, torch.float16, torch.float16),
-    "fp32": (torch.float32, torch.float32, torch.float32),
-}
-PRESET_HELP = {
-    "bf16": "frozen weights bf16, trainable weights fp32, compute bf16 (Trainer bf16=True)",
-    "bf16-true": "everything bf16, trainable weights too (pure bf16 training/inference)",
-    "fp16": "frozen weights fp16, trainable weights fp32 for the GradScaler (Trainer fp16=True)",
-    "fp16-true": "everything fp16 (inference only: the GradScaler cannot unscale fp16 grads)",
-    "fp32": "everything fp32",
-}
-#: preset -> PrecisionPolicy fields it sets beyond the three dtypes (see :func:`register_preset`)
-PRESET_DEFAULTS: dict[str, dict[str, Any]] = {}
-
-
-def preset_name(name: object, *, call: str = "PrecisionPolicy.from_preset") -> str:
-    """``name`` when it is a preset name, else a :class:`PrecisionError` that says which
-    preset was probably meant: one vocabulary for Python and the ``hf-precision`` CLI (names
-    are exact and lower case; :data:`PRESET_MISNAMES` lists what other tools call them).
-
-    >>> preset_name("bf16-true")
-    'bf16-true'
-    >>> try:
-    ...     preset_name("bfloat16")
-    ... except PrecisionError as err:
-    ...     print(str(err).splitlines()[0].split(". ", 1)[1])
-    Did you mean 'bf16' (frozen bf16, trainable fp32) or 'bf16-true' (all bf16)?
-    """
-    if isinstance(name, str) and name in PRESETS:
-        return name
-    hint = preset_hint(name, PRESETS)
-    listing = "\n".join(f"  {k:<10} {v}" for k, v in PRESET_HELP.items())
-    raise PrecisionError(
-        f"{call}({name!r}): unknown preset {name!r}.{hint}\n"
-        f"Allowed:\n{listing}\nFix: pass one of these names, or build "
-        "PrecisionPolicy(compute_dtype=..., frozen_dtype=..., trainable_dtype=...)."
-    )
-
-
 #: Buffers that always stay fp32 by name (rotary frequencies lose positions when rounded): any
 #: ``*inv_freq*`` (``inv_freq``, ``original_inv_freq``, Gemma 3's per-layer-type
 #: ``sliding_attention_inv_freq`` ...). Buffers of rotary modules are found by type too
 #: (:func:`tensor_role`).
 DEFAULT_KEEP_FP32_BUFFERS: tuple[str, ...] = ("re:(.*\\.)?[^.]*inv_freq[^.]*",)
-#: Normalization layers by type (subclasses included) and by class name (``*RMSNorm``,
-#: ``*LayerNorm``, ``*GroupNorm`` of transformers and remote code).
-_NORM_TYPES: tuple[type[nn.Module], ...] = (
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.RMSNorm,
-    nn.modules.batchnorm._NormBase,
-)
-_NORM_NAME = re.compile(r"(RMS|Layer|Group|Batch)_?Norm", re.IGNORECASE)
-_ROTARY_NAME = re.compile(r"Rotary|RoPE|Rope(Emb|$)")
-
-
-def is_norm_module(module: nn.Module) -> bool:
-    """A normalization layer, by type or class name (``LlamaRMSNorm``, ``Qwen2VLLayerNorm``,
-    ``nn.LayerNorm``, remote code's ``InternRMSNorm``)."""
-    return isinstance(module, _NORM_TYPES) or bool(_NORM_NAME.search(type(module).__name__))
-
-
-def is_rotary_module(module: nn.Module) -> bool:
-    """A rotary-embedding module: its class name says so (``LlamaRotaryEmbedding``,
-    ``Qwen2VisionRotaryEmbedding``), or it keeps rotary state (``inv_freq``,
-    ``rope_init_fn``, ``rope_type``)."""
-    if _ROTARY_NAME.search(type(module).__name__):
-        return True
-    d = module.__dict__
-    return "inv_freq" in d.get("_buffers", {}) or "rope_init_fn" in d or "rope_type" in d
 
 
 def _is_head(name: str) -> bool:
     """``name`` is a weight of the language model's output head (``lm_head``, as TRL's
     ``cast_lm_head_to_fp32`` names it)."""
     return "lm_head" in name.split(".")
-
-
-def tensor_role(
-    module: nn.Module, key: str, tensor: torch.Tensor, *, is_buffer: bool
-) -> Role | None:
-    """What ``module.<key>`` is, by the module that holds it: ``"rotary"`` for a floating
-    buffer of a rotary module (or any ``*inv_freq*`` buffer), ``"norm"`` for a 1-D weight or
-    bias of a normalization layer, else ``None``."""
-    if is_buffer:
-        if tensor.is_floating_point() and ("inv_freq" in key or is_rotary_module(module)):
-            return "rotary"
-        return None
-    if tensor.dim() <= 1 and is_norm_module(module):
-        return "norm"
-    return None
 
 
 #: Batch keys never cast (targets are compared, not computed with).
@@ -266,6 +213,91 @@ def match_pattern(pattern: str, name: str) -> bool:
     if name == pattern or name.startswith(pattern + "."):
         return True
     return ("." + pattern + ".") in ("." + name + ".")
+
+
+def _keep_fp32_reason(
+    self: PrecisionPolicy,
+    name: str,
+    *,
+    is_buffer: bool,
+    model_patterns: Iterable[str] = (),
+    role: Role | None = None,
+    strict_patterns: Iterable[str] = (),
+) -> str | None:
+    """Why ``name`` must stay fp32 whatever its group (a rotary table, a ``keep_fp32``
+    pattern, the model's ``_keep_in_fp32_modules_strict`` (``strict_patterns``) or
+    ``_keep_in_fp32_modules`` (``model_patterns``; :meth:`decide` holds those in fp32 only
+    where the weight would be fp16)), or ``None``. ``role`` is :func:`tensor_role`'s answer
+    where the caller knows the module."""
+    if is_buffer:
+        for pat in DEFAULT_KEEP_FP32_BUFFERS:
+            if match_pattern(pat, name):
+                return "rotary inv_freq buffer"
+        if role == "rotary":
+            return "rotary table (buffer of a rotary-embedding module)"
+    for pat in self.keep_fp32:
+        if match_pattern(pat, name):
+            return f"keep_fp32 {pat!r}"
+    if self.honour_model_keep_fp32:
+        for pat in strict_patterns:
+            if match_pattern(pat, name):
+                return f"{_STRICT} {pat!r}"
+        for pat in model_patterns:
+            if match_pattern(pat, name):
+                return f"model._keep_in_fp32_modules {pat!r}"
+    return None
+
+
+def _decide(
+    self: PrecisionPolicy,
+    name: str,
+    group: str,
+    *,
+    trainable: bool,
+    is_buffer: bool = False,
+    model_patterns: Iterable[str] = (),
+    current: torch.dtype | None = None,
+    role: Role | None = None,
+    group_dtype: torch.dtype | None = None,
+    master_fp32: torch.dtype | None = None,
+    strict_patterns: Iterable[str] = (),
+) -> Decision:
+    """The dtype the policy wants for one parameter/buffer (now in ``current``) and the
+    rule that decided (the precedence at the top of this module). ``role`` is what the
+    tensor is (:func:`tensor_role`), ``group_dtype`` the dtype the other weights of its
+    group are in (the plan's first pass): together they tell a deliberate fp32 norm from
+    one left in fp32 with its whole group. ``strict_patterns`` and ``model_patterns`` are
+    the model's ``_keep_in_fp32_modules_strict`` and ``_keep_in_fp32_modules``
+    (:func:`hf_precision.keep_rules.model_keep_lists`). ``master_fp32`` is the half dtype of
+    a DeepSpeed ZeRO-3 run, which keeps fp32 master copies of trainable weights held in it."""
+    reason = self.keep_fp32_reason(
+        name, is_buffer=is_buffer, role=role, strict_patterns=strict_patterns
+    )
+    if reason is not None:
+        rule: Rule = (
+            "rotary"
+            if reason.startswith("rotary")
+            else "keep_fp32_strict"
+            if reason.startswith(_STRICT)
+            else "keep_fp32"
+        )
+        return Decision(torch.float32, rule, reason)
+    if trainable and master_fp32 is not None and self.trainable_dtype not in (None, master_fp32):
+        how = "left as is" if current == master_fp32 else "joins the others"
+        return Decision(
+            master_fp32,
+            "wrapper_master_fp32",
+            f"trainable {dtype_name(master_fp32)} under DeepSpeed ZeRO-3, which keeps fp32 "
+            f"master copies and flattens every trainable partition into one "
+            f"{dtype_name(master_fp32)} buffer: {how} (TRL's autocast_adapter_dtype=False)",
+        )
+    decision = _decide_unkept(self, name, group, trainable, current, role, group_dtype)
+    if decision.dtype == torch.float16 and self.honour_model_keep_fp32:
+        for pat in model_patterns:  # the loader keeps them fp32 for fp16 loads
+            if match_pattern(pat, name):
+                why = f"model._keep_in_fp32_modules {pat!r} (fp32 where fp16 would be)"
+                return Decision(torch.float32, "keep_fp32", why)
+    return decision
 
 
 @dataclass(frozen=True)
@@ -352,62 +384,14 @@ class PrecisionPolicy:
     name: str | None = field(default=None, metadata={"help": "preset this policy came from"})
 
     def __post_init__(self) -> None:
-        call = "PrecisionPolicy(...)" if self.name is None else f"PrecisionPolicy[{self.name}]"
-        set_ = object.__setattr__  # frozen: normalise once, here
-        compute = parse_dtype(self.compute_dtype, call=f"{call}.compute_dtype")
-        set_(self, "compute_dtype", compute)
-        set_(
-            self,
-            "frozen_dtype",
-            parse_dtype(
-                compute if self.frozen_dtype is None else self.frozen_dtype,
-                call=f"{call}.frozen_dtype",
-            ),
-        )
-        if self.trainable_dtype is not None:
-            set_(
-                self,
-                "trainable_dtype",
-                parse_dtype(self.trainable_dtype, call=f"{call}.trainable_dtype"),
-            )
-        if self.full_eval_dtype is not None:
-            set_(
-                self,
-                "full_eval_dtype",
-                parse_dtype(self.full_eval_dtype, call=f"{call}.full_eval_dtype"),
-            )
-        set_(self, "group_dtypes", _parse_mapping(self.group_dtypes, call=f"{call}.group_dtypes"))
-        keep = (self.keep_fp32,) if isinstance(self.keep_fp32, str) else tuple(self.keep_fp32)
-        set_(self, "keep_fp32", keep)
-        for pat in keep:
-            if pat.startswith("re:"):
-                try:
-                    re.compile(pat[3:])
-                except re.error as err:
-                    raise PrecisionError(
-                        f"{call}.keep_fp32: bad regex {pat!r}: {err}. Fix: escape it or drop "
-                        "the 're:' prefix for a plain path."
-                    ) from err
-        set_(self, "mode", _choice(self.mode, MODES, call=f"{call}.mode", what="mode"))
-        set_(
-            self,
-            "leaf_guards",
-            _choice(
-                self.leaf_guards, LEAF_GUARDS, call=f"{call}.leaf_guards", what="leaf_guards value"
-            ),
-        )
-        set_(self, "batch_skip_keys", tuple(self.batch_skip_keys))
-        set_(self, "batch_key_groups", dict(self.batch_key_groups))
-        known = group_names()
-        for key, group in self.batch_key_groups.items():
-            _choice(group, known, call=f"{call}.batch_key_groups[{key!r}]", what="group")
+        _normalise(self)
 
     __hash__ = None  # type: ignore[assignment]  # dict fields: equal by value, not hashable
 
     def replace(self, **changes: Any) -> PrecisionPolicy:
         """A new policy with ``changes`` applied (this one is unchanged)."""
-        _reject_unknown_fields(
-            changes, _FIELDS, lambda bad: f"PrecisionPolicy.replace({_as_kwargs(bad)})"
+        reject_unknown_fields(
+            changes, _FIELDS, lambda bad: f"PrecisionPolicy.replace({as_kwargs(bad)})"
         )
         return dataclasses.replace(self, **changes)
 
@@ -424,10 +408,10 @@ class PrecisionPolicy:
         """
         key = preset_name(name)
         compute, frozen, trainable = PRESETS[key]
-        _reject_unknown_fields(
+        reject_unknown_fields(
             overrides,
             _FIELDS,
-            lambda bad: f"PrecisionPolicy.from_preset({name!r}, {_as_kwargs(bad)})",
+            lambda bad: f"PrecisionPolicy.from_preset({name!r}, {as_kwargs(bad)})",
         )
         kwargs: dict[str, Any] = dict(
             compute_dtype=compute, frozen_dtype=frozen, trainable_dtype=trainable, name=key
@@ -479,13 +463,7 @@ class PrecisionPolicy:
         ...                     trainable=True, current=torch.float32)
         (torch.float32, 'keep_trainable_fp32')
         """
-        preset = infer_preset(model)
-        inferred: dict[str, Any] = {"keep_trainable_fp32": True}
-        half = _trainable_half_dtype(model)
-        if half == torch.bfloat16 and half != PRESETS[preset][2]:
-            # trained in bf16 as loaded (pure-bf16 training is a choice); fp16 trainables
-            # outside an fp16 model are not kept: fp16 cannot hold AdamW's eps
-            inferred["trainable_dtype"] = half
+        preset, inferred = inference.model_preset(model)
         return cls.from_preset(preset, **{**inferred, **overrides})
 
     @classmethod
@@ -496,24 +474,10 @@ class PrecisionPolicy:
         fp32); ``fp16=True`` -> ``fp16`` (frozen fp16, trainable fp32); no flag ->
         :meth:`from_model` (frozen weights in the dtype the language model was loaded in,
         trainable weights kept in the dtype they were loaded in)."""
-        if getattr(args, "bf16", False) and getattr(args, "fp16", False):
-            raise PrecisionError(
-                "PrecisionPolicy.from_training_args(args): bf16=True and fp16=True together. "
-                "Fix: choose one."
-            )
-        if getattr(args, "bf16", False):
-            policy = cls.from_preset("bf16", **overrides)
-        elif getattr(args, "fp16", False):
-            policy = cls.from_preset("fp16", **overrides)
-        elif model is not None:
-            policy = cls.from_model(model, **overrides)
-        else:
-            policy = cls.from_preset("fp32", **overrides)
-        if getattr(args, "bf16_full_eval", False):
-            return policy.replace(full_eval_dtype=torch.bfloat16)
-        if getattr(args, "fp16_full_eval", False):
-            return policy.replace(full_eval_dtype=torch.float16)
-        return policy
+        preset = inference.training_args_preset(args)
+        policy = cls._from_flag(preset, model, overrides)
+        eval_dtype = inference.full_eval_dtype(args)
+        return policy if eval_dtype is None else policy.replace(full_eval_dtype=eval_dtype)
 
     @classmethod
     def from_accelerator(
@@ -521,19 +485,15 @@ class PrecisionPolicy:
     ) -> PrecisionPolicy:
         """Infer from ``accelerator.mixed_precision`` (``bf16``, ``fp16``, ``no``, ``fp8``);
         ``no`` -> :meth:`from_model`, the same no-flag rule as :meth:`from_training_args`."""
-        mp = str(getattr(accelerator, "mixed_precision", "no") or "no")
-        if mp == "bf16":
-            return cls.from_preset("bf16", **overrides)
-        if mp == "fp16":
-            return cls.from_preset("fp16", **overrides)
-        if mp == "fp8":
-            warnings.warn(
-                "PrecisionPolicy.from_accelerator: mixed_precision='fp8' is handled by its own "
-                "recipe; the guard uses the 'bf16' policy around it.",
-                PrecisionWarning,
-                stacklevel=2,
-            )
-            return cls.from_preset("bf16", **overrides)
+        return cls._from_flag(inference.accelerator_preset(accelerator), model, overrides)
+
+    @classmethod
+    def _from_flag(
+        cls, preset: str | None, model: nn.Module | None, overrides: dict[str, Any]
+    ) -> PrecisionPolicy:
+        """The preset a flag named, else :meth:`from_model` (else ``fp32`` with no model)."""
+        if preset is not None:
+            return cls.from_preset(preset, **overrides)
         if model is not None:
             return cls.from_model(model, **overrides)
         return cls.from_preset("fp32", **overrides)
@@ -549,129 +509,10 @@ class PrecisionPolicy:
         """dtype of the frozen weights of ``group``."""
         return self.group_dtypes.get(group, self.frozen_dtype)  # type: ignore[return-value]
 
-    def keep_fp32_reason(
-        self,
-        name: str,
-        *,
-        is_buffer: bool,
-        model_patterns: Iterable[str] = (),
-        role: Role | None = None,
-        strict_patterns: Iterable[str] = (),
-    ) -> str | None:
-        """Why ``name`` must stay fp32 whatever its group (a rotary table, a ``keep_fp32``
-        pattern, the model's ``_keep_in_fp32_modules_strict`` (``strict_patterns``) or
-        ``_keep_in_fp32_modules`` (``model_patterns``; :meth:`decide` holds those in fp32 only
-        where the weight would be fp16)), or ``None``. ``role`` is :func:`tensor_role`'s answer
-        where the caller knows the module."""
-        if is_buffer:
-            for pat in DEFAULT_KEEP_FP32_BUFFERS:
-                if match_pattern(pat, name):
-                    return "rotary inv_freq buffer"
-            if role == "rotary":
-                return "rotary table (buffer of a rotary-embedding module)"
-        for pat in self.keep_fp32:
-            if match_pattern(pat, name):
-                return f"keep_fp32 {pat!r}"
-        if self.honour_model_keep_fp32:
-            for pat in strict_patterns:
-                if match_pattern(pat, name):
-                    return f"{_STRICT} {pat!r}"
-            for pat in model_patterns:
-                if match_pattern(pat, name):
-                    return f"model._keep_in_fp32_modules {pat!r}"
-        return None
-
-    def decide(
-        self,
-        name: str,
-        group: str,
-        *,
-        trainable: bool,
-        is_buffer: bool = False,
-        model_patterns: Iterable[str] = (),
-        current: torch.dtype | None = None,
-        role: Role | None = None,
-        group_dtype: torch.dtype | None = None,
-        master_fp32: torch.dtype | None = None,
-        strict_patterns: Iterable[str] = (),
-    ) -> Decision:
-        """The dtype the policy wants for one parameter/buffer (now in ``current``) and the
-        rule that decided (the precedence at the top of this module). ``role`` is what the
-        tensor is (:func:`tensor_role`), ``group_dtype`` the dtype the other weights of its
-        group are in (the plan's first pass): together they tell a deliberate fp32 norm from
-        one left in fp32 with its whole group. ``strict_patterns`` and ``model_patterns`` are
-        the model's ``_keep_in_fp32_modules_strict`` and ``_keep_in_fp32_modules``
-        (:func:`hf_precision.keep_rules.model_keep_lists`). ``master_fp32`` is the half dtype of
-        a DeepSpeed ZeRO-3 run, which keeps fp32 master copies of trainable weights held in it."""
-        reason = self.keep_fp32_reason(
-            name, is_buffer=is_buffer, role=role, strict_patterns=strict_patterns
-        )
-        if reason is not None:
-            rule: Rule = (
-                "rotary"
-                if reason.startswith("rotary")
-                else "keep_fp32_strict"
-                if reason.startswith(_STRICT)
-                else "keep_fp32"
-            )
-            return Decision(torch.float32, rule, reason)
-        if (
-            trainable
-            and master_fp32 is not None
-            and self.trainable_dtype not in (None, master_fp32)
-        ):
-            how = "left as is" if current == master_fp32 else "joins the others"
-            return Decision(
-                master_fp32,
-                "wrapper_master_fp32",
-                f"trainable {dtype_name(master_fp32)} under DeepSpeed ZeRO-3, which keeps fp32 "
-                f"master copies and flattens every trainable partition into one "
-                f"{dtype_name(master_fp32)} buffer: {how} (TRL's autocast_adapter_dtype=False)",
-            )
-        decision = self._decide_unkept(name, group, trainable, current, role, group_dtype)
-        if decision.dtype == torch.float16 and self.honour_model_keep_fp32:
-            for pat in model_patterns:  # the loader keeps them fp32 for fp16 loads
-                if match_pattern(pat, name):
-                    why = f"model._keep_in_fp32_modules {pat!r} (fp32 where fp16 would be)"
-                    return Decision(torch.float32, "keep_fp32", why)
-        return decision
-
-    def _decide_unkept(
-        self,
-        name: str,
-        group: str,
-        trainable: bool,
-        current: torch.dtype | None,
-        role: Role | None,
-        group_dtype: torch.dtype | None,
-    ) -> Decision:
-        """:meth:`decide`'s rules 2 to 5 (no keep pattern selected ``name``)."""
-        if trainable and self.keep_trainable_fp32 and current == torch.float32:
-            return Decision(torch.float32, "keep_trainable_fp32", "keep_trainable_fp32")
-        half_group = (
-            group_dtype is not None and group_dtype.is_floating_point and group_dtype.itemsize < 4
-        )
-        if self.keep_fp32_head and current == torch.float32 and _is_head(name):
-            return Decision(
-                torch.float32,
-                "deliberate_fp32",
-                "fp32 lm_head kept as chosen (TRL's cast_lm_head_to_fp32=True); "
-                "cast_lm_head_to_fp32=False casts it",
-            )
-        if trainable and self.trainable_dtype is not None:
-            return Decision(self.trainable_dtype, "trainable", "trainable")
-        if group in self.group_dtypes:
-            return Decision(self.group_dtypes[group], "group_dtypes", f"group_dtypes[{group!r}]")
-        if role == "norm" and self.keep_fp32_norms and current == torch.float32 and half_group:
-            assert group_dtype is not None
-            return Decision(
-                torch.float32,
-                "deliberate_fp32",
-                f"fp32 norm weight in a {dtype_name(group_dtype)} group: kept as chosen "
-                "(upcast_layernorm / prepare_model_for_kbit_training); keep_fp32_norms=False "
-                "casts it",
-            )
-        return Decision(self.frozen_dtype, "frozen", "frozen")  # type: ignore[arg-type]
+    #: Why ``name`` must stay fp32 whatever its group (:func:`_keep_fp32_reason`).
+    keep_fp32_reason = _keep_fp32_reason
+    #: The dtype the policy wants for one tensor and the rule that decided (:func:`_decide`).
+    decide = _decide
 
     def target_dtype(self, name: str, group: str, **kwargs: Any) -> tuple[torch.dtype, str]:
         """``(dtype, reason)``: :meth:`decide` (same arguments) as a pair."""
@@ -681,18 +522,9 @@ class PrecisionPolicy:
     # ---------------------------------------------------------------- JSON
 
     def to_dict(self) -> dict[str, Any]:
-        def enc(v: Any) -> Any:
-            if isinstance(v, torch.dtype):
-                return dtype_name(v)
-            if isinstance(v, dict):
-                return {k: enc(x) for k, x in v.items()}
-            if isinstance(v, tuple):
-                return list(v)
-            return v
-
-        out = {f.name: enc(getattr(self, f.name)) for f in dataclasses.fields(self)}
-        out["version"] = POLICY_VERSION
-        return out
+        return policy_json.encode_fields(
+            {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PrecisionPolicy:
@@ -711,68 +543,16 @@ class PrecisionPolicy:
         ...     PrecisionPolicy.from_dict(data).name
         'bf16'
         """
-        if not isinstance(data, Mapping):
-            raise PrecisionError(
-                f"PrecisionPolicy.from_dict({_shorten(data)}): expected a dict of policy fields "
-                f"(PrecisionPolicy.to_dict()), got a value of type {type(data).__name__}. "
-                "Fix: pass that dict, or use PrecisionPolicy.from_json(text) / "
-                "PrecisionPolicy.from_preset(name)."
-            )
-        data = dict(data)
-        saved = "version" in data
-        version = data.pop("version", POLICY_VERSION)
-        if not isinstance(version, int) or version < 1:
-            raise PrecisionError(
-                f"PrecisionPolicy.from_dict(version={version!r}): policy versions are integers "
-                f">= 1 (this hf-precision writes {POLICY_VERSION}). Fix: re-save the policy with "
-                "PrecisionPolicy.to_json()."
-            )
-        unknown = sorted(set(data) - set(_FIELDS))
-        if saved and unknown:
-            newer = (
-                f" (saved as policy version {version}, this hf-precision reads {POLICY_VERSION})"
-            )
-            warnings.warn(
-                f"PrecisionPolicy.from_dict(...): ignoring field(s) {unknown} this hf-precision "
-                f"does not know{newer if version > POLICY_VERSION else ''}. Fix: upgrade "
-                "hf-precision to honour them, or drop them from the saved policy.",
-                PrecisionWarning,
-                stacklevel=2,
-            )
-            data = {k: v for k, v in data.items() if k in _FIELDS}
-        _reject_unknown_fields(data, _FIELDS, lambda bad: "PrecisionPolicy.from_dict(...)")
-        return cls(**data)
+        return cls(**policy_json.decode_fields(data, _FIELDS))
 
     def to_json(self, **kwargs: Any) -> str:
-        return json.dumps(self.to_dict(), indent=kwargs.pop("indent", 2), **kwargs)
+        return policy_json.to_json_text(self.to_dict(), **kwargs)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> PrecisionPolicy:
         """A policy from :meth:`to_json`'s text; text that is not a JSON object raises a
         :class:`PrecisionError` that says where it broke."""
-        shown = _shorten(text)
-        if not isinstance(text, str | bytes | bytearray):
-            raise PrecisionError(
-                f"PrecisionPolicy.from_json({shown}): expected the JSON text of a policy, got a "
-                f"value of type {type(text).__name__}. Fix: pass policy.to_json() output; for a "
-                "dict use PrecisionPolicy.from_dict(...), for a file PrecisionPolicy.from_json("
-                "Path(...).read_text())."
-            )
-        try:
-            data = json.loads(text)
-        except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
-            raise PrecisionError(
-                f"PrecisionPolicy.from_json({shown}): not valid JSON ({err}). Fix: pass the text "
-                "PrecisionPolicy.to_json() wrote (a saved policy.json), not a preset name or a "
-                "path: PrecisionPolicy.from_preset('bf16'), PrecisionPolicy.from_json("
-                "Path(...).read_text())."
-            ) from None
-        if not isinstance(data, dict):
-            raise PrecisionError(
-                f"PrecisionPolicy.from_json({shown}): the JSON is a {type(data).__name__}, not "
-                "an object of policy fields. Fix: pass the text PrecisionPolicy.to_json() wrote."
-            )
-        return cls.from_dict(data)
+        return cls.from_dict(policy_json.json_object(text))
 
     def describe(self) -> str:
         """One line for logs: ``bf16 (frozen bfloat16, trainable float32, compute bfloat16)``."""
@@ -790,84 +570,100 @@ class PrecisionPolicy:
 _FIELDS = frozenset(f.name for f in dataclasses.fields(PrecisionPolicy))
 
 
-def _shorten(value: object, limit: int = 40) -> str:
-    """``repr(value)``, cut to ``limit`` characters for a message that repeats a call."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 4] + "...'"
-
-
-def _as_kwargs(names: Iterable[str]) -> str:
-    return ", ".join(f"{n}=..." for n in names)
-
-
-def _reject_unknown_fields(
-    given: Iterable[str], known: Iterable[str], call: Callable[[list[str]], str]
-) -> None:
-    """The one check of field names: ``call(bad)`` is how the user called us."""
-    known = set(known)
-    bad = sorted(set(given) - known)
-    if bad:
-        raise PrecisionError(
-            f"{call(bad)}: unknown field(s) {bad}.\nAllowed: {', '.join(sorted(known))}."
+def _normalise(policy: PrecisionPolicy) -> None:
+    """Check and normalise the fields of a new policy (it is frozen: once, here)."""
+    call = "PrecisionPolicy(...)" if policy.name is None else f"PrecisionPolicy[{policy.name}]"
+    set_ = object.__setattr__  # frozen: normalise once, here
+    compute = parse_dtype(policy.compute_dtype, call=f"{call}.compute_dtype")
+    set_(policy, "compute_dtype", compute)
+    set_(
+        policy,
+        "frozen_dtype",
+        parse_dtype(
+            compute if policy.frozen_dtype is None else policy.frozen_dtype,
+            call=f"{call}.frozen_dtype",
+        ),
+    )
+    if policy.trainable_dtype is not None:
+        set_(
+            policy,
+            "trainable_dtype",
+            parse_dtype(policy.trainable_dtype, call=f"{call}.trainable_dtype"),
         )
+    if policy.full_eval_dtype is not None:
+        set_(
+            policy,
+            "full_eval_dtype",
+            parse_dtype(policy.full_eval_dtype, call=f"{call}.full_eval_dtype"),
+        )
+    set_(policy, "group_dtypes", _parse_mapping(policy.group_dtypes, call=f"{call}.group_dtypes"))
+    keep = (policy.keep_fp32,) if isinstance(policy.keep_fp32, str) else tuple(policy.keep_fp32)
+    set_(policy, "keep_fp32", keep)
+    for pat in keep:
+        if pat.startswith("re:"):
+            try:
+                re.compile(pat[3:])
+            except re.error as err:
+                raise PrecisionError(
+                    f"{call}.keep_fp32: bad regex {pat!r}: {err}. Fix: escape it or drop "
+                    "the 're:' prefix for a plain path."
+                ) from err
+    set_(policy, "mode", _choice(policy.mode, MODES, call=f"{call}.mode", what="mode"))
+    set_(
+        policy,
+        "leaf_guards",
+        _choice(
+            policy.leaf_guards, LEAF_GUARDS, call=f"{call}.leaf_guards", what="leaf_guards value"
+        ),
+    )
+    set_(policy, "batch_skip_keys", tuple(policy.batch_skip_keys))
+    set_(policy, "batch_key_groups", dict(policy.batch_key_groups))
+    known = group_names()
+    for key, group in policy.batch_key_groups.items():
+        _choice(group, known, call=f"{call}.batch_key_groups[{key!r}]", what="group")
+
+
+def _decide_unkept(
+    policy: PrecisionPolicy,
+    name: str,
+    group: str,
+    trainable: bool,
+    current: torch.dtype | None,
+    role: Role | None,
+    group_dtype: torch.dtype | None,
+) -> Decision:
+    """:meth:`PrecisionPolicy.decide`'s rules 2 to 5 (no keep pattern selected ``name``)."""
+    if trainable and policy.keep_trainable_fp32 and current == torch.float32:
+        return Decision(torch.float32, "keep_trainable_fp32", "keep_trainable_fp32")
+    half_group = (
+        group_dtype is not None and group_dtype.is_floating_point and group_dtype.itemsize < 4
+    )
+    if policy.keep_fp32_head and current == torch.float32 and _is_head(name):
+        return Decision(
+            torch.float32,
+            "deliberate_fp32",
+            "fp32 lm_head kept as chosen (TRL's cast_lm_head_to_fp32=True); "
+            "cast_lm_head_to_fp32=False casts it",
+        )
+    if trainable and policy.trainable_dtype is not None:
+        return Decision(policy.trainable_dtype, "trainable", "trainable")
+    if group in policy.group_dtypes:
+        return Decision(policy.group_dtypes[group], "group_dtypes", f"group_dtypes[{group!r}]")
+    if role == "norm" and policy.keep_fp32_norms and current == torch.float32 and half_group:
+        assert group_dtype is not None
+        return Decision(
+            torch.float32,
+            "deliberate_fp32",
+            f"fp32 norm weight in a {dtype_name(group_dtype)} group: kept as chosen "
+            "(upcast_layernorm / prepare_model_for_kbit_training); keep_fp32_norms=False "
+            "casts it",
+        )
+    return Decision(policy.frozen_dtype, "frozen", "frozen")  # type: ignore[arg-type]
 
 
 def _as_call(err: PrecisionError, call: str) -> PrecisionError:
     """``err`` said as the user's own ``call`` (a front end's), not the inner one."""
     return PrecisionError(f"{call}: {str(err).split(': ', 1)[-1]}")
-
-
-def loaded_dtype(model: nn.Module) -> torch.dtype | None:
-    """The dtype the user loaded ``model`` in (``from_pretrained(..., dtype=...)``): the one
-    most of the language model's frozen weights have, else most of its weights, else the
-    whole model's (frozen first). ``None`` when no weight is floating.
-
-    The language model decides, not a count over the whole model: a vision tower larger than
-    the language model (or kept fp32 on purpose), PEFT's fp32 adapters on a tiny model, or a
-    projector trained in fp32 would otherwise tip the count.
-    """
-    from .dtypes import is_castable
-    from .groups import find_module_groups
-    from .wrappers import unwrap_model
-
-    root, _ = unwrap_model(model)
-    params = [(n, p) for n, p in root.named_parameters() if is_castable(p)]
-    with warnings.catch_warnings():  # the guard says what it finds when it runs; quiet here
-        warnings.simplefilter("ignore")
-        groups = find_module_groups(root)
-    lm = [p for n, p in params if groups.group_of(n) == "language_model"]
-    for pool in (lm, [p for _, p in params]):
-        frozen = [p for p in pool if not p.requires_grad]
-        for chosen in (frozen, pool):
-            dt = majority_dtype((p.dtype, p.numel()) for p in chosen)
-            if dt is not None:
-                return dt
-    return None
-
-
-def infer_preset(model: nn.Module) -> str:
-    """The preset :meth:`PrecisionPolicy.from_model` starts from: ``bf16-true`` /
-    ``fp16-true`` when the language model was loaded in that half dtype
-    (:func:`loaded_dtype`), else ``fp32``."""
-    dt = loaded_dtype(model)
-    if dt == torch.bfloat16:
-        return "bf16-true"
-    if dt == torch.float16:
-        return "fp16-true"
-    return "fp32"
-
-
-def _trainable_half_dtype(model: nn.Module) -> torch.dtype | None:
-    """The half dtype most trainable weights not in fp32 were loaded in (or ``None``)."""
-    from .dtypes import is_castable
-    from .wrappers import unwrap_model
-
-    root, _ = unwrap_model(model)
-    return majority_dtype(
-        (p.dtype, p.numel())
-        for p in root.parameters()
-        if p.requires_grad and is_castable(p) and p.dtype in (torch.bfloat16, torch.float16)
-    )
 
 
 def policy_call(owner: str, policy: Any, **kwargs: Any) -> str:
@@ -933,7 +729,7 @@ def register_preset(
             "Fix: choose another name."
         )
     fixed = {"compute_dtype", "frozen_dtype", "trainable_dtype", "name"}
-    _reject_unknown_fields(defaults, _FIELDS - fixed, lambda bad: call)
+    reject_unknown_fields(defaults, _FIELDS - fixed, lambda bad: call)
     dtypes = tuple(
         parse_dtype(v, call=f"{call}.{k}")
         for k, v in (("compute", compute), ("frozen", frozen), ("trainable", trainable))

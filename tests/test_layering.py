@@ -93,7 +93,12 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "group_rules",
         "diffusion_rules",
         "keep_rules",
+        "roles",
+        "presets",
+        "policy_json",
+        "inference",
         "policy",
+        "policy_spec",
     ),
     "model": ("view", "dtype_maps", "reporter"),
     "core": (
@@ -101,6 +106,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "plan",
         "enforce",
         "batch",
+        "claims",
         "hooks",
         "outside_reads",
         "deepspeed_config",
@@ -126,7 +132,16 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # the folder hf_precision/integrations/: one adapter module per third-party tool; every module
     # in it belongs to this layer without being listed (adding one touches nothing else)
     "frameworks": ("integrations",),
-    "tools": ("findings", "diagnostics", "checkpoint", "doctor", "cli", "__main__"),
+    "tools": (
+        "findings",
+        "diagnostics",
+        "checkpoint",
+        "audit_files",
+        "audit",
+        "doctor",
+        "cli",
+        "__main__",
+    ),
 }
 RANK = {f"hf_precision.{m}": i for i, mods in enumerate(LAYERS.values()) for m in mods}
 RANK.update(

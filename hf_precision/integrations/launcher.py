@@ -157,15 +157,12 @@ class LaunchConfig:
             return None
         text = self.policy
         self._check_names(call=call)
-        from ..policy import PRESETS, PrecisionPolicy
+        from ..policy import PRESETS
+        from ..policy_spec import parse_policy
 
         try:
-            if text in PRESETS:
-                policy = PrecisionPolicy.from_preset(text)
-            elif text.lstrip().startswith("{"):
-                policy = PrecisionPolicy.from_json(text)
-            elif Path(text).expanduser().is_file():
-                policy = PrecisionPolicy.from_json(Path(text).expanduser().read_text())
+            if text in PRESETS or text.lstrip()[:1] == "{" or Path(text).expanduser().is_file():
+                policy = parse_policy(text)
             else:
                 hint = did_you_mean(text, ["auto", *PRESETS])
                 raise PrecisionError(
