@@ -9,9 +9,47 @@ Importing this package imports no tracker (wandb) and touches no GPU.
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
 import sys
+from importlib.machinery import ModuleSpec
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
+
+from ._aliases import ALIASES
+
+
+class _AliasLoader(importlib.abc.Loader):
+    """Gives the module an old path names: the moved module itself, not a copy."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.spec: ModuleSpec | None = None
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType:
+        module = importlib.import_module(self.target)
+        self.spec = module.__spec__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__spec__ = self.spec  # the import system set the alias's spec on it
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder):
+    """The module paths from before the folders (``import hf_precision.policy``) give the moved
+    module object itself (``hf_precision.rules.policy``), which ``sys.modules`` and the package
+    attribute name under both paths: :data:`hf_precision._aliases.ALIASES`, one minor release."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> ModuleSpec | None:
+        new = ALIASES.get(name)
+        return None if new is None else ModuleSpec(name, _AliasLoader(new))
+
+
+if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
+    # first: an editable install's finder maps module names to files by itself, and would give
+    # an old path the file of another checkout
+    sys.meta_path.insert(0, _AliasFinder())
 
 
 def _cli_process() -> bool:
@@ -141,7 +179,7 @@ def __getattr__(name: str) -> Any:
         _load()
         return globals()[name]
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    if f"{__name__}.{name}" in ALIASES:  # a path from before the folders, not yet imported
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'hf_precision' has no attribute {name!r}")

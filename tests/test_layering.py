@@ -1,6 +1,6 @@
-"""The package's shape: no import cycles (module-level or inside functions), lower layers know
-nothing of the layers above them, every module imports alone in a fresh interpreter, and every
-module has its test file."""
+"""The package's shape: no import cycles (module-level or inside functions), one folder per layer
+and a folder imports only the folders below it, every module imports alone in a fresh
+interpreter, and every module has its test file."""
 
 from __future__ import annotations
 
@@ -81,98 +81,63 @@ def test_no_import_cycles() -> None:
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles.values())
 
 
-#: The layers of docs/architecture.md ("Layout"), top first: a module imports only modules of
-#: its own layer or of the layers above it.
-LAYERS: dict[str, tuple[str, ...]] = {
-    "base": ("errors", "names", "tables", "wrappers"),
-    "values": (
-        "dtypes",
-        "flags",
-        "batch_keys",
-        "groups",
-        "group_rules",
-        "diffusion_rules",
-        "keep_rules",
-        "roles",
-        "presets",
-        "policy_json",
-        "inference",
-        "policy",
-        "policy_spec",
-    ),
-    "model": ("view", "dtype_maps", "reporter"),
-    "core": (
-        "records",
-        "plan",
-        "enforce",
-        "batch",
-        "claims",
-        "hooks",
-        "outside_reads",
-        "deepspeed_config",
-        "distributed",
-        "fsdp2",
-        "blame",
-        "trace",
-        "lost_updates",
-        "memory_account",
-        "provenance",
-        "console",
-        "stash",
-    ),
-    "engine": ("guard", "frontend"),
-    "frontends": (
-        "callback",
-        "accelerate_plugin",
-        "diffusion",
-        "reporting",
-        "report_wandb",
-        "plot",
-    ),
-    # the folder hf_precision/integrations/: one adapter module per third-party tool; every module
-    # in it belongs to this layer without being listed (adding one touches nothing else)
-    "frameworks": ("integrations",),
-    "tools": (
-        "findings",
-        "diagnostics",
-        "checkpoint",
-        "audit_files",
-        "audit",
-        "doctor",
-        "cli",
-        "__main__",
-    ),
-}
-RANK = {f"hf_precision.{m}": i for i, mods in enumerate(LAYERS.values()) for m in mods}
-RANK.update(
-    {
-        m: RANK["hf_precision.integrations"]
-        for m in (_module_name(p) for p in sorted((PKG / "integrations").rglob("*.py")))
-    }
+#: The folders of docs/architecture.md ("Layout"), bottom first: a module imports only modules of
+#: its own folder or of the folders below it. "" is the package's top level, which holds only
+#: the foundation (errors, the alias table) and ``python -m hf_precision`` (above everything).
+FOLDERS: tuple[str, ...] = (
+    "",
+    "base",
+    "rules",
+    "model",
+    "engine",
+    "report",
+    "frontends",
+    # one adapter module per third-party tool; adding one touches nothing else
+    "integrations",
+    "tools",
 )
-INTEGRATIONS = {m for m, r in RANK.items() if r >= list(LAYERS).index("engine")}
+TOP_LEVEL = ("errors", "_aliases")
+
+
+def _folder(module: str) -> str:
+    parts = module.split(".")  # hf_precision.rules (its __init__) is in rules/ too
+    return parts[1] if len(parts) > 2 or parts[-1] in FOLDERS else ""
+
+
+def _rank(module: str) -> int:
+    if module == "hf_precision.__main__":
+        return len(FOLDERS)
+    return FOLDERS.index(_folder(module))
 
 
 def _ours(m: str) -> bool:
     return m != "hf_precision" and not m.startswith("hf_precision.tiny")
 
 
+OURS = sorted(m for m in GRAPH if _ours(m))
+
+
 def test_the_documented_layout_is_the_checked_one() -> None:
     text = (PKG.parent / "docs" / "architecture.md").read_text()
-    rows = re.findall(r"^\| (\w+) \| (`[^|]*`) \|", text.split("## Layout", 1)[1], flags=re.M)
-    documented = {layer: tuple(re.findall(r"`(\w+)`", mods)) for layer, mods in rows}
-    assert documented == LAYERS
+    documented = re.findall(r"^\| `(\w+)/` \|", text.split("## Layout", 1)[1], flags=re.M)
+    assert tuple(documented) == FOLDERS[1:]
 
 
-def test_every_module_has_a_layer() -> None:
-    unplaced = sorted(m for m in GRAPH if _ours(m) and m not in RANK)
-    assert not unplaced, f"add these to LAYERS (and docs/architecture.md's Layout): {unplaced}"
+def test_every_module_is_in_a_folder() -> None:
+    """The top level holds the foundation only: a new module goes into its layer's folder."""
+    loose = sorted(
+        m for m in OURS if _folder(m) == "" and m.rsplit(".", 1)[-1] not in (*TOP_LEVEL, "__main__")
+    )
+    unknown = sorted({_folder(m) for m in OURS} - set(FOLDERS))
+    assert not loose, f"move these into their layer's folder (docs/architecture.md): {loose}"
+    assert not unknown, f"add these folders to FOLDERS and docs/architecture.md: {unknown}"
 
 
-@pytest.mark.parametrize("module", sorted(RANK))
-def test_imports_point_up(module: str) -> None:
-    below = sorted(d for d in CODE.get(module, ()) if _ours(d) and RANK[d] > RANK[module])
-    assert not below, f"{module} ({list(LAYERS)[RANK[module]]}) imports a lower layer: {below}"
+@pytest.mark.parametrize("module", OURS)
+def test_imports_point_down(module: str) -> None:
+    above = sorted(d for d in CODE.get(module, ()) if _ours(d) and _rank(d) > _rank(module))
+    where = _folder(module) or "the top level"
+    assert not above, f"{module} ({where}/) imports a folder above its own: {above}"
 
 
 def _reach(module: str) -> set[str]:
@@ -185,7 +150,10 @@ def _reach(module: str) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("module", sorted(m for m in RANK if m not in INTEGRATIONS))
+INTEGRATIONS = {m for m in OURS if _rank(m) >= FOLDERS.index("frontends")}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in OURS if m not in INTEGRATIONS))
 def test_lower_layers_know_nothing_of_the_integrations(module: str) -> None:
     assert not (_reach(module) & INTEGRATIONS), sorted(_reach(module) & INTEGRATIONS)
 
@@ -207,13 +175,14 @@ def test_every_module_imports_alone_in_a_fresh_interpreter() -> None:
 
 
 def test_tests_mirror_the_package() -> None:
-    """``hf_precision/a/b.py`` is tested in ``tests/a/test_b.py`` (other files may test it too)."""
+    """``hf_precision/a/b.py`` is tested in ``tests/a/test_b.py`` (other files may test it too;
+    ``_b.py`` in ``test_b.py``)."""
     tests = Path(__file__).resolve().parent
     missing = [
         str(p.relative_to(PKG.parent))
         for p in sorted(PKG.rglob("*.py"))
         if p.stem not in ("__init__", "__main__")
-        and not (tests / p.parent.relative_to(PKG) / f"test_{p.stem}.py").is_file()
+        and not (tests / p.parent.relative_to(PKG) / f"test_{p.stem.lstrip('_')}.py").is_file()
     ]
     assert missing == [], f"modules without their test file: {missing}"
 
@@ -229,15 +198,3 @@ def test_no_integration_module_shadows_a_package() -> None:
         if p.stem != "__init__" and importlib.util.find_spec(p.stem) is not None
     ]
     assert shadows == [], f"rename these (e.g. <tool>_models.py): {shadows}"
-
-
-def test_trainer_adapters_are_integrations_that_exist() -> None:
-    """``callback.TRAINER_ADAPTERS`` loads its modules by name: each one must be a module of
-    ``hf_precision/integrations/`` (the ``frameworks`` layer) with a ``trainer_models``."""
-    from hf_precision.callback import TRAINER_ADAPTERS
-
-    assert TRAINER_ADAPTERS, "the table is empty"
-    for package, module in TRAINER_ADAPTERS.items():
-        assert module in RANK and module.startswith("hf_precision.integrations."), (package, module)
-        assert RANK[module] == RANK["hf_precision.integrations"], module
-        assert "def trainer_models(" in (PKG.parent / f"{module.replace('.', '/')}.py").read_text()
