@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 
 from hf_precision import dtype_map, find_module_groups
-from hf_precision.dtype_maps import DtypeMap
+from hf_precision.model.dtype_maps import DtypeMap
 
 from .common import Figure, calibrate, interleave, param_count, ratio_figure, smoke
 from .models import (

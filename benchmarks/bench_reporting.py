@@ -33,7 +33,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks.common import Figure, interleave, ratio_figure, smoke
 from benchmarks.models import build_meta, llava15_7b_config
 from hf_precision import PrecisionPolicy, dtype_map, find_module_groups
-from hf_precision.reporting import PrecisionReporter, module_table_rows
+from hf_precision.report.reporting import PrecisionReporter, module_table_rows
 
 FAMILY = "reporting"
 TARGET_EVENT_S = 0.5
@@ -79,7 +79,7 @@ def event_figures(model: Any, reps: int, out_dir: Path) -> list[Figure]:
     def cached() -> None:
         reporter.log_event("on_evaluate", model, step=1, policy=policy, groups=groups)
 
-    from hf_precision.plot import picture_rows, plot_precision
+    from hf_precision.report.plot import picture_rows, plot_precision
 
     dmap = dtype_map(model, groups, policy=policy)
     rows, folded = module_table_rows(dmap)

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from hf_precision import PrecisionPolicy, enforce_policy, install_guards, remove_guards
-from hf_precision.dtypes import dtype_name
-from hf_precision.hooks import installed_guards
+from hf_precision.engine.hooks import installed_guards
+from hf_precision.rules.dtypes import dtype_name
 
 from .common import Figure, interleave, param_count, ratio_figure, smoke
 from .models import build, quick_llava_config, vlm_1b_config, vlm_batch
@@ -57,7 +57,7 @@ def count_casts(fn: Callable[[], None]) -> Counter[str]:
     """The casts the guards make while ``fn`` runs, as ``"where: src -> dst"`` counts (every
     cast goes through ``cast_tensor``, which the hooks and ``cast_batch`` look up at call time)."""
     casts: Counter[str] = Counter()
-    modules = [sys.modules["hf_precision.hooks"], sys.modules["hf_precision.batch"]]
+    modules = [sys.modules["hf_precision.engine.hooks"], sys.modules["hf_precision.engine.batch"]]
     original = modules[1].cast_tensor
 
     def counting(t: torch.Tensor, dtype: torch.dtype, *args: Any, **kwargs: Any) -> torch.Tensor:

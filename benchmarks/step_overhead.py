@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from hf_precision import PrecisionPolicy, enforce_policy, install_guards, remove_guards
-from hf_precision.hooks import guard_targets, installed_guards
+from hf_precision.engine.hooks import guard_targets, installed_guards
 
 from .common import Figure, interleave, param_count, ratio_figure, smoke
 from .models import build, llava_100m_config, quick_llava_config, vlm_batch

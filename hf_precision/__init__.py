@@ -65,14 +65,14 @@ def _cli_process() -> bool:
 
 
 def _load() -> None:
-    """The engine: the built-in group rules fill the registry of hf_precision.groups; then
+    """The engine: the built-in group rules fill the registry of hf_precision.rules.groups; then
     diffusion_rules registers the diffusion groups (text_encoder, unet, transformer, vae), their
     rules and the fp16-vae32 / bf16-vae32 presets, so policies naming them load anywhere (no
     diffusers import); the public names below. Importing the package runs this (the CLI: before
     its first command)."""
     # isort: off
-    from . import group_rules as _group_rules  # noqa: F401
-    from . import diffusion_rules as _diffusion_rules  # noqa: F401
+    from .rules import group_rules as _group_rules  # noqa: F401
+    from .rules import diffusion_rules as _diffusion_rules  # noqa: F401
 
     # isort: on
 
@@ -85,24 +85,24 @@ def _load() -> None:
 #: public name -> module, loaded by :func:`_load` (the registries first: group_rules imports
 #: groups, and diffusion_rules policy, in this order)
 _EAGER = {
-    "PrecisionCollator": "batch",
-    "cast_batch": "batch",
-    "register_metadata_key": "batch_keys",
-    "DtypeMap": "dtype_maps",
-    "dtype_map": "dtype_maps",
-    "EnforceReport": "enforce",
-    "check_policy": "enforce",
-    "enforce_policy": "enforce",
+    "PrecisionCollator": "engine.batch",
+    "cast_batch": "engine.batch",
+    "register_metadata_key": "rules.batch_keys",
+    "DtypeMap": "model.dtype_maps",
+    "dtype_map": "model.dtype_maps",
+    "EnforceReport": "engine.enforce",
+    "check_policy": "engine.enforce",
+    "enforce_policy": "engine.enforce",
     "PrecisionError": "errors",
     "PrecisionWarning": "errors",
-    "GroupRule": "groups",
-    "ModuleGroups": "groups",
-    "find_module_groups": "groups",
-    "register_group": "groups",
-    "register_group_rule": "groups",
-    "install_guards": "hooks",
-    "remove_guards": "hooks",
-    "PrecisionPolicy": "policy",
+    "GroupRule": "rules.groups",
+    "ModuleGroups": "rules.groups",
+    "find_module_groups": "rules.groups",
+    "register_group": "rules.groups",
+    "register_group_rule": "rules.groups",
+    "install_guards": "engine.hooks",
+    "remove_guards": "engine.hooks",
+    "PrecisionPolicy": "rules.policy",
 }
 
 if not _cli_process():
@@ -113,22 +113,22 @@ if not _cli_process():
     warn_if_hook_missing()
 
 if TYPE_CHECKING:
-    from .batch import PrecisionCollator, cast_batch
-    from .batch_keys import register_metadata_key
-    from .callback import PrecisionGuardCallback
-    from .diagnostics import diagnose
-    from .dtype_maps import DtypeMap, dtype_map
-    from .enforce import EnforceReport, check_policy, enforce_policy
+    from .engine.batch import PrecisionCollator, cast_batch
+    from .engine.enforce import EnforceReport, check_policy, enforce_policy
+    from .engine.hooks import install_guards, remove_guards
     from .errors import PrecisionError, PrecisionWarning
-    from .groups import (
+    from .frontends.callback import PrecisionGuardCallback
+    from .model.dtype_maps import DtypeMap, dtype_map
+    from .rules.batch_keys import register_metadata_key
+    from .rules.groups import (
         GroupRule,
         ModuleGroups,
         find_module_groups,
         register_group,
         register_group_rule,
     )
-    from .hooks import install_guards, remove_guards
-    from .policy import PrecisionPolicy
+    from .rules.policy import PrecisionPolicy
+    from .tools.diagnostics import diagnose
 
 
 def _version() -> str:
@@ -168,9 +168,9 @@ __all__ = [
 
 _LAZY = {
     # transformers/accelerate are imported only when these are used
-    "PrecisionGuardCallback": ".callback",
-    "PrecisionGuardPlugin": ".accelerate_plugin",
-    "diagnose": ".diagnostics",
+    "PrecisionGuardCallback": ".frontends.callback",
+    "PrecisionGuardPlugin": ".frontends.accelerate_plugin",
+    "diagnose": ".tools.diagnostics",
 }
 
 

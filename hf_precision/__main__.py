@@ -1,10 +1,10 @@
-"""``python -m hf_precision``: the ``hf-precision`` command (:mod:`hf_precision.cli`)."""
+"""``python -m hf_precision``: the ``hf-precision`` command (:mod:`hf_precision.tools.cli`)."""
 
 from __future__ import annotations
 
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

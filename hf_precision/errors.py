@@ -66,7 +66,7 @@ def check_model(model: object, call: str) -> None:
     shown = repr(model)
     shown = shown if len(shown) <= 40 else shown[:36] + "..."
     hint = (
-        " For a diffusers pipeline use hf_precision.diffusion.guard_diffusion(pipe, ...)."
+        " For a diffusers pipeline use hf_precision.frontends.diffusion.guard_diffusion(pipe, ...)."
         if hasattr(model, "components")
         else " For a checkpoint folder or a state dict, load the model first "
         "(AutoModel...from_pretrained(path)) or use the CLI: hf-precision audit PATH."

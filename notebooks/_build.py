@@ -141,7 +141,7 @@ the dtypes now (the thin bar: before the casts), the policy's target and a verdi
     new_code_cell("""\
 from IPython.display import Image, display
 
-from hf_precision.plot import picture_rows, plot_precision
+from hf_precision.report.plot import picture_rows, plot_precision
 
 dmap = dtype_map(model, policy=policy)
 print(dmap.table())
@@ -173,7 +173,7 @@ report = recipe.main([
 from IPython.display import Image, display
 
 from hf_precision import DtypeMap, PrecisionPolicy
-from hf_precision.plot import picture_rows, plot_precision
+from hf_precision.report.plot import picture_rows, plot_precision
 
 policy = PrecisionPolicy.from_dict(report["policy"])
 before = DtypeMap.from_dict(report["dtype_map_before"])
@@ -260,7 +260,7 @@ print(report["guard_hooks"])"""),
 from IPython.display import Image, display
 
 from hf_precision import DtypeMap, PrecisionPolicy
-from hf_precision.plot import picture_rows, plot_precision
+from hf_precision.report.plot import picture_rows, plot_precision
 
 policy = PrecisionPolicy.from_dict(report["policy"])
 after = DtypeMap.from_dict(report["dtype_map_after"])
@@ -345,8 +345,8 @@ stream became float32, and that the buffer did it."""),
 from IPython.display import Image, display
 from torch import nn
 
-from hf_precision.plot import plot_trace
-from hf_precision.trace import trace_forward
+from hf_precision.report.plot import plot_trace
+from hf_precision.engine.trace import trace_forward
 
 
 class StdBiasMLP(nn.Module):
@@ -492,7 +492,7 @@ def comparable(nb: nbformat.NotebookNode) -> list[list[Any]]:
     each picture's pixel size (not its bytes: font rendering differs across machines)."""
     import base64
 
-    from hf_precision.plot import png_size
+    from hf_precision.report.plot import png_size
 
     def num(m: re.Match[str]) -> str:
         return f"{float(m.group(0)):.2g}"

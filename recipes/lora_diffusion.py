@@ -249,7 +249,7 @@ def tiny_models(resolution: int, seed: int) -> dict[str, Any]:
 
 def load_models(args: RecipeArguments) -> dict[str, Any]:
     """The models in ``weight_dtype``, frozen; a checkpoint is read from a local folder only."""
-    from hf_precision.dtypes import parse_dtype
+    from hf_precision.rules.dtypes import parse_dtype
 
     dtype = parse_dtype(args.weight_dtype, call="--weight_dtype")
     path = args.pretrained_model_name_or_path
@@ -353,13 +353,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from accelerate.utils import set_seed
 
     from hf_precision import PrecisionGuardPlugin, PrecisionPolicy, dtype_map
-    from hf_precision.diffusion import diffusion_batch_rules, guard_diffusion
+    from hf_precision.frontends.diffusion import diffusion_batch_rules, guard_diffusion
 
     args = parse_args(argv)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if args.report_to == "wandb":
-        from hf_precision.report_wandb import wandb_offline_unless_logged_in
+        from hf_precision.report.report_wandb import wandb_offline_unless_logged_in
 
         wandb_offline_unless_logged_in()  # no login: offline, one line, no traceback
     accelerator = Accelerator(

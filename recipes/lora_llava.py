@@ -44,7 +44,7 @@ from safetensors.torch import save_file
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 from hf_precision import PrecisionGuardCallback, dtype_map
-from hf_precision.report_wandb import wandb_offline_unless_logged_in
+from hf_precision.report.report_wandb import wandb_offline_unless_logged_in
 
 # peft still asks transformers 5 for the old name: not this recipe's concern, not its output
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
@@ -271,7 +271,7 @@ class ConversationCollator:
 
 def load_model(model_args: ModelArguments) -> tuple[Any, Any]:
     """Model + processor: built offline for ``tiny``, else from a local folder."""
-    from hf_precision.dtypes import parse_dtype
+    from hf_precision.rules.dtypes import parse_dtype
 
     dtype = "auto" if model_args.dtype == "auto" else parse_dtype(model_args.dtype, call="--dtype")
     if model_args.model_name_or_path == "tiny":

@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 from hf_precision import PrecisionGuardCallback, dtype_map
-from hf_precision.report_wandb import wandb_offline_unless_logged_in
+from hf_precision.report.report_wandb import wandb_offline_unless_logged_in
 
 # ----------------------------------------------------------------------------- 1. arguments
 
@@ -305,7 +305,7 @@ def tiny_processor() -> Any:
 
 def load_model(model_args: ModelArguments) -> tuple[Any, Any, str]:
     """Model, processor and layout (``"remote"`` or ``"native"``)."""
-    from hf_precision.dtypes import parse_dtype
+    from hf_precision.rules.dtypes import parse_dtype
 
     dtype = "auto" if model_args.dtype == "auto" else parse_dtype(model_args.dtype, call="--dtype")
     if model_args.model_name_or_path == "tiny":

@@ -33,7 +33,9 @@ PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").
 #: YAML), each run for real by the test named
 NEEDS_THE_USERS_OWN = {
     "from llamafactory": "LLaMA-Factory and a cfg.yaml: tests/integrations/test_llamafactory.py",
-    "callbacks=[PrecisionGuardCallback()])": "the one-line snippet: tests/test_callback.py",
+    "callbacks=[PrecisionGuardCallback()])": (
+        "the one-line snippet: tests/frontends/test_callback.py"
+    ),
 }
 
 
@@ -60,7 +62,7 @@ def test_python_blocks_of_the_readme_and_docs_run(page, index, tmp_path, monkeyp
             pytest.skip(reason)
     monkeypatch.chdir(tmp_path)
     if "register_group_rule" in block:
-        from hf_precision.groups import unregister_group_rule
+        from hf_precision.rules.groups import unregister_group_rule
 
         unregister_group_rule("my_vlm")
     exec(compile(block, f"{page} block {index}", "exec"), {})
@@ -117,8 +119,8 @@ def test_compatibility_table_matches_what_runs() -> None:
 
 
 def test_the_architecture_table_is_generated_from_the_rules(capsys):
-    from hf_precision.cli import main
-    from hf_precision.groups import architecture_table, group_rules
+    from hf_precision.rules.groups import architecture_table, group_rules
+    from hf_precision.tools.cli import main
 
     text = (ROOT / "docs" / "api.md").read_text()
     block = re.search(r"<!-- architectures:[^\n]*-->\n(.*?)<!-- /architectures -->", text, re.S)
@@ -171,7 +173,7 @@ def test_the_install_lines_name_extras_and_a_wheel_that_exist() -> None:
 
 def test_the_presets_table_is_the_policy() -> None:
     from hf_precision import PrecisionPolicy
-    from hf_precision.dtypes import parse_dtype
+    from hf_precision.rules.dtypes import parse_dtype
 
     rows = _table(_readme_section("The rules"))
     presets = {r[0]: r[1:4] for r in rows if r[0] in ("bf16", "bf16-true", "fp16", "fp16-true")}
@@ -208,7 +210,7 @@ def test_the_inference_table_is_from_training_args() -> None:
 def test_the_rules_table_is_the_precedence() -> None:
     from typing import get_args
 
-    from hf_precision.policy import Rule
+    from hf_precision.rules.policy import Rule
 
     rows = _table(_readme_section("The rules"))
     order = [r[1] for r in rows if r[0].isdigit()]

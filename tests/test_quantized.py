@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hf_precision import dtype_map, enforce_policy, install_guards
-from hf_precision.dtypes import is_quantized, quantized_library, register_quantized
-from hf_precision.enforce import check_policy
+from hf_precision.engine.enforce import check_policy
+from hf_precision.rules.dtypes import is_quantized, quantized_library, register_quantized
 from hf_precision.tiny import tiny_batch, tiny_llava, tower_body
 
 
@@ -238,7 +238,7 @@ def test_a_new_library_is_one_line() -> None:
 
     t = torch.zeros(2).as_subclass(PackedTensor)
     assert not is_quantized(t)
-    from hf_precision.dtypes import QUANTIZED_CLASSES
+    from hf_precision.rules.dtypes import QUANTIZED_CLASSES
 
     register_quantized("PackedTensor", "mylib")
     try:

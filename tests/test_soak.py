@@ -21,7 +21,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from hf_precision import PrecisionGuardCallback, PrecisionWarning
-from hf_precision.hooks import guard_targets, installed_guards
+from hf_precision.engine.hooks import guard_targets, installed_guards
 from hf_precision.tiny import tiny_batch, tiny_llava
 
 STEPS, EVAL_EVERY, WARMUP = int(os.environ.get("SOAK_STEPS", 1000)), 10, 200

@@ -16,7 +16,8 @@ diffusers' example training scripts, kohya-style scripts and custom loops build 
   bf16 no longer rounds its updates away), reports in ``<project_dir>/precision``.
   (TODO for the lead: where the policy keeps trainable weights in half precision on purpose
   (``--policy bf16-true``), the lost-update check the Trainer path gets from
-  ``hf_precision/lost_updates.py`` belongs on the plugin's optimizer step pre-hook too.) A prepare
+  ``hf_precision/engine/lost_updates.py`` belongs on the plugin's optimizer step pre-hook too.) A
+  prepare
   with fp16 on a CPU (no fp16 autocast, no GradScaler there) is refused before anything is cast,
   with the fix;
 * ``Accelerator.accumulate`` / ``backward``: the first call after a prepare (the loop's start:
@@ -145,7 +146,7 @@ def plugin_for(accelerator: Any) -> Any:
     plugin = getattr(accelerator, PLUGIN_ATTR, None)
     if plugin is not None:
         return plugin
-    from ..accelerate_plugin import PrecisionGuardPlugin
+    from ..frontends.accelerate_plugin import PrecisionGuardPlugin
     from .launcher import ENV_TOOL, LaunchConfig, tool_name
 
     config = LaunchConfig.from_env()
@@ -154,7 +155,7 @@ def plugin_for(accelerator: Any) -> Any:
     refuse_cpu_fp16(accelerator, config)
     policy = config.resolved_policy(call=f"{autostart.ENV_GUARD}={config.policy!r}")
     if policy is None and config.keep_fp32:
-        from ..policy import PrecisionPolicy
+        from ..rules.policy import PrecisionPolicy
 
         policy = PrecisionPolicy.from_accelerator(accelerator)
         policy = policy.replace(keep_fp32=(*policy.keep_fp32, *config.keep_fp32))
@@ -174,7 +175,7 @@ def has_matplotlib() -> bool:
 def _reporter(accelerator: Any, config: Any) -> Any:
     """The plugin's reporter; the picture only where matplotlib is installed: nobody asked the
     launcher for one, so its absence is no warning (a reporter asked for a picture says it once)."""
-    from ..reporting import PrecisionReporter
+    from ..report.reporting import PrecisionReporter
 
     reporter = PrecisionReporter.from_accelerator(accelerator, report_dir=config.report_dir)
     reporter.picture = reporter.picture and has_matplotlib()
@@ -258,10 +259,10 @@ def track_models() -> None:
 def guard_pipeline(pipeline: Any) -> Any:
     """:func:`~hf_precision.guard_diffusion` on the components of ``pipeline`` that no live
     guard holds, with the policy of the current accelerator and each component's dtype as
-    loaded; returns the :class:`~hf_precision.diffusion.DiffusionGuard` (or ``None``)."""
-    from ..diffusion_rules import pipeline_components
-    from ..hooks import claimed_by
-    from ..wrappers import unwrap_model
+    loaded; returns the :class:`~hf_precision.frontends.diffusion.DiffusionGuard` (or ``None``)."""
+    from ..base.wrappers import unwrap_model
+    from ..engine.hooks import claimed_by
+    from ..rules.diffusion_rules import pipeline_components
 
     accelerator = current_accelerator()
     comps = {
@@ -277,7 +278,7 @@ def guard_pipeline(pipeline: Any) -> Any:
 
 
 def _component_name(module: Any, taken: dict[str, Any]) -> str:
-    from ..diffusion_rules import denoiser_kind, is_text_encoder, is_vae
+    from ..rules.diffusion_rules import denoiser_kind, is_text_encoder, is_vae
 
     base = (
         "vae"
@@ -296,8 +297,8 @@ def guard_held(accelerator: Any) -> Any:
     this process that no live guard holds (the VAE, text encoders, image encoders, EMA models
     a script keeps beside what it prepared), each as loaded: inputs follow each model's dtype
     (an fp32 VAE beside a bf16 UNet gets its bf16 pixels in fp32); nothing is cast."""
-    from ..hooks import claimed_by
-    from ..wrappers import unwrap_model
+    from ..base.wrappers import unwrap_model
+    from ..engine.hooks import claimed_by
 
     plugin = getattr(accelerator, PLUGIN_ATTR, None)
     inside = {
@@ -315,11 +316,12 @@ def guard_held(accelerator: Any) -> Any:
 
 def guard_as_loaded(comps: dict[str, Any], accelerator: Any, event: str) -> Any:
     """:func:`~hf_precision.guard_diffusion` on each component with its own
-    :func:`~hf_precision.diffusion.loaded_policy` (it keeps its dtype; its inputs follow it),
+    :func:`~hf_precision.frontends.diffusion.loaded_policy` (it keeps its dtype; its inputs follow
+    it),
     one report event ``<event>-<name>`` each, through the accelerator's plugin's reporter;
-    returns one :class:`~hf_precision.diffusion.DiffusionGuard` for them all."""
-    from ..diffusion import DiffusionGuard, guard_diffusion, loaded_policy
-    from ..diffusion_rules import DIFFUSION_GROUPS
+    returns one :class:`~hf_precision.frontends.diffusion.DiffusionGuard` for them all."""
+    from ..frontends.diffusion import DiffusionGuard, guard_diffusion, loaded_policy
+    from ..rules.diffusion_rules import DIFFUSION_GROUPS
 
     plugin = getattr(accelerator, PLUGIN_ATTR, None) if accelerator is not None else None
     mp = getattr(accelerator, "mixed_precision", None)

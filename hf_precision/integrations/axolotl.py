@@ -28,9 +28,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from hf_precision import provenance
-from hf_precision.callback import PrecisionGuardCallback
+from hf_precision.engine import provenance
 from hf_precision.errors import PrecisionError
+from hf_precision.frontends.callback import PrecisionGuardCallback
 from hf_precision.integrations.launcher import LaunchConfig
 
 logger = logging.getLogger("hf_precision")

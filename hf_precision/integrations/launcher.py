@@ -27,9 +27,10 @@ Environment variables (``hf-precision run`` sets them from its flags):
 * ``HF_PRECISION_KEEP_FP32``: regexes of weights kept fp32, comma-separated or a JSON list.
 * ``HF_PRECISION_REPORT_DIR``: where the reports go (default ``<output_dir>/precision``).
 * ``HF_PRECISION_BLAME``: ``auto`` (default: the callback arms its non-finite blame when a
-  logged loss or gradient norm turns inf/NaN), ``always`` or ``off`` (:mod:`hf_precision.blame`).
+  logged loss or gradient norm turns inf/NaN), ``always`` or ``off``
+  (:mod:`hf_precision.engine.blame`).
 * ``HF_PRECISION_TRACE``: ``1`` records the first training step's forward, module by module,
-  and reports where the activation dtype changed (:mod:`hf_precision.trace`).
+  and reports where the activation dtype changed (:mod:`hf_precision.engine.trace`).
 * ``HF_PRECISION_TOOL``: the user's tool (``llamafactory-cli``, ``swift``, ``trl``, ...), so
   messages can name its flags; set from the command's program by ``hf-precision run``, else
   from ``sys.argv[0]`` of the process that builds the Trainer.
@@ -58,8 +59,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..base.names import PRESET_NAMES
 from ..errors import PrecisionError, did_you_mean
-from ..names import PRESET_NAMES
 from . import autostart
 
 ENV_GUARD = autostart.ENV_GUARD
@@ -157,8 +158,8 @@ class LaunchConfig:
             return None
         text = self.policy
         self._check_names(call=call)
-        from ..policy import PRESETS
-        from ..policy_spec import parse_policy
+        from ..rules.policy import PRESETS
+        from ..rules.policy_spec import parse_policy
 
         try:
             if text in PRESETS or text.lstrip()[:1] == "{" or Path(text).expanduser().is_file():
@@ -218,7 +219,7 @@ class LaunchConfig:
         self.check_blame(call=call)
         self.resolved_policy(call=call)
         if self.keep_fp32:
-            from ..policy import PrecisionPolicy
+            from ..rules.policy import PrecisionPolicy
 
             try:
                 PrecisionPolicy.from_preset("fp32", keep_fp32=self.keep_fp32)
@@ -236,7 +237,7 @@ class LaunchConfig:
     def make_callback(self) -> Any:
         """The :class:`PrecisionGuardCallback` for one Trainer (a new one each time: a callback
         infers its ``auto`` policy from its own Trainer)."""
-        from ..callback import PrecisionGuardCallback
+        from ..frontends.callback import PrecisionGuardCallback
 
         call = f"{ENV_GUARD}={self.policy!r}"
         self.check_blame(call=call)
@@ -308,7 +309,7 @@ _state = threading.local()
 
 
 def _has_guard(callbacks: Any) -> bool:
-    from ..callback import PrecisionGuardCallback
+    from ..frontends.callback import PrecisionGuardCallback
 
     for cb in callbacks or ():
         if isinstance(cb, PrecisionGuardCallback):
@@ -383,7 +384,7 @@ def _wrap_init(init: Any) -> Any:
 def _wrap_add_callback(add: Any) -> Any:
     @functools.wraps(add)
     def add_callback(self: Any, callback: Any) -> None:
-        from ..callback import PrecisionGuardCallback
+        from ..frontends.callback import PrecisionGuardCallback
 
         new = isinstance(callback, PrecisionGuardCallback) or (
             isinstance(callback, type) and issubclass(callback, PrecisionGuardCallback)
@@ -525,7 +526,8 @@ def add_cli(sub: Any) -> None:
 
 
 def run_cli(args: Any) -> int:
-    """``hf-precision run`` / ``install-hook``: dispatched here from :mod:`hf_precision.cli`."""
+    """``hf-precision run`` / ``install-hook``: dispatched here from
+    :mod:`hf_precision.tools.cli`."""
     if args.command == "install-hook":
         path = install_hook(args.target, remove=args.remove)
         print(f"{'removed' if args.remove else 'installed'}: {path}")

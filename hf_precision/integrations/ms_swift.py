@@ -29,7 +29,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from hf_precision.callback import PrecisionGuardCallback
+from hf_precision.frontends.callback import PrecisionGuardCallback
 
 logger = logging.getLogger("hf_precision")
 
@@ -79,7 +79,7 @@ def swift_flag_note(args: Any = None) -> str | None:
 
 def _record_provenance() -> None:
     """Tell the provenance record (the event JSON's ``provenance``) what swift set by itself."""
-    from hf_precision import provenance
+    from hf_precision.engine import provenance
 
     dtype = str(_SET_BY_SWIFT.get("torch_dtype")).replace("torch.", "")
     provenance.record(

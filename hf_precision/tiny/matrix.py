@@ -12,7 +12,8 @@ Run it once per transformers line (``make test`` venv: 5.x; ``.venv-tf4``: 4.57)
 
 Each cell runs the same step three ways on fresh tiny models (CPU, no autocast, so a dtype
 mismatch is not hidden): without the guard; with the guard's casts but no hooks (to tell what the
-hooks add); with the guard (:class:`~hf_precision.guard.PrecisionGuard`: casts, then hooks), its
+hooks add); with the guard (:class:`~hf_precision.engine.guard.PrecisionGuard`: casts, then hooks),
+its
 policy inferred as ``PrecisionGuardCallback()`` infers it (no flag: what was loaded is kept;
 ``fp16``: the ``fp16`` preset).
 """
@@ -125,7 +126,7 @@ def _batch(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _trained(model: nn.Module) -> nn.Module:
     """The projector (else the resampler) of the model: the part these setups train."""
-    from ..groups import find_module_groups
+    from ..rules.groups import find_module_groups
 
     groups = find_module_groups(model)
     for group in ("projector", "resampler"):
@@ -137,7 +138,7 @@ def _trained(model: nn.Module) -> nn.Module:
 
 def _prepare(family: str, setup: Setup) -> nn.Module:
     """A fresh model loaded the way ``setup`` says, only its projector trainable."""
-    from ..groups import find_module_groups
+    from ..rules.groups import find_module_groups
 
     dtype = torch.float16 if setup.policy == "fp16" else torch.bfloat16
     model = _build(family, dtype)
@@ -242,7 +243,7 @@ def _step(model: nn.Module, setup: Setup, callbacks: list[Any] | None = None) ->
 
 
 def _policy(model: nn.Module, setup: Setup) -> Any:
-    from ..policy import PrecisionPolicy
+    from ..rules.policy import PrecisionPolicy
 
     if setup.policy is not None:
         return PrecisionPolicy.from_preset(setup.policy)
@@ -294,11 +295,11 @@ class _HookProbe:
 
 def _guarded(family: str, setup: Setup) -> tuple[str | None, list[str]]:
     """The setup's run with the guard: its error (or loss) and what the guard did."""
-    from ..guard import PrecisionGuard
+    from ..engine.guard import PrecisionGuard
 
     model = _prepare(family, setup)
     if setup.name == "bf16_full_eval":  # the callback is the guard: it restores after evaluate()
-        from ..callback import PrecisionGuardCallback
+        from ..frontends.callback import PrecisionGuardCallback
 
         cb = PrecisionGuardCallback(report=False)
         result = _step(model, setup, [cb])

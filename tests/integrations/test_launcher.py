@@ -20,7 +20,6 @@ import torch
 from transformers import Trainer
 
 from hf_precision import PrecisionError, PrecisionGuardCallback
-from hf_precision.cli import main
 from hf_precision.integrations import launcher
 from hf_precision.integrations.launcher import (
     BOOT_DIR,
@@ -31,6 +30,7 @@ from hf_precision.integrations.launcher import (
     tool_name,
 )
 from hf_precision.tiny import tiny_batch, tiny_llava
+from hf_precision.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).parent / "launched_trainer.py"
@@ -84,7 +84,7 @@ def test_the_launcher_binds_its_trainer_without_frames(launched, make_trainer, m
     """The wrapped ``Trainer.__init__`` hands the Trainer to its callback (``bind_trainer``):
     the callback finds it with no frame holding it (frames stay the fallback of hand-added
     callbacks)."""
-    from hf_precision import callback as callback_module
+    from hf_precision.frontends import callback as callback_module
 
     model = _split_llava()
     trainer = make_trainer(model, tiny_batch(model))
@@ -143,7 +143,7 @@ def test_a_guard_added_after_init_replaces_the_launchers(launched, make_trainer)
     theirs = PrecisionGuardCallback("fp32", mode="audit")
     trainer.add_callback(theirs)
     assert _guards(trainer) == [theirs]
-    from hf_precision.hooks import guard_targets
+    from hf_precision.engine.hooks import guard_targets
 
     assert guard_targets(model) == {}
 
@@ -398,7 +398,7 @@ def test_a_script_that_knows_nothing_is_guarded(how, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     if how == "hf-precision run":
-        cmd = [sys.executable, "-m", "hf_precision.cli", "run", "--"]
+        cmd = [sys.executable, "-m", "hf_precision.tools.cli", "run", "--"]
         proc = _run([*cmd, sys.executable, str(SCRIPT), str(out)], _env())
     else:  # the variable alone: the start-up line install-hook writes (a wheel ships it)
         install_hook(tmp_path)
@@ -423,7 +423,7 @@ def test_run_in_audit_mode_says_its_findings_on_the_console(tmp_path):
     names, the report's path) on the console, not only in the report folder."""
     out = tmp_path / "out"
     out.mkdir()
-    cmd = [sys.executable, "-m", "hf_precision.cli", "run", "--mode", "audit", "--"]
+    cmd = [sys.executable, "-m", "hf_precision.tools.cli", "run", "--mode", "audit", "--"]
     proc = subprocess.run(
         [*cmd, sys.executable, str(SCRIPT), str(out)],
         env=_env(),
@@ -473,7 +473,7 @@ def test_every_torchrun_rank_is_guarded_and_rank0_says_so(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd = [sys.executable, "-m", "hf_precision.cli", "run", "--", *torchrun]
+    cmd = [sys.executable, "-m", "hf_precision.tools.cli", "run", "--", *torchrun]
     proc = _run([*cmd, "--nproc_per_node=2", str(SCRIPT), str(out)], _env(), timeout=900)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:
@@ -526,7 +526,7 @@ def test_trls_cli_is_guarded(tmp_path):
     args += ["--use_peft", "--lora_target_modules", "q_proj", "v_proj"]
     env = _env(PATH=f"{trl_cli.parent}{os.pathsep}{os.environ.get('PATH', '')}")
     env["HF_DATASETS_OFFLINE"] = "1"
-    cmd = [sys.executable, "-m", "hf_precision.cli", "run", "--"]
+    cmd = [sys.executable, "-m", "hf_precision.tools.cli", "run", "--"]
     proc = _run([*cmd, str(trl_cli), "sft", *args], env, timeout=900)
     [line] = _guard_lines(proc)
     assert line.startswith(f"{GUARD_LINE} SFTTrainer (launched by trl, via hf-precision run)")

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hf_precision import PrecisionGuardCallback
-from hf_precision.hooks import installed_guards
+from hf_precision.engine.hooks import installed_guards
 from hf_precision.integrations.trl_models import trainer_models
 
 

@@ -1,4 +1,4 @@
-"""Multi-process scenarios, run by ``tests/test_distributed.py`` in ONE torchrun launch::
+"""Multi-process scenarios, run by ``tests/engine/test_distributed.py`` in ONE torchrun launch::
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 tests/multiprocess/scenarios.py \
         OUT_DIR plain_loop plain_disagree trainer trainer_disagree fsdp2 fsdp1
@@ -87,7 +87,7 @@ def plain_loop(out: Path) -> dict[str, Any]:
     from accelerate import Accelerator
 
     from hf_precision import PrecisionGuardPlugin, dtype_map
-    from hf_precision.accelerate_plugin import POLICY_FILE
+    from hf_precision.frontends.accelerate_plugin import POLICY_FILE
 
     accelerator = Accelerator(cpu=True, mixed_precision="bf16", project_dir=str(out))
     model = split_llava()
@@ -216,7 +216,7 @@ def fsdp2(out: Path) -> dict[str, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from hf_precision import PrecisionError, PrecisionGuardPlugin, dtype_map
-    from hf_precision.distributed import detect_wrapper, wrapper_compute_dtypes
+    from hf_precision.engine.distributed import detect_wrapper, wrapper_compute_dtypes
     from hf_precision.tiny import tiny_batch
 
     model = split_llava()
@@ -270,8 +270,8 @@ def fsdp1(out: Path) -> dict[str, Any]:
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
 
     from hf_precision import PrecisionGuardPlugin
-    from hf_precision.distributed import detect_wrapper, rank_digest
-    from hf_precision.dtype_maps import dtype_map
+    from hf_precision.engine.distributed import detect_wrapper, rank_digest
+    from hf_precision.model.dtype_maps import dtype_map
     from hf_precision.tiny import tiny_batch
 
     model = split_llava()
@@ -512,7 +512,7 @@ def ds_zero3_peft_bf16_adapters(out: Path) -> dict[str, Any]:
     from peft import LoraConfig, get_peft_model
 
     from hf_precision import PrecisionError, PrecisionGuardCallback
-    from hf_precision.diagnostics import diagnose
+    from hf_precision.tools.diagnostics import diagnose
 
     model, args, rows = _zero3_load(out, bf16=True)
     lora = LoraConfig(r=4, target_modules=r".*language_model.*\.(q_proj|v_proj)")
@@ -584,7 +584,7 @@ def _gpu_run(out: Path, *, fsdp: int = 0, zero: int = 0, bf16_true: bool = False
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 
     from hf_precision import PrecisionGuardPlugin, dtype_map
-    from hf_precision.distributed import check_wrapped, rank_digest, wrapper_of
+    from hf_precision.engine.distributed import check_wrapped, rank_digest, wrapper_of
     from hf_precision.tiny import tiny_llava
 
     kw: dict[str, Any] = {}

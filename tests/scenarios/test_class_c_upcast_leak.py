@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_precision import PrecisionGuardCallback
-from hf_precision.hooks import guard_targets
+from hf_precision.engine.hooks import guard_targets
 from hf_precision.tiny import DeepSeekVLTiny, InternVLTiny, remote_batch, tiny_batch, tiny_llava
 
 FP32_INTO_BF16 = r"expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_precision import PrecisionGuardCallback, check_policy
-from hf_precision.hooks import guard_targets
+from hf_precision.engine.hooks import guard_targets
 from hf_precision.tiny import MiniCPMV2Tiny
 
 TABLE_INTO_BF16_ATTN = r"mat1 and mat2 must have the same dtype, but got Float and BFloat16"

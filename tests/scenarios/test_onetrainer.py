@@ -43,7 +43,7 @@ from diffusers import (
 )
 
 from hf_precision import PrecisionCollator, PrecisionGuardPlugin, PrecisionPolicy
-from hf_precision.diffusion import guard_diffusion
+from hf_precision.frontends.diffusion import guard_diffusion
 from hf_precision.tiny import OneTrainerTiny
 from hf_precision.tiny.diffusion import (
     collate_onetrainer,
@@ -220,7 +220,7 @@ def test_4b_onetrainer_layout_needs_batch_and_leaf_guards() -> None:
 
 def test_recipe_training_code_fails_without_the_guard(tmp_path: Path) -> None:
     """The recipe's loop (no dtype casts) with fp16 weights and --no_guard: the VAE encoder
-    gets the fp32 images. tests/test_diffusion.py trains the same loop with the guard."""
+    gets the fp32 images. tests/frontends/test_diffusion.py trains the same loop with the guard."""
     from accelerate.state import AcceleratorState
 
     spec = importlib.util.spec_from_file_location(

@@ -1,0 +1,1 @@
+"""Plain names, tables and wrapper detection: no policy, no torch state."""

@@ -1,0 +1,1 @@
+"""Plan, apply, and the guards and checks that run during training."""

@@ -1,0 +1,83 @@
+"""``GuardFrontEnd``: what the front ends share (the callback, the accelerate plugin): the
+user's policy argument checked when they are built, its overrides, the user's own call for
+messages, and the engine (:class:`~hf_precision.engine.guard.PrecisionGuard`) they run.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from torch import nn
+
+from ..errors import PrecisionError, PrecisionWarning
+from ..rules.policy import LeafGuards, Mode, PrecisionPolicy, policy_call
+from ..rules.policy_spec import parse_policy
+from .console import flag_conflict, policy_origin
+from .guard import PrecisionGuard
+
+#: ``PrecisionGuard`` and ``policy_origin`` are re-exported for the front ends.
+__all__ = ["GuardFrontEnd", "PrecisionGuard", "policy_origin"]
+
+
+class GuardFrontEnd:
+    """What the front ends share: the user's policy argument, checked when they are built (a
+    bad preset fails at the call, not at train time), with its ``mode``/``leaf_guards``
+    overrides, and the user's own call for messages. Subclasses run :class:`PrecisionGuard`."""
+
+    policy: PrecisionPolicy | None
+    _reporter: Any  # the front end's PrecisionReporter (or None), made when it knows where
+
+    def _init_policy(
+        self,
+        name: str,
+        policy: PrecisionPolicy | str | None,
+        *,
+        mode: Mode | None,
+        leaf_guards: LeafGuards | None,
+    ) -> None:
+        self._name, self._policy_arg = name, policy
+        self._mode, self._leaf_guards = mode, leaf_guards
+        self._call = policy_call(name, policy, mode=mode, leaf_guards=leaf_guards)
+        # nothing the caller passed in changes (a policy is a value)
+        given = self._with_overrides(parse_policy(policy, call=self._call))
+        self.policy = None if policy is None else given
+
+    def _check_flag(
+        self, flag: str | None, *, said: str, runner: str, words: Any, stacklevel: int
+    ) -> None:
+        """The user's explicit policy against the run's mixed-precision flag, before anything
+        is cast (:func:`flag_conflict`): refused with a :class:`PrecisionError`, or a warning
+        when it runs but not as asked."""
+        if self._policy_arg is None or self.policy is None:
+            return  # an inferred policy follows the flags
+        conflict = flag_conflict(
+            self.policy,
+            flag,
+            call=self._call,
+            said=said,
+            runner=runner,
+            owner=self._name,
+            words=words,
+        )
+        if isinstance(conflict, PrecisionError):
+            raise conflict
+        if conflict:
+            warnings.warn(conflict, PrecisionWarning, stacklevel=stacklevel + 1)
+
+    def _new_guard(self, model: nn.Module, **kwargs: Any) -> PrecisionGuard:
+        """The engine for ``model``, owned by this front end, speaking in its user's call and
+        reporting through its reporter."""
+        assert self.policy is not None
+        return PrecisionGuard(
+            model,
+            self.policy,
+            name=self._name,
+            call=self._call,
+            owner=self,
+            reporter=self._reporter,
+            **kwargs,
+        )
+
+    def _with_overrides(self, policy: PrecisionPolicy) -> PrecisionPolicy:
+        return parse_policy(policy, call=self._call, mode=self._mode, leaf_guards=self._leaf_guards)

@@ -1,0 +1,529 @@
+"""``PrecisionGuard``: the one pipeline every front end runs at its events.
+
+At each event (``setup``, ``on_train_begin``, ``after_evaluate``, ...) :meth:`PrecisionGuard.verify`
+walks the same steps, in one direction (docs/architecture.md):
+
+1. **plan** — :func:`~hf_precision.engine.plan.plan_policy` on one
+   :class:`~hf_precision.model.view.ModelView`
+   (a frozen :class:`~hf_precision.engine.plan.Plan`), read in ``audit`` mode: what differs from the
+   policy, nothing cast;
+2. **wrapper** — if FSDP/FSDP2/DeepSpeed holds the parameters, explain what it does on purpose
+   and raise for the rest (never cast); under DDP only a return to the wrap-time dtypes is cast;
+3. **apply** — :func:`~hf_precision.engine.enforce.apply_plan` of the same plan when it is not empty
+   (the one place that casts);
+4. **guards** — install or update the batch, boundary and leaf hooks;
+5. **report** — the reporter's files / W&B, then, where the front end asks, the ranks compared.
+
+The front ends are adapters that decide *when* (their events) and *who holds the model*
+(the wrapper): :class:`~hf_precision.frontends.callback.PrecisionGuardCallback` (``Trainer`` and
+its TRL
+subclasses), :class:`~hf_precision.frontends.accelerate_plugin.PrecisionGuardPlugin` (accelerate
+loops)
+and :func:`~hf_precision.frontends.diffusion.guard_diffusion` (one guard per pipeline component).
+
+>>> from hf_precision import PrecisionPolicy
+>>> from hf_precision.tiny import tiny_llava
+>>> import torch
+>>> model = tiny_llava()
+>>> _ = model.model.vision_tower.to(torch.float16)
+>>> guard = PrecisionGuard(model, PrecisionPolicy.from_preset("bf16-true"))
+>>> setup = guard.verify("setup")  # the fp16 tower and the fp32 rest, all to bf16
+>>> len(setup.changes) > 0, len(guard.verify("check").changes)
+(True, 0)
+>>> guard.events == [("setup", len(setup.changes)), ("check", 0)]
+True
+>>> guard.teardown()
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import logging
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ..base.wrappers import detect_wrapper, settle_shards, unwrap_model
+from ..errors import PrecisionWarning
+from ..model.view import ModelView
+from ..rules.dtypes import zero3_dtype
+from ..rules.groups import ModuleGroups, find_module_groups
+from ..rules.policy import PrecisionPolicy
+from .console import (
+    bridged_line,
+    cast_line,
+    flag_conflict,
+    kept_as_is,
+    kept_words,
+    memory_line,
+    policy_origin,
+)
+from .distributed import (
+    check_model_ranks,
+    check_wrapped,
+    check_zero3_split,
+    ddp_restore_error,
+    explain_wrapped,
+)
+from .enforce import EnforceReport, apply_plan, restore_values
+from .fsdp2 import settle_outputs
+from .hooks import (
+    GuardHandle,
+    Notice,
+    claim_model,
+    install_guards,
+    release_model,
+    remove_guards,
+)
+from .memory_account import account_line, memory_account
+from .outside_reads import find_outside_reads, install_fused_head_check
+from .plan import plan_policy
+from .stash import stash_tensors
+
+logger = logging.getLogger("hf_precision")
+
+#: Wrappers that own the parameters: the guard verifies and explains, never casts.
+HOLDING_WRAPPERS = ("FSDP", "FSDP2", "DeepSpeed")
+_MAX_LISTED = 8
+
+
+class PrecisionGuard:
+    """One model under one policy.
+
+    Args:
+        model: the model (a wrapper around it is fine: PEFT, DDP, ``torch.compile``).
+        policy: the :class:`PrecisionPolicy` to enforce.
+        name: the front end, for messages (``"PrecisionGuardCallback"``).
+        call: the user's own call, repeated in errors (``"PrecisionGuardCallback('bf16')"``).
+        owner: who claims the model (two front ends with different policies on one model
+            raise); defaults to the guard.
+        groups: the model's groups, when the front end found them already.
+        reporter: a :class:`~hf_precision.report.reporting.PrecisionReporter`, or ``None``.
+        deepspeed_dtype: the dtype a DeepSpeed config holds the model in, when one is used.
+        deepspeed_stage: its ZeRO stage; under ZeRO-3 in a half dtype trainable weights in that
+            dtype are left as they are (rule ``wrapper_master_fp32``).
+        claim: mark the model as held by ``owner`` (a second live guard with another policy
+            raises); off for one-shot front ends that run no later events.
+        origin: where the policy came from, for the console line (``"from bf16: true"``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        policy: PrecisionPolicy,
+        *,
+        name: str = "PrecisionGuard",
+        call: str | None = None,
+        owner: object = None,
+        groups: ModuleGroups | None = None,
+        reporter: Any = None,
+        deepspeed_dtype: torch.dtype | None = None,
+        deepspeed_stage: int | None = None,
+        claim: bool = True,
+        origin: str | None = None,
+    ) -> None:
+        self.model = model
+        self.root, _ = unwrap_model(model)
+        self.policy = policy
+        self.name = name
+        self.call = call or f"{name}({policy.name!r})"
+        self.owner = self if owner is None else owner
+        self.groups = groups if groups is not None else find_module_groups(self.root)
+        self.reporter = reporter
+        self.deepspeed_dtype = deepspeed_dtype
+        self.deepspeed_stage = deepspeed_stage
+        #: where the policy came from, in the user's words (``from TrainingArguments(bf16=True)``)
+        self.origin = origin
+        self.handle: GuardHandle | None = None
+        self.last_report: EnforceReport | None = None
+        self.events: list[tuple[str, int]] = []  # (event, violations found)
+        #: parameters and their dtypes after the last verify (a cheap drift check compares them)
+        self.params: tuple[torch.Tensor, ...] = ()
+        self.dtypes: tuple[torch.dtype, ...] = ()
+        #: parameter dtypes when DDP wrapped the model (drift may only go back to them)
+        self.wrap_dtypes: dict[int, torch.dtype] = {}
+        self._said: set[str] = set()
+        #: hears of the first input each kind of guard casts at run time (said once per kind)
+        self.notice = Notice(self._bridged)
+        self._wrapper_casts: set[str] = set()
+        #: FSDP2 unit path -> the hooks that cast its outputs to its parent's compute dtype
+        self._bridges: dict[str, list[RemovableHandle]] = {}
+        self._stash: dict[str, torch.Tensor] = {}
+        #: extra sections of every event's JSON: ``memory`` (the setup's account), ``provenance``
+        #: (who chose the precision), ``lost_updates`` (the first optimizer steps)
+        self.sections: dict[str, Any] = {}
+        if claim:
+            claim_model(self.root, self.owner, policy, self.call)
+
+    # ------------------------------------------------------------------ the pipeline
+    def verify(
+        self,
+        event: str,
+        *,
+        model: nn.Module | None = None,
+        wrapper: str | None = None,
+        args: Any = None,
+        optimizer: Any = None,
+        step: int = 0,
+        check_ranks: bool = False,
+        log_clean: bool = True,
+    ) -> EnforceReport:
+        """Plan, explain a wrapper, apply, guard, report (see the module docstring).
+
+        ``model`` is the object the front end holds now (a wrapper made after setup);
+        ``wrapper`` who holds its parameters (``None``, ``"DDP"``, ``"FSDP"``, ``"FSDP2"``,
+        ``"DeepSpeed"``), or ``"auto"``: detected from the model (and the wrapper ``args``, a
+        ``TrainingArguments``, says it will add). ``log_clean=False`` reports only events that
+        found something.
+        """
+        first = not self.events
+        try:
+            return self._verify(
+                event, model, wrapper, args, optimizer, step, check_ranks, log_clean
+            )
+        except BaseException:
+            # a guard whose first event failed guards nothing: free the model for the next one.
+            # Hooks are one set per module, whoever installed them: take them off only when this
+            # event got as far as installing them, else they are a set-up guard's.
+            if first:
+                if self.handle is not None:
+                    remove_guards(self.model)
+                    self.handle = None
+                release_model(self.root, self.owner)
+            raise
+
+    def _verify(
+        self,
+        event: str,
+        model: nn.Module | None,
+        wrapper: str | None,
+        args: Any,
+        optimizer: Any,
+        step: int,
+        check_ranks: bool,
+        log_clean: bool,
+    ) -> EnforceReport:
+        if model is not None:
+            self.model = model
+        model, policy, where = self.model, self._renamed(self.policy), f"{self.name}.{event}"
+        first = not self.events
+        view = ModelView.of(model, self.groups)  # the one walk of the model for this event
+        check_zero3_split(view, where, policy.mode)
+        if wrapper == "auto":
+            inner = [m for _, _, m in view.modules] if model is view.root else None
+            wrapper = detect_wrapper(model, args=args, modules=inner)
+        if wrapper == "FSDP2":
+            settle_shards(model)  # FSDP2 keeps the root unsharded after forward: read shards
+        plan = plan_policy(view, policy, master_fp32=self.master_fp32(view))
+        audit = apply_plan(plan, "audit")
+        report, found = audit, len(audit.changes)
+        # built under deepspeed.zero.Init, no engine yet: the plan left the partitions
+        # (DeepSpeed's) alone; what is not partitioned yet is cast like any weight
+        held = wrapper in HOLDING_WRAPPERS and not (
+            wrapper == "DeepSpeed" and _zero_init_only(model, policy.mode)
+        )
+        if held and wrapper is not None:
+            report, found = self._explain(model, wrapper, audit, where)
+        elif audit.changes and policy.mode != "audit":
+            if wrapper == "DDP":
+                self._check_ddp_restore(audit, where)
+            # the same plan, not a second one
+            report = apply_plan(plan, policy.mode, optimizer, allow_wrapped=wrapper is not None)
+        if wrapper == "FSDP2":
+            report = self._fsdp2_outputs(model, report, where)
+        self._say(where, audit, report, found, first=first, held=held)
+        self._account(report, first=first)
+        self.last_report = report
+        self.handle = install_guards(
+            model, policy, report, groups=self.groups, view=view, notice=self.notice
+        )
+        self._outside_reads(report, where, view)
+        self.params = tuple(view.parameters())
+        self.dtypes = tuple(p.dtype for p in self.params)
+        self.events.append((event, found))
+        dmap = None  # the event's one dtype map: the reporter's, shared with the rank check
+        if self.reporter is not None and (log_clean or found):
+            # a wrapper's choice kept (wrapper_master_fp32) is in the event's JSON too
+            noted = (
+                found
+                or report.wrapper_casts
+                or report.wrapper_findings
+                or report.outside_reads
+                or kept_as_is(report)
+            )
+            dmap = self.reporter.log_event(
+                event,
+                model,
+                step=step,
+                policy=policy,
+                groups=self.groups,
+                report=report if noted else None,
+                view=view,
+                sections=self.sections,
+            )
+        if check_ranks:  # a collective: every rank reaches the same events
+            check_model_ranks(model, self.groups, policy=policy, where=where, view=view, dmap=dmap)
+        return report
+
+    def master_fp32(self, view: ModelView | None = None) -> torch.dtype | None:
+        """The half dtype DeepSpeed ZeRO-3 holds this run's trainable weights in, whose fp32
+        master copies live in its optimizer (rule ``wrapper_master_fp32``), or ``None``. ZeRO-3
+        flattens every trainable partition into one buffer of one dtype: once some trainable
+        weights are partitioned in the half dtype (``ds_id``: a model built under
+        ``deepspeed.zero.Init``), the others join them; before any partition (the stage known
+        from the front end's config), only when every trainable weight is in it already (TRL's
+        bf16 LoRA) — otherwise DeepSpeed casts the module itself and nothing is kept."""
+        half = self.deepspeed_dtype
+        if half not in (torch.bfloat16, torch.float16):
+            return None
+        params = list(view.parameters() if view is not None else self.root.parameters())
+        trainable = [p for p in params if p.requires_grad and p.is_floating_point()]
+        parted = [p for p in trainable if hasattr(p, "ds_id")]
+        if parted:
+            return half if all(zero3_dtype(p) == half for p in parted) else None
+        if self.deepspeed_stage == 3 and all(p.dtype == half for p in trainable):
+            return half
+        return None
+
+    def _outside_reads(self, report: EnforceReport, where: str, view: ModelView) -> None:
+        """Weights read outside their module: in the report; a fused LM head also on the
+        console, once, and checked before each forward where its kernel does not cast."""
+        walk = ((path, mod) for path, _, mod in view.modules)
+        report.outside_reads = find_outside_reads(view.root, walk)
+        if self.policy.mode != "audit":
+            install_fused_head_check(view.root, report.outside_reads)
+        for read in report.outside_reads:
+            if read.kind == "fused_head" and read.tensor not in self._said:
+                self._said.add(read.tensor)
+                logger.warning(f"{where}: {read.describe()}; report: {self._report_dir() or 'off'}")
+
+    def _renamed(self, policy: PrecisionPolicy) -> PrecisionPolicy:
+        """``policy`` with the former group names the model's rule renamed
+        (:attr:`~hf_precision.rules.groups.ModuleGroups.renamed`) said under their names now, and a
+        warning (once) that says so."""
+        renamed = {
+            old: new
+            for old, new in self.groups.renamed.items()
+            if old in policy.group_dtypes or old in policy.batch_key_groups.values()
+        }
+        if not renamed:
+            return policy
+        group_dtypes = dict(policy.group_dtypes)
+        for old, new in renamed.items():
+            if old in group_dtypes:
+                group_dtypes.setdefault(new, group_dtypes[old])
+                del group_dtypes[old]
+        keys = {k: renamed.get(g, g) for k, g in policy.batch_key_groups.items()}
+        said = ", ".join(f"{old!r} is {new!r}" for old, new in renamed.items())
+        self._warn_once(
+            f"{self.call}: under rule {self.groups.rule!r} ({type(self.root).__name__}) {said} "
+            "now (the merger maps image features into the language model: the projector, as "
+            "LLaMA-Factory, ms-swift and transformers call it); the policy's setting for the "
+            "old name applies to it. Fix: name "
+            + " and ".join(repr(n) for n in renamed.values())
+            + " in group_dtypes."
+        )
+        return policy.replace(group_dtypes=group_dtypes, batch_key_groups=keys)
+
+    def drifted(self) -> bool:
+        """Whether any parameter changed dtype since the last verify (one read per tensor)."""
+        return tuple(p.dtype for p in self.params) != self.dtypes
+
+    def mark_wrapped(self, model: nn.Module) -> None:
+        """Remember the dtypes a DDP wrapper built its gradient buckets for."""
+        self.model = model
+        self.wrap_dtypes = {id(p): p.dtype for p in model.parameters()}
+
+    # ------------------------------------------------------------------ steps
+    def _explain(
+        self, model: nn.Module, wrapper: str, audit: EnforceReport, where: str
+    ) -> tuple[EnforceReport, int]:
+        policy = self.policy
+        check = check_wrapped(
+            model,
+            policy,
+            self.groups,
+            wrapper=wrapper,
+            deepspeed_dtype=self.deepspeed_dtype,
+            master_fp32=self.master_fp32(),
+        )
+        for why, n in check.expected.items():
+            logger.info("hf-precision %s: %d parameter(s) %s (expected)", where, n, why)
+        for note in check.notes[:_MAX_LISTED]:
+            self._warn_once(f"{where}: {note}")
+        if check and policy.mode == "audit":
+            warnings.warn(str(check.error(where, policy)), PrecisionWarning, stacklevel=3)
+        kept = explain_wrapped(
+            model, policy, self.groups, audit, where=where, wrapper=wrapper, check=check
+        )
+        casts = {c.name for c in kept.wrapper_casts}
+        if casts and casts != self._wrapper_casts:  # once, not at every evaluation
+            warnings.warn(kept.wrapper_note or "", PrecisionWarning, stacklevel=3)
+        self._wrapper_casts = casts
+        return kept, len(check.violations)
+
+    def _fsdp2_outputs(self, model: nn.Module, report: EnforceReport, where: str) -> EnforceReport:
+        """FSDP2's ``output_dtype``, said and bridged (:func:`.fsdp2.settle_outputs`)."""
+        messages = settle_outputs(model, self.name, self._bridges)
+        for message in messages:
+            self._warn_once(message)
+        if not messages:
+            return report
+        report = copy.copy(report)
+        report.wrapper_findings = [*report.wrapper_findings, *messages]
+        return report
+
+    def _check_ddp_restore(self, audit: EnforceReport, where: str) -> None:
+        """DDP built its gradient buckets for the dtypes at wrapping time (or, when the guard
+        did not see the wrapping, at its last verify): only going back to those is safe."""
+        ref = self.wrap_dtypes or {id(p): d for p, d in zip(self.params, self.dtypes)}
+        error = ddp_restore_error(audit.changes, ref, self.root, where=where, name=self.name)
+        if error is not None:
+            raise error
+
+    def _say(
+        self,
+        where: str,
+        audit: EnforceReport,
+        report: EnforceReport,
+        found: int,
+        *,
+        first: bool,
+        held: bool,
+    ) -> None:
+        policy = self.policy
+        if first and report.applied and report.changes:
+            logger.warning(cast_line(report, origin=self.origin, report_dir=self._report_dir()))
+            grown = memory_line(report)
+            if grown:
+                logger.warning(grown)
+        elif first and policy.mode == "audit" and audit.changes and not held:
+            # audit mode: the same line, said as findings (nothing was cast), on the console
+            line = cast_line(audit, origin=self.origin, report_dir=self._report_dir())
+            logger.warning(
+                f"hf-precision: audit found {len(audit.changes)} tensor(s) off the policy, "
+                f"nothing cast (mode 'audit'); the policy would cast "
+                + line.removeprefix("hf-precision: ")
+            )
+        elif first and not found and kept_as_is(report):
+            # nothing to cast, but a wrapper's choice was kept: said once, at setup
+            logger.warning(
+                f"hf-precision: nothing cast; {kept_words(report)}; policy {policy.describe()}; "
+                f"report: {self._report_dir() or 'off (report=False)'}"
+            )
+        elif found:  # later events: the model drifted from the policy
+            verb = "repaired" if policy.mode == "fix" and not held else "found"
+            example = f", e.g. {audit.changes[0].describe()}" if audit.changes else ""
+            warnings.warn(
+                f"{where}: dtype drift {verb}: {found} tensor(s) did not match "
+                f"{policy.describe()}{example}; report: {self._report_dir() or 'off'}",
+                PrecisionWarning,
+                stacklevel=4,
+            )
+        if not report.applied:  # enforce_policy said the warnings of what it applied
+            for w in report.warnings:
+                self._warn_once(w)
+
+    def _account(self, report: EnforceReport, *, first: bool) -> None:
+        """The setup's memory account (every later event's JSON carries it); said on the
+        console with the setup's cast line."""
+        if not first:
+            return
+        self.sections["memory"] = memory_account(report, self.root, stash_bytes=self.stash_bytes)
+        if report.applied and report.changes:
+            logger.warning(account_line(self.sections["memory"]))
+
+    @property
+    def stash_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._stash.values())
+
+    def log_sections(self, event: str, *, step: int) -> None:
+        """Write an event that carries :attr:`sections` without planning or casting anything
+        (the lost-update check's result, mid-training)."""
+        if self.reporter is not None:
+            policy = self._renamed(self.policy)
+            self.reporter.log_event(
+                event,
+                self.model,
+                step=step,
+                policy=policy,
+                groups=self.groups,
+                sections=self.sections,
+            )
+
+    def _report_dir(self) -> str | None:
+        path = getattr(self.reporter, "report_dir", None)
+        return f"{os.fspath(path).rstrip(os.sep)}{os.sep}" if path is not None else None
+
+    def _bridged(self, kind: str, path: str, what: str, src: torch.dtype, dst: torch.dtype) -> None:
+        """A guard cast an input at run time (called once per kind by the hooks)."""
+        cast = bool(self.events) and self.events[0][1] > 0
+        logger.warning(bridged_line(kind, path, what, src, dst, cast, self._report_dir()))
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            warnings.warn(message, PrecisionWarning, stacklevel=4)
+
+    def stash(self, eval_dtype: torch.dtype | None, limit_bytes: int) -> None:
+        """Keep CPU copies of what an in-place ``model.to(eval_dtype)`` (``*_full_eval``) would
+        round, to give their exact values back after: every floating parameter and buffer not
+        already in ``eval_dtype``, most precious first (trainable weights, then what the policy
+        keeps in float32, then the other frozen tensors), as many as ``limit_bytes`` holds. What
+        does not fit is said in one warning: those tensors come back in their dtype with
+        rounded values."""
+        if eval_dtype is None:
+            return
+        # what the last plan kept in fp32 (rotary tables by module, deliberate fp32 norms)
+        kept = {k[0] for k in self.last_report.kept} if self.last_report is not None else set()
+        self._stash, said = stash_tensors(self.root, self.policy, kept, eval_dtype, limit_bytes)
+        if "memory" in self.sections:
+            self.sections["memory"]["stash_host_bytes"] = self.stash_bytes
+        if said is not None:
+            warnings.warn(said, PrecisionWarning, stacklevel=3)
+
+    def restore(self) -> int:
+        """Give stashed tensors their exact values (and dtypes) back where their dtype changed:
+        after a ``*_full_eval`` evaluation, what :meth:`stash` kept is bit for bit as before."""
+        return restore_values(self.root, self._stash) if self._stash else 0
+
+    def teardown(self) -> None:
+        """Take the guards off and release the model."""
+        remove_guards(self.model)
+        for handles in self._bridges.values():
+            for h in handles:
+                h.remove()
+        self._bridges = {}
+        release_model(self.root, self.owner)
+
+    def __repr__(self) -> str:
+        return f"PrecisionGuard({self.policy.describe()}, rule={self.groups.rule!r})"
+
+
+def __getattr__(name: str) -> Any:
+    """``GuardFrontEnd`` lived here (:mod:`hf_precision.engine.frontend` now: it sits above us)."""
+    if name == "GuardFrontEnd":
+        return importlib.import_module("hf_precision.engine.frontend").GuardFrontEnd
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "HOLDING_WRAPPERS",
+    "PrecisionGuard",
+    "cast_line",
+    "flag_conflict",
+    "kept_words",
+    "memory_line",
+    "policy_origin",
+]
+
+
+def _zero_init_only(model: nn.Module, mode: str) -> bool:
+    """A model partitioned in place by ``deepspeed.zero.Init`` that no engine wraps yet (the
+    guard's setup before ``prepare``), in a mode that casts."""
+    return mode != "audit" and type(model).__name__ != "DeepSpeedEngine"

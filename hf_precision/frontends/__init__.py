@@ -1,0 +1,1 @@
+"""What a user attaches: the Trainer callback, the accelerate plugin, diffusion loops."""

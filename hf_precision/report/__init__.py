@@ -1,0 +1,1 @@
+"""Reports: JSON/text files, W&B, pictures."""

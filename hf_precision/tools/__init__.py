@@ -1,0 +1,1 @@
+"""The command line (audit, doctor, checkpoints) and the diagnoses it prints."""

@@ -1,0 +1,293 @@
+"""The engine every front end runs: one walk of the model per event, the pipeline's steps in
+order, adapters holding no logic of their own."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from hf_precision import PrecisionError, PrecisionGuardCallback, PrecisionPolicy, PrecisionWarning
+from hf_precision.engine import enforce
+from hf_precision.engine import guard as guard_module
+from hf_precision.engine.guard import PrecisionGuard
+from hf_precision.report.reporting import PrecisionReporter
+from hf_precision.tiny import tiny_batch, tiny_llava
+
+PKG = str(Path(__file__).resolve().parents[2] / "hf_precision")
+
+
+@contextmanager
+def walks_of(model: nn.Module) -> Iterator[list[str]]:
+    """Every ``named_modules()`` pass over ``model`` that hf-precision's code starts
+    (``modules()``, ``parameters()``, ``named_parameters()`` all go through it)."""
+    root = model
+    seen: list[str] = []
+    original = nn.Module.named_modules
+
+    def counting(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self is root:
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code.co_filename.startswith(
+                str(Path(torch.__file__).parent)
+            ):
+                frame = frame.f_back  # torch's own helpers (parameters() -> named_modules())
+            if frame is not None and frame.f_code.co_filename.startswith(PKG):
+                seen.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}")
+        return original(self, *args, **kwargs)
+
+    nn.Module.named_modules = counting  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        nn.Module.named_modules = original  # type: ignore[method-assign]
+
+
+def _split() -> nn.Module:
+    model = tiny_llava(torch.bfloat16)
+    model.model.vision_tower.float()
+    return model
+
+
+@pytest.mark.parametrize("drift", [False, True], ids=["clean", "drift"])
+def test_one_walk_of_the_model_per_event(drift: bool, tmp_path: Path) -> None:
+    model = _split()
+    guard = PrecisionGuard(
+        model, PrecisionPolicy.from_preset("bf16-true"), reporter=PrecisionReporter(tmp_path)
+    )
+    guard.verify("setup")
+    if drift:
+        model.model.multi_modal_projector.float()
+    plans: list[int] = []
+    plan = guard_module.plan_policy
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        plans.append(1)
+        return plan(*args, **kwargs)
+
+    with walks_of(model) as walks, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(guard_module, "plan_policy", counted)
+        report = guard.verify("check")  # plan, apply, guards, dtype map and files
+    assert walks == ["view.py:walk_modules"]  # the event's ModelView, nothing else
+    assert len(plans) == 1  # the audit's plan is the one applied, not planned again
+    assert bool(report.changes) == drift
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_a_callback_evaluation_walks_the_model_once(make_trainer: Any) -> None:
+    model = _split()
+    trainer = make_trainer(model, tiny_batch(model), callbacks=[PrecisionGuardCallback()])
+    with walks_of(model) as walks:
+        trainer.evaluate()  # on_evaluate: one event
+    assert walks == ["view.py:walk_modules"]
+
+
+def test_events_run_the_pipeline_in_order(tmp_path: Path) -> None:
+    model = _split()
+    guard = PrecisionGuard(
+        model, PrecisionPolicy.from_preset("bf16-true"), reporter=PrecisionReporter(tmp_path)
+    )
+    first = guard.verify("setup")
+    assert first.applied and first.changes and guard.handle is not None
+    assert guard.handle.count > 0 and not guard.drifted()
+    model.model.vision_tower.float()  # drift after setup: repaired and said
+    assert guard.drifted()
+    with pytest.warns(PrecisionWarning, match=r"PrecisionGuard\.again: dtype drift repaired"):
+        again = guard.verify("again")
+    assert again.changes and not guard.drifted()
+    assert guard.events == [("setup", len(first.changes)), ("again", len(again.changes))]
+    written = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert written == ["000000-again.json", "000000-setup.json"]
+    guard.teardown()
+    assert guard.handle is not None and all(
+        "_hf_precision_guard" not in m.__dict__ for m in model.modules()
+    )
+
+
+def test_front_ends_hold_no_pipeline_of_their_own() -> None:
+    """The adapters call the engine: none of them plans, casts or installs guards itself."""
+    for name in ("frontends/callback.py", "frontends/accelerate_plugin.py"):
+        source = (Path(PKG) / name).read_text()
+        for call in ("enforce_policy(", "install_guards(", "check_model_ranks(", ".data ="):
+            assert call not in source, (name, call)
+
+
+def test_a_guard_whose_first_event_fails_releases_the_model() -> None:
+    model = _split()
+    model.model.vision_tower.to("meta")  # never materialised: the first event raises
+    failed = PrecisionGuard(model, PrecisionPolicy.from_preset("bf16", mode="fix"))
+    with pytest.raises(PrecisionError, match="meta device"):
+        failed.verify("setup")
+    assert failed.handle is None and not failed.events
+    model.model.vision_tower.to_empty(device="cpu")
+    # the failed guard is still referenced here, yet a guard with another policy may take over
+    other = PrecisionGuard(model, PrecisionPolicy.from_preset("bf16-true"))
+    other.verify("setup")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    # a guard that did guard keeps its claim: a third with another policy is refused, and the
+    # error names the fields the two policies differ in even when their summaries read the same
+    with pytest.raises(PrecisionError, match=r"they differ in mode='fix' vs 'audit'"):
+        PrecisionGuard(model, PrecisionPolicy.from_preset("bf16-true", mode="audit"))
+
+
+def test_full_eval_stash_gives_back_what_the_plan_kept_in_fp32() -> None:
+    """``*_full_eval`` rounds the whole model in place: the deliberate fp32 norms and the
+    model's ``_keep_in_fp32_modules_strict`` come back exactly, as trainable weights do."""
+    model = tiny_llava(torch.bfloat16)
+    norm = model.model.language_model.norm
+    norm.weight.data = norm.weight.data.float() + 0.001  # upcast_layernorm, not bf16-exact
+    model._keep_in_fp32_modules_strict = ["multi_modal_projector.linear_2"]
+    model.model.multi_modal_projector.linear_2.float()
+    for p in model.parameters():
+        p.requires_grad = False
+    exact = norm.weight.detach().clone()
+    guard = PrecisionGuard(model, PrecisionPolicy.from_preset("bf16"), claim=False)
+    guard.verify("setup")
+    rules = {n: r for n, _, r, _ in guard.last_report.kept}
+    assert rules["model.language_model.norm.weight"] == "deliberate_fp32"
+    assert rules["model.multi_modal_projector.linear_2.weight"] == "keep_fp32_strict"
+    guard.stash(torch.bfloat16, limit_bytes=2**30)
+    model.to(torch.bfloat16)  # what Trainer.evaluate does under bf16_full_eval
+    assert guard.restore() >= 3
+    assert norm.weight.dtype == torch.float32 and torch.equal(norm.weight, exact)
+    assert model.model.multi_modal_projector.linear_2.weight.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------- in the user's words
+
+
+def test_the_cast_line_without_a_reporter_says_report_off(caplog: Any) -> None:
+    model = tiny_llava()
+    model.model.vision_tower.to(torch.float16)
+    guard = PrecisionGuard(
+        model, PrecisionPolicy.from_preset("fp32"), origin="as given: PrecisionGuard('fp32')"
+    )
+    with caplog.at_level("WARNING", logger="hf_precision"):
+        guard.verify("setup")
+    line, memory, account = [r.getMessage() for r in caplog.records if r.name == "hf_precision"]
+    assert memory.startswith("hf-precision: upcast weights take more memory: vision_encoder")
+    assert account.startswith("hf-precision: memory: trainable upcast ")
+    n = sum(1 for _ in model.model.vision_tower.parameters())
+    assert line.startswith(
+        f"hf-precision: {n} tensors → float32 (trainable) in vision_encoder (e.g."
+    )
+    assert line.endswith("), as given: PrecisionGuard('fp32'); report: off (report=False)")
+    guard.teardown()
+
+
+def test_memory_line_counts_only_upcast_weights() -> None:
+    from hf_precision.base.tables import fmt_bytes
+    from hf_precision.engine.guard import memory_line
+
+    model = tiny_llava(torch.bfloat16)
+    report = enforce.enforce_policy(model, PrecisionPolicy.from_preset("fp32"), mode="audit")
+    line = memory_line(report)
+    numel = {g: 0 for g in ("vision_encoder", "projector", "language_model", "lm_head")}
+    for name, p in model.named_parameters():
+        numel[report.groups.group_of(name)] += p.numel()
+    assert line is not None and line.startswith("hf-precision: upcast weights take more memory: ")
+    for group, n in numel.items():
+        assert f"{group} {fmt_bytes(2 * n)} → {fmt_bytes(4 * n)}" in line
+    assert memory_line(enforce.enforce_policy(tiny_llava(), "bf16-true", mode="audit")) is None
+
+
+def test_a_renamed_group_in_the_policy_still_reaches_its_modules() -> None:
+    from hf_precision.tiny import tiny_qwen2_vl
+
+    model = tiny_qwen2_vl().requires_grad_(False)  # group_dtypes is for frozen weights
+    policy = PrecisionPolicy.from_preset("fp32", group_dtypes={"resampler": "bf16"})
+    guard = PrecisionGuard(model, policy, call="PrecisionGuardCallback(policy)")
+    with pytest.warns(
+        PrecisionWarning,
+        match=r"PrecisionGuardCallback\(policy\): under rule 'qwen2_vl' .*'resampler' is "
+        r"'projector' now .*Fix: name 'projector' in group_dtypes",
+    ):
+        guard.verify("setup")
+    assert {p.dtype for p in model.model.visual.merger.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.model.visual.blocks.parameters()} == {torch.float32}
+    assert guard.policy is policy  # the user's policy is not changed
+    guard.teardown()
+
+
+def test_flag_conflict() -> None:
+    from hf_precision.engine.guard import flag_conflict
+    from hf_precision.rules import flags
+
+    def check(preset: str, flag: str | None) -> Any:
+        return flag_conflict(
+            PrecisionPolicy.from_preset(preset),
+            flag,
+            call=f"G({preset!r})",
+            said=flags.flag(flag or "bf16", tool="llamafactory"),
+            runner="the Trainer",
+            owner="G",
+            words=lambda n, v: flags.flag(n, v, tool="llamafactory"),
+        )
+
+    assert check("fp16", None) is None and check("bf16", "bf16") is None
+    assert check("bf16-true", "bf16") is None and check("fp16", "fp16") is None
+    err = check("fp16", "bf16")
+    assert isinstance(err, PrecisionError)
+    assert str(err).startswith("G('fp16') with bf16: true: the Trainer autocasts to bfloat16")
+    assert "Fix: G() (it follows bf16: true), or G('bf16'), or train in float16: fp16: true" in (
+        str(err)
+    )
+    assert isinstance(check("bf16", "fp16"), PrecisionError)
+    warn = check("fp32", "bf16")
+    assert isinstance(warn, str) and "it runs" in warn and "bf16: false" in warn
+
+
+def test_the_cast_line_says_what_was_kept_in_float32_on_purpose(caplog: Any) -> None:
+    """upcast_layernorm's fp32 norms among bf16 weights are kept and said with their rule;
+    every model's rotary tables are kept too, in the report only (not console noise)."""
+    model = tiny_llava(torch.bfloat16)
+    model.model.multi_modal_projector.to(torch.float16)  # something to cast
+    model.requires_grad_(False)  # frozen: what upcast_layernorm chose, not what the optimizer needs
+    norms = [
+        m.weight for m in model.model.language_model.modules() if type(m).__name__.endswith("Norm")
+    ]
+    for w in norms:
+        w.data = w.data.float()
+    guard = PrecisionGuard(model, PrecisionPolicy.from_preset("bf16-true"), origin="as given")
+    with caplog.at_level("WARNING", logger="hf_precision"):
+        guard.verify("setup")
+    line, account = [r.getMessage() for r in caplog.records if r.name == "hf_precision"]
+    assert f"; kept in float32 on purpose: {len(norms)} (deliberate_fp32); policy " in line
+    assert f"kept float32 (deliberate_fp32) {len(norms)} +" in account
+    assert "(rotary)" not in account
+    assert "(rotary)" not in line  # the recomputed tables are a cast, said as one
+    assert {w.dtype for w in norms} == {torch.float32}
+    assert any(rule == "rotary" for _, _, rule, _ in guard.last_report.kept)
+    guard.teardown()
+
+
+def test_one_dtype_map_per_event_shared_by_the_reporter_and_the_rank_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hf_precision.engine import distributed
+    from hf_precision.model import dtype_maps
+
+    model = _split()
+    reporter = PrecisionReporter(tmp_path)
+    guard = PrecisionGuard(model, PrecisionPolicy.from_preset("bf16-true"), reporter=reporter)
+    guard.verify("setup")
+    maps: list[Any] = []
+    compared: list[Any] = []
+    build = dtype_maps._dtype_map
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        maps.append(build(*args, **kwargs))
+        return maps[-1]
+
+    monkeypatch.setattr(dtype_maps, "_dtype_map", counted)
+    monkeypatch.setattr(distributed, "is_distributed", lambda: True)  # the rank check runs
+    monkeypatch.setattr(distributed, "check_ranks_agree", lambda m, **kw: compared.append(m))
+    guard.verify("check", check_ranks=True)
+    assert len(maps) == 1 and compared == maps and reporter.last_map is maps[0]
+    guard.teardown()
