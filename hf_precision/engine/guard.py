@@ -225,7 +225,7 @@ class PrecisionGuard:
         # built under deepspeed.zero.Init, no engine yet: the plan left the partitions
         # (DeepSpeed's) alone; what is not partitioned yet is cast like any weight
         held = wrapper in HOLDING_WRAPPERS and not (
-            wrapper == "DeepSpeed" and _zero_init_only(model, policy.mode)
+            wrapper == "DeepSpeed" and first and _zero_init_only(view, event, policy.mode)
         )
         if held and wrapper is not None:
             report, found = self._explain(model, wrapper, audit, where)
@@ -523,7 +523,12 @@ __all__ = [
 ]
 
 
-def _zero_init_only(model: nn.Module, mode: str) -> bool:
-    """A model partitioned in place by ``deepspeed.zero.Init`` that no engine wraps yet (the
-    guard's setup before ``prepare``), in a mode that casts."""
-    return mode != "audit" and type(model).__name__ != "DeepSpeedEngine"
+def _zero_init_only(view: ModelView, event: str, mode: str) -> bool:
+    """A model partitioned in place by ``deepspeed.zero.Init`` (``ds_id``) at the guard's setup,
+    before any engine wraps it (``on_init_end``, the plugin's ``setup``), in a mode that casts."""
+    return (
+        mode != "audit"
+        and event in ("setup", "on_init_end")
+        and type(view.model).__name__ != "DeepSpeedEngine"
+        and any(hasattr(p, "ds_id") for p in view.parameters())
+    )
