@@ -100,8 +100,11 @@ def _peft(model: nn.Module | None) -> dict[str, Any] | None:
 
 def _components(args: Any, model: Any, env: Mapping[str, str]) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = []
-    if env.get(ENV_ACCELERATE):
-        found.append({"component": ENV_ACCELERATE, "set": env[ENV_ACCELERATE]})
+    accel = env.get(ENV_ACCELERATE, "")
+    # transformers 4.x's TrainingArguments writes the script's own choice back into the
+    # variable: only a value other than the script's flags is another component's choice
+    if accel and accel.lower() != (_script_flag(args) or "no"):
+        found.append({"component": ENV_ACCELERATE, "set": accel})
     for var in sorted(v for v in env if v.startswith(_HF_PRECISION)):
         found.append({"component": var, "set": env[var]})
     ds = _deepspeed(args)
