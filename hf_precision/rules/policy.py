@@ -82,9 +82,7 @@ __all__ = [
     "policy_call",
     "preset_name",
     "register_preset",
-    "resolve_policy",
     "tensor_role",
-    "with_overrides",
 ]
 
 #: What an event does with drift: report it, fix it, or raise.
@@ -661,11 +659,6 @@ def _decide_unkept(
     return Decision(policy.frozen_dtype, "frozen", "frozen")  # type: ignore[arg-type]
 
 
-def _as_call(err: PrecisionError, call: str) -> PrecisionError:
-    """``err`` said as the user's own ``call`` (a front end's), not the inner one."""
-    return PrecisionError(f"{call}: {str(err).split(': ', 1)[-1]}")
-
-
 def policy_call(owner: str, policy: Any, **kwargs: Any) -> str:
     """How the user called ``owner``, for error messages: ``PrecisionGuardPlugin('bf16',
     mode='rasie')``."""
@@ -676,29 +669,6 @@ def policy_call(owner: str, policy: Any, **kwargs: Any) -> str:
     )
     args += [f"{k}={v!r}" for k, v in kwargs.items() if v is not None]
     return f"{owner}({', '.join(args)})"
-
-
-def with_overrides(policy: PrecisionPolicy, *, call: str, **overrides: Any) -> PrecisionPolicy:
-    """``policy`` with the non-``None`` ``overrides`` applied, as a new policy; a bad value
-    raises a :class:`PrecisionError` that repeats ``call`` (the user's own call)."""
-    changes = {k: v for k, v in overrides.items() if v is not None}
-    if not changes:
-        return policy
-    try:
-        return policy.replace(**changes)
-    except PrecisionError as err:
-        raise _as_call(err, call) from None
-
-
-def resolve_policy(
-    value: PrecisionPolicy | str | Mapping[str, Any] | None, *, call: str
-) -> PrecisionPolicy:
-    """:meth:`PrecisionPolicy.resolve` for a front end: errors repeat ``call``; ``None`` gives
-    the ``fp32`` preset (a stand-in, to validate overrides before the model is known)."""
-    try:
-        return PrecisionPolicy.resolve("fp32" if value is None else value)
-    except PrecisionError as err:
-        raise _as_call(err, call) from None
 
 
 _PRESET_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9.-]*$")
