@@ -246,6 +246,10 @@ class PrecisionGuardPlugin(GuardFrontEnd):
 
     def _step_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps += 1
+        # events that waited for init_trackers' writer/run
+        flush = getattr(self._reporter, "flush_trackers", None)
+        if flush is not None:
+            flush()
         self._blame_step()
         if not self.check_every or self.steps % self.check_every:
             return

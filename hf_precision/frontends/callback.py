@@ -170,6 +170,11 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         ``Trainer.__init__`` runs); a callback added by hand finds it in the calling frames."""
         self._trainer = weakref.ref(trainer)  # no cycle keeps a finished Trainer alive
 
+    def _served(self) -> Any:
+        """The Trainer this callback serves (bound, else found in the calling frames): its
+        trackers' callbacks are where the report's tracker events go."""
+        return _find_trainer(self, self._trainer() if self._trainer is not None else None)[0]
+
     def _with_overrides(self, policy: PrecisionPolicy) -> PrecisionPolicy:
         policy = super()._with_overrides(policy)
         missing = tuple(p for p in self.extra_keep_fp32 if p not in policy.keep_fp32)
@@ -214,7 +219,7 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
             from ..report.reporting import PrecisionReporter
 
             self.reporter = PrecisionReporter.from_training_args(
-                args, report_dir=self.report_dir, report_to=self.report_to
+                args, report_dir=self.report_dir, report_to=self.report_to, trainer=self._served()
             )
         self.guard = self._new_guard(
             model,
@@ -334,7 +339,7 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
                     from ..report.reporting import PrecisionReporter
 
                     other.reporter = PrecisionReporter.from_training_args(
-                        args, report_dir=self.report_dir, report_to=self.report_to
+                        args, report_dir=self.report_dir, report_to=self.report_to, trainer=trainer
                     )
                 self.trainer_guards[name] = other
             other.verify(  # not the Trainer's wrapper: TRL prepares these in evaluation mode
@@ -398,6 +403,10 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         if self.blame is not None:  # auto: a non-finite loss/grad_norm arms the next step
             self.blame.observe(logs, step=int(getattr(state, "global_step", 0) or 0))
+        # events that waited for a tracker's writer (TensorBoard)
+        flush = getattr(self.reporter, "flush_trackers", None)
+        if flush is not None:
+            flush()
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._verify("on_evaluate", args, state, kwargs, check_ranks=True, restore=True)

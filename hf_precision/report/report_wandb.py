@@ -35,11 +35,11 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import PrecisionWarning
+from .trackers import TrackerPayload
 
 #: Events kept while no run exists (older ones are still in the files).
 MAX_PENDING = 32
@@ -81,26 +81,8 @@ def wandb_offline_unless_logged_in(environ: Any = None) -> bool:
     return True
 
 
-@dataclass
-class WandbPayload:
-    """One event, ready to be logged (kept as plain data until a run exists)."""
-
-    event: str
-    step: int
-    module_columns: list[Any]
-    module_rows: list[list[Any]]
-    group_columns: list[Any]
-    group_rows: list[list[Any]]
-    drift_columns: list[Any]
-    drift_rows: list[list[Any]]
-    scalars: dict[str, float | int] = field(default_factory=dict)
-    policy: str | None = None
-    png: bytes | None = None
-    png_path: Path | None = None
-    #: further tables (key -> (columns, rows)) and run summary entries: the blame's
-    #: ``precision/nonfinite``, the trace's ``precision/trace``
-    tables: dict[str, tuple[list[Any], list[list[Any]]]] = field(default_factory=dict)
-    summary: dict[str, Any] = field(default_factory=dict)
+#: the payload of one event, shared with the other trackers
+WandbPayload = TrackerPayload
 
 
 def wandb_disabled_reason() -> str | None:
@@ -122,7 +104,10 @@ def _active_run() -> Any:
 
 
 class WandbSink:
-    """Logs :class:`WandbPayload` objects to the active W&B run, once it exists."""
+    """Logs :class:`WandbPayload` objects to the active W&B run, once it exists
+    (a :class:`~hf_precision.report.trackers.Tracker`)."""
+
+    label = "W&B"
 
     def __init__(self, run: Callable[[], Any] | None = None) -> None:
         #: where the run comes from (default ``wandb.run``; accelerate: its wandb tracker's run)
@@ -170,11 +155,27 @@ class WandbSink:
                     stacklevel=4,
                 )
             return
+        self.pending.append(payload)
+        self._log_pending(run)
+
+    def flush(self) -> None:
+        """Log the events that waited for a run, if one exists now (silent otherwise)."""
+        if not self.enabled or not self.pending:
+            return
         try:
-            for old in self.pending:
-                self._log(run, old)
-            self.pending.clear()
-            self._log(run, payload)
+            run = self.find_run()
+        except Exception as err:
+            self._disable(f"could not reach wandb ({type(err).__name__}: {err}).")
+            return
+        if run is not None:
+            self._log_pending(run)
+
+    def _log_pending(self, run: Any) -> None:
+        payload = self.pending[-1]
+        try:
+            while self.pending:
+                self._log(run, self.pending[0])
+                self.pending.pop(0)
         except Exception as err:
             self._disable(
                 f"logging to W&B failed at {payload.event} (step {payload.step}): "
@@ -216,3 +217,17 @@ class WandbSink:
         for key, value in p.summary.items():
             run.summary[key] = value
         self.logged.append((p.event, p.step))
+
+
+#: the :class:`~hf_precision.report.trackers.Tracker` of this module (the table's entry point)
+Sink = WandbSink
+
+
+def in_all() -> bool:
+    """``report_to="all"`` includes W&B (a missing wandb is then said once)."""
+    return True
+
+
+def trainer_source(args: Any, trainer: Any) -> Callable[[], Any] | None:
+    """Under a Trainer the run is ``wandb.run``, made by ``WandbCallback``."""
+    return None
