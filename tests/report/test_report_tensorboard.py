@@ -20,7 +20,7 @@ from hf_precision.report.reporting import PrecisionReporter
 from hf_precision.tiny import OneTrainerTiny, tiny_batch, tiny_llava
 
 pytest.importorskip("tensorboard")
-from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import (
     EventAccumulator,
 )
 
@@ -46,8 +46,7 @@ def _events(path: Path) -> EventAccumulator:
 def _text(acc: EventAccumulator, tag: str) -> list[tuple[int, str]]:
     """(step, text) of a text tag (torch's add_text stores ``<tag>/text_summary``)."""
     return [
-        (e.step, e.tensor_proto.string_val[0].decode())
-        for e in acc.Tensors(f"{tag}/text_summary")
+        (e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(f"{tag}/text_summary")
     ]
 
 
