@@ -9,6 +9,7 @@ The scripts import torchvision: the Makefile installs its wheel without its comp
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -108,6 +109,25 @@ def test_lora_under_bf16_trains_its_adapter_in_fp32(assets, tmp_path, script, da
     assert (reports / "000000-after_prepare.json").is_file()
     assert (reports / "precision.log").is_file()
     assert (tmp_path / "guarded" / "checkpoint-1" / "precision_policy.json").is_file()
+    tensorboard_beside_the_scripts_loss(tmp_path / "guarded", reports)
+
+
+def tensorboard_beside_the_scripts_loss(out: Path, reports: Path) -> None:
+    """The scripts' default ``--report_to tensorboard``: the guard's events went into the event
+    file of the script's own tracker (``<output_dir>/logs/<project>/``), beside its loss; the
+    events before ``init_trackers`` waited for its writer."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = out.glob("logs/*/events.out.tfevents.*")  # one file: no second writer
+    acc = EventAccumulator(str(events), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    scalars = acc.Tags()["scalars"]
+    assert {"train_loss", "loss"} & set(scalars), scalars  # the script's own
+    prepared = json.loads((reports / "000000-after_prepare.json").read_text())
+    found = [(e.step, e.value) for e in acc.Scalars("precision/mismatches/found")]
+    assert (0, prepared["mismatches"]["found"]) in found
+    assert "precision/after_prepare/modules/text_summary" in acc.Tags()["tensors"]
 
 
 def test_full_fine_tune_bf16_final_inference_runs(assets, tmp_path):
