@@ -295,6 +295,7 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
             try:
                 tracker.submit(payload, first_event=first_event)
             except Exception as err:
+                tracker.enabled = False  # said once below; the files go on
                 self._failed(
                     name,
                     f"could not log {'the dtype map of ' if payload.module_columns else ''}"
@@ -308,6 +309,7 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
             try:
                 tracker.flush()
             except Exception as err:
+                tracker.enabled = False
                 self._failed(name, f"could not log to {tracker.label} ({err})")
 
     def _failed(self, what: str, detail: str) -> None:

@@ -178,6 +178,27 @@ def test_a_missing_tensorboard_is_said_once_and_only_when_asked(
     assert "pip install tensorboard" in msgs[0]
 
 
+def test_a_failing_writer_warns_once_and_the_files_go_on(tmp_path: Path) -> None:
+    class Broken:
+        def add_scalar(self, *args: Any, **kwargs: Any) -> None:
+            raise OSError("disk full")
+
+    reporter = PrecisionReporter(
+        tmp_path, console=False, picture=False, trackers={"tensorboard": Broken}
+    )
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for step in (0, 1):
+            reporter.log_event("on_evaluate", tiny_llava(), step=step)
+    msgs = [str(w.message) for w in record if issubclass(w.category, PrecisionWarning)]
+    assert len(msgs) == 1 and "to TensorBoard (OSError: disk full)" in msgs[0], msgs
+    assert "report_to without 'tensorboard'" in msgs[0]
+    assert {p.name for p in tmp_path.glob("*.json")} == {
+        "000000-on_evaluate.json",
+        "000001-on_evaluate.json",
+    }
+
+
 def test_markdown_table_escapes_cells() -> None:
     table = report_tensorboard.markdown_table(["a"], [["x|y\nz"]])
     assert table.splitlines() == ["| a |", "|---|", "| x\\|y z |"]
