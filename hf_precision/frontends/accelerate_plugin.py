@@ -100,6 +100,8 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         lost_updates: ``"auto"`` watches the first optimizer steps of half-precision trainable
             weights and warns when their updates round away (``hf_precision.engine.lost_updates``);
             ``"off"``.
+        keep_fp32: extra ``keep_fp32`` patterns added to the policy, given or inferred (the
+            launcher's ``--keep-fp32``).
 
     >>> guard = PrecisionGuardPlugin("bf16", mode="raise")
     """
@@ -116,7 +118,9 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         report_dir: str | os.PathLike[str] | None = None,
         blame: BlameMode = "auto",
         lost_updates: LostUpdates = "auto",
+        keep_fp32: tuple[str, ...] | list[str] = (),
     ) -> None:
+        self.extra_keep_fp32 = tuple(keep_fp32)
         self.blame_mode = check_mode(blame, call="PrecisionGuardPlugin")
         #: one blame per guarded model (:mod:`hf_precision.engine.blame`)
         self.blames: list[NonFiniteBlame] = []
@@ -142,6 +146,21 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         self._said = ""  # the accelerator's mixed precision as the user set it
         self.lost_updates = check_option(lost_updates, call=self._call)
         self._lost: LostUpdateCheck | None = None
+
+    @property
+    def reporter(self) -> Any:
+        """The :class:`~hf_precision.report.reporting.PrecisionReporter` the events write to
+        (``None`` before :meth:`prepare`, or with ``report=False``); a launcher may set its own."""
+        return self._reporter
+
+    @reporter.setter
+    def reporter(self, value: Any) -> None:
+        self._reporter = value
+
+    def _with_overrides(self, policy: PrecisionPolicy) -> PrecisionPolicy:
+        policy = super()._with_overrides(policy)
+        missing = tuple(p for p in self.extra_keep_fp32 if p not in policy.keep_fp32)
+        return policy.replace(keep_fp32=(*policy.keep_fp32, *missing)) if missing else policy
 
     # ------------------------------------------------------------------ accelerate
     def prepare(self, accelerator: Any, *objects: Any, **kwargs: Any) -> Any:
@@ -328,12 +347,17 @@ class PrecisionGuardPlugin(GuardFrontEnd):
                 )
             return self.verify(self.setup(model), event, check_ranks=check_ranks)
         g = self._entry(model)
-        if model is not None and model is not g.model and model is not g.root:
-            g.model = model  # a wrapper made outside prepare (FSDP1, DDP) around the same model
-        g.policy, g.reporter, g.deepspeed_dtype = policy, self._reporter, self.deepspeed_dtype
-        g.deepspeed_stage = self.deepspeed_stage
+        # a wrapper made outside prepare (FSDP1, DDP) around the same model: the engine holds it
+        held = model if model is not None and model is not g.model and model is not g.root else None
+        g.configure(
+            policy=policy,
+            reporter=self._reporter,
+            deepspeed_dtype=self.deepspeed_dtype,
+            deepspeed_stage=self.deepspeed_stage,
+        )
         report = g.verify(
             event,
+            model=held,
             wrapper="auto",
             optimizer=self._optimizers[0] if self._optimizers else None,
             step=self.steps,

@@ -333,8 +333,10 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
                 if self.write_reports:
                     from ..report.reporting import PrecisionReporter
 
-                    other.reporter = PrecisionReporter.from_training_args(
-                        args, report_dir=self.report_dir, report_to=self.report_to
+                    other.configure(
+                        reporter=PrecisionReporter.from_training_args(
+                            args, report_dir=self.report_dir, report_to=self.report_to
+                        )
                     )
                 self.trainer_guards[name] = other
             other.verify(  # not the Trainer's wrapper: TRL prepares these in evaluation mode

@@ -153,14 +153,18 @@ def plugin_for(accelerator: Any) -> Any:
     if config.tool is None:
         os.environ.setdefault(ENV_TOOL, tool_name(sys.argv))
     refuse_cpu_fp16(accelerator, config)
-    policy = config.resolved_policy(call=f"{autostart.ENV_GUARD}={config.policy!r}")
-    if policy is None and config.keep_fp32:
-        from ..rules.policy import PrecisionPolicy
-
-        policy = PrecisionPolicy.from_accelerator(accelerator)
-        policy = policy.replace(keep_fp32=(*policy.keep_fp32, *config.keep_fp32))
-    plugin = PrecisionGuardPlugin(policy, mode=config.mode, report_dir=config.report_dir)  # type: ignore[arg-type]
-    plugin._reporter = _reporter(accelerator, config)
+    call = f"{autostart.ENV_GUARD}={config.policy!r}"
+    config.check_blame(call=call)
+    policy = config.resolved_policy(call=call)
+    plugin = PrecisionGuardPlugin(
+        policy,
+        mode=config.mode,  # type: ignore[arg-type]  # checked by LaunchConfig.check
+        report_dir=config.report_dir,
+        blame=config.blame,  # type: ignore[arg-type]
+        # an inferred policy gets the --keep-fp32 patterns at prepare (a given one has them)
+        keep_fp32=config.keep_fp32 if policy is None else (),
+    )
+    plugin.reporter = _reporter(accelerator, config)
     setattr(accelerator, PLUGIN_ATTR, plugin)
     _announce(accelerator, plugin, config)
     return plugin
@@ -332,7 +336,7 @@ def guard_as_loaded(comps: dict[str, Any], accelerator: Any, event: str) -> Any:
         one = guard_diffusion(
             {key: module},
             loaded_policy(mp, {key: module}),
-            reporter=getattr(plugin, "_reporter", None),
+            reporter=getattr(plugin, "reporter", None),
             event=f"{event}-{name}",
             step=getattr(plugin, "steps", 0),
         )
