@@ -162,7 +162,7 @@ def plugin_for(accelerator: Any) -> Any:
     if plugin is not None:
         return plugin
     from ..frontends.accelerate_plugin import PrecisionGuardPlugin
-    from .launcher import ENV_MODE, ENV_TOOL, LaunchConfig, tool_name
+    from .launch_config import ENV_MODE, ENV_TOOL, LaunchConfig, tool_name
 
     config = LaunchConfig.from_env()
     if config.tool is None:
@@ -216,7 +216,7 @@ def refuse_cpu_fp16(accelerator: Any, config: Any) -> None:
     device = str(getattr(accelerator, "device", "cpu"))
     if str(getattr(accelerator, "mixed_precision", "no")) != "fp16" or device != "cpu":
         return
-    from .launcher import tool_name
+    from .launch_config import tool_name
 
     tool = config.tool or tool_name(sys.argv)
     raise PrecisionError(
@@ -232,7 +232,7 @@ def refuse_cpu_fp16(accelerator: Any, config: Any) -> None:
 def _announce(accelerator: Any, plugin: Any, config: Any) -> None:
     if not getattr(accelerator, "is_main_process", True):
         return
-    from .launcher import tool_name
+    from .launch_config import tool_name
 
     where = config.report_dir or os.path.join(
         getattr(accelerator, "project_dir", None) or ".", "precision"
