@@ -116,3 +116,26 @@ def test_off_watches_nothing(tmp_path):
     plugin = PrecisionGuardPlugin("bf16-true", lost_updates="off")
     assert _loop(tmp_path, plugin, Lora()) == []
     assert plugin._lost is None and not list((tmp_path / "precision").glob("*lost_updates*"))
+
+
+def test_under_fp16_trainable_half_weights_become_fp32_or_are_refused_before_casting():
+    """#30 item 3, fp16 as for the Trainer: the inferred policy holds the LoRA weights in fp32;
+    a policy that trains them in fp16 is refused before anything is cast (the GradScaler
+    would raise 'Attempting to unscale FP16 gradients')."""
+    from accelerate import Accelerator
+
+    from hf_precision import PrecisionError
+
+    model = Lora().to(torch.float16)
+    optimizer = torch.optim.AdamW([model.lora_A.weight, model.lora_B.weight], lr=1e-5)
+    plugin = PrecisionGuardPlugin(report=False)
+    plugin.prepare(Accelerator(cpu=True, mixed_precision="fp16"), model, optimizer)
+    assert model.lora_A.weight.dtype == model.lora_B.weight.dtype == torch.float32
+    assert model.base.weight.dtype == torch.float16
+    assert optimizer.param_groups[0]["params"][0] is model.lora_A.weight
+    kept = Lora().to(torch.float16)
+    with pytest.raises(PrecisionError, match="Attempting to unscale FP16 gradients"):
+        PrecisionGuardPlugin("fp16-true", report=False).prepare(
+            Accelerator(cpu=True, mixed_precision="fp16"), kept
+        )
+    assert kept.lora_A.weight.dtype == torch.float16  # nothing cast
