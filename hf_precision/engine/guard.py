@@ -504,6 +504,29 @@ class PrecisionGuard:
     def __repr__(self) -> str:
         return f"PrecisionGuard({self.policy.describe()}, rule={self.groups.rule!r})"
 
+    def configure(self, **fields: Any) -> None:
+        """What a front end learns after it built the engine, said before an event: ``policy``
+        (a :class:`PrecisionPolicy`; a restored checkpoint's), ``reporter``, ``deepspeed_dtype``,
+        ``deepspeed_stage`` and ``origin`` (the constructor's meanings). Another name, or a
+        value of the wrong kind, raises :class:`TypeError` naming it."""
+        kinds: dict[str, tuple[type, ...]] = {
+            "policy": (PrecisionPolicy,),
+            "reporter": (object,),
+            "deepspeed_dtype": (torch.dtype, type(None)),
+            "deepspeed_stage": (int, type(None)),
+            "origin": (str, type(None)),
+        }
+        for name, value in fields.items():
+            if name not in kinds:
+                raise TypeError(
+                    f"{self.name}.configure({name}=...): no such field; one of {', '.join(kinds)}"
+                )
+            if not isinstance(value, kinds[name]):
+                want = " or ".join(k.__name__ for k in kinds[name])
+                raise TypeError(f"{self.name}.configure({name}={value!r}): expected {want}")
+        for name, value in fields.items():
+            setattr(self, name, value)
+
 
 def __getattr__(name: str) -> Any:
     """``GuardFrontEnd`` lived here (:mod:`hf_precision.engine.frontend` now: it sits above us)."""

@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,39 +45,25 @@ from torch import nn
 
 from ..base.wrappers import unwrap_model
 from ..engine.batch import PrecisionCollator
-from ..engine.blame import BlameMode, NonFinite, NonFiniteBlame, check_mode
+from ..engine.blame import BlameMode, NonFiniteBlame, check_mode
 from ..engine.deepspeed_config import check_deepspeed_config, deepspeed_config_of, zero_stage
 from ..engine.distributed import rank
 from ..engine.enforce import EnforceReport
 from ..engine.frontend import GuardFrontEnd, PrecisionGuard, policy_origin
-from ..engine.lost_updates import LostUpdateCheck, LostUpdates, check_option, watch
-from ..errors import PrecisionError, PrecisionWarning
+from ..engine.lost_updates import LostUpdateCheck, LostUpdates, check_option
+from ..errors import PrecisionError
 from ..report.reporting import PrecisionReporter
 from ..rules import flags
 from ..rules.dtypes import dtype_name
 from ..rules.policy import LeafGuards, Mode, PrecisionPolicy
-from ..rules.policy_spec import parse_policy, refuse_fp16_trainables
+from ..rules.policy_spec import refuse_fp16_trainables
+from .accelerate_checkpoint import POLICY_FILE, PluginCheckpointing, policy_from_checkpoint
+from .accelerate_steps import PluginSteps
 
 logger = logging.getLogger("hf_precision")
 
-#: Written beside every ``accelerator.save_state`` checkpoint (``PrecisionPolicy.from_json``).
-POLICY_FILE = "precision_policy.json"
-_STATE_VERSION = 1
 
-
-def policy_from_checkpoint(path: str | os.PathLike[str]) -> PrecisionPolicy:
-    """The policy saved beside a checkpoint (``<path>/precision_policy.json``)."""
-    file = Path(path) / POLICY_FILE if Path(path).is_dir() else Path(path)
-    if not file.is_file():
-        raise PrecisionError(
-            f"policy_from_checkpoint({os.fspath(path)!r}): no {POLICY_FILE} "
-            "there. Fix: pass a folder written by accelerator.save_state with "
-            "a PrecisionGuardPlugin registered."
-        )
-    return parse_policy(file)
-
-
-class PrecisionGuardPlugin(GuardFrontEnd):
+class PrecisionGuardPlugin(PluginSteps, PluginCheckpointing, GuardFrontEnd):
     """Enforce one precision policy in a plain accelerate loop (and verify it under DDP, FSDP
     and DeepSpeed).
 
@@ -100,6 +84,8 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         lost_updates: ``"auto"`` watches the first optimizer steps of half-precision trainable
             weights and warns when their updates round away (``hf_precision.engine.lost_updates``);
             ``"off"``.
+        keep_fp32: extra ``keep_fp32`` patterns added to the policy, given or inferred (the
+            launcher's ``--keep-fp32``).
 
     >>> guard = PrecisionGuardPlugin("bf16", mode="raise")
     """
@@ -116,7 +102,9 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         report_dir: str | os.PathLike[str] | None = None,
         blame: BlameMode = "auto",
         lost_updates: LostUpdates = "auto",
+        keep_fp32: tuple[str, ...] | list[str] = (),
     ) -> None:
+        self.extra_keep_fp32 = tuple(keep_fp32)
         self.blame_mode = check_mode(blame, call="PrecisionGuardPlugin")
         #: one blame per guarded model (:mod:`hf_precision.engine.blame`)
         self.blames: list[NonFiniteBlame] = []
@@ -142,6 +130,26 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         self._said = ""  # the accelerator's mixed precision as the user set it
         self.lost_updates = check_option(lost_updates, call=self._call)
         self._lost: LostUpdateCheck | None = None
+
+    @property
+    def reporter(self) -> Any:
+        """The :class:`~hf_precision.report.reporting.PrecisionReporter` the events write to
+        (``None`` before :meth:`prepare`, or with ``report=False``); a launcher may set its own."""
+        return self._reporter
+
+    @reporter.setter
+    def reporter(self, value: Any) -> None:
+        self._reporter = value
+
+    @property
+    def guards(self) -> list[PrecisionGuard]:
+        """The engines, one per guarded model (``sections`` holds each one's ``lost_updates``)."""
+        return list(self._guarded)
+
+    def _with_overrides(self, policy: PrecisionPolicy) -> PrecisionPolicy:
+        policy = super()._with_overrides(policy)
+        missing = tuple(p for p in self.extra_keep_fp32 if p not in policy.keep_fp32)
+        return policy.replace(keep_fp32=(*policy.keep_fp32, *missing)) if missing else policy
 
     # ------------------------------------------------------------------ accelerate
     def prepare(self, accelerator: Any, *objects: Any, **kwargs: Any) -> Any:
@@ -230,67 +238,6 @@ class PrecisionGuardPlugin(GuardFrontEnd):
             obj.collate_fn = PrecisionCollator(obj.collate_fn, policy, model=model)
         return obj
 
-    def _hook_optimizer(self, optimizer: Any) -> None:
-        inner = getattr(optimizer, "optimizer", optimizer)
-        if not hasattr(inner, "register_step_pre_hook"):  # DeepSpeed's own optimizers
-            logger.info(
-                "hf-precision: %s has no step pre-hook; dtypes are checked at evaluations only",
-                type(inner).__name__,
-            )
-            return
-        self._optimizers.append(inner)
-        if self.lost_updates == "auto" and self._guarded and self._lost is None:
-            self._lost = watch(self._guarded[0], inner, tool="accelerate")
-        if self.check_every or self.blame_mode != "off":
-            self._handles.append(inner.register_step_pre_hook(self._step_pre_hook))
-
-    def _step_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.steps += 1
-        # events that waited for init_trackers' writer/run
-        flush = getattr(self._reporter, "flush_trackers", None)
-        if flush is not None:
-            flush()
-        self._blame_step()
-        if not self.check_every or self.steps % self.check_every:
-            return
-        for g in self._guarded:
-            # Cheap: one dtype read per parameter tensor; the full check runs only on a change.
-            if g.drifted():
-                self.verify(g.model, "before_optimizer_step", check_ranks=False)
-
-    # ------------------------------------------------------------------ blame
-    def observe(self, loss: Any = None, grad_norm: Any = None) -> bool:
-        """What the loop logs: a non-finite ``loss`` or ``grad_norm`` arms the blame
-        (``auto``); the next step is inspected. A tensor is read (a device sync: pass the value
-        you log anyway). Returns whether it armed now."""
-        logs = {k: v for k, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None}
-        return any([b.observe(logs, step=self.steps) for b in self.blames])
-
-    def blame_next_step(self, *, backward: bool = True) -> None:
-        """Arm the blame on request: the next step's forward (and backward) is inspected."""
-        for b in self.blames:
-            if b.mode != "off":
-                b.arm(f"on request at step {self.steps}", backward=backward)
-
-    def _blame_step(self) -> list[NonFinite]:
-        """At the optimizer step: a step the GradScaler skipped (inf gradients) arms ``auto``;
-        an armed blame reports what it saw in this step's forward and backward."""
-        found = []
-        skipped = bool(getattr(self._accelerator, "optimizer_step_was_skipped", False))
-        for b in self.blames:
-            if skipped and b.mode == "auto" and not b.armed and not b.findings:
-                b.arm(
-                    f"armed by a step the GradScaler skipped before step {self.steps}",
-                    backward=True,
-                )
-            elif b.armed:
-                finding = b.collect(step=self.steps)
-                if finding is not None:
-                    found.append(finding)
-                    if self._reporter is not None:
-                        self._reporter.log_nonfinite(finding, step=self.steps)
-        return found
-
     # ------------------------------------------------------------------ any loop
     def setup(self, model: nn.Module) -> nn.Module:
         """Before wrapping: cast to the policy, install the guards, check the ranks agree.
@@ -332,12 +279,17 @@ class PrecisionGuardPlugin(GuardFrontEnd):
                 )
             return self.verify(self.setup(model), event, check_ranks=check_ranks)
         g = self._entry(model)
-        if model is not None and model is not g.model and model is not g.root:
-            g.model = model  # a wrapper made outside prepare (FSDP1, DDP) around the same model
-        g.policy, g.reporter, g.deepspeed_dtype = policy, self._reporter, self.deepspeed_dtype
-        g.deepspeed_stage = self.deepspeed_stage
+        # a wrapper made outside prepare (FSDP1, DDP) around the same model: the engine holds it
+        held = model if model is not None and model is not g.model and model is not g.root else None
+        g.configure(
+            policy=policy,
+            reporter=self._reporter,
+            deepspeed_dtype=self.deepspeed_dtype,
+            deepspeed_stage=self.deepspeed_stage,
+        )
         report = g.verify(
             event,
+            model=held,
             wrapper="auto",
             optimizer=self._optimizers[0] if self._optimizers else None,
             step=self.steps,
@@ -382,39 +334,6 @@ class PrecisionGuardPlugin(GuardFrontEnd):
         finally:
             # after an error, repair locally but skip the collective: other ranks may not be here
             self.verify(g.model, "after_evaluate", check_ranks=ok)
-
-    # ------------------------------------------------------------------ checkpointing
-    def state_dict(self) -> dict[str, Any]:
-        """What ``accelerator.save_state`` stores for the guard: the policy and the step."""
-        assert self.policy is not None
-        return {"version": _STATE_VERSION, "policy": self.policy.to_dict(), "steps": self.steps}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the policy (``accelerator.load_state``) and verify the models against it."""
-        if state.get("version") != _STATE_VERSION or "policy" not in state:
-            raise PrecisionError(
-                f"PrecisionGuardPlugin.load_state_dict: unknown state "
-                f"{sorted(state)} (version {state.get('version')!r}). Fix: "
-                "load a checkpoint saved by this hf-precision version."
-            )
-        loaded = PrecisionPolicy.from_dict(state["policy"])
-        if self.policy is not None and loaded != self.policy:
-            warnings.warn(
-                f"PrecisionGuardPlugin.load_state: the checkpoint's policy "
-                f"{loaded.describe()} replaces {self.policy.describe()}.",
-                PrecisionWarning,
-                stacklevel=2,
-            )
-        self.policy = loaded
-        self.steps = int(state.get("steps", 0))
-        for g in self._guarded:
-            self.verify(g.model, "load_state", check_ranks=False)
-
-    def _save_state_hook(
-        self, models: list[nn.Module], weights: list[Any], output_dir: str
-    ) -> None:
-        if self.policy is not None and getattr(self._accelerator, "is_main_process", True):
-            Path(output_dir, POLICY_FILE).write_text(self.policy.to_json())
 
     def remove(self) -> None:
         """Take the guards, the optimizer hooks and the save hook off."""

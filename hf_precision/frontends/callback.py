@@ -19,13 +19,9 @@ Lifecycle (docs/architecture.md):
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
-import sys
 import warnings
-import weakref
-from types import FrameType
 from typing import Any
 
 import torch
@@ -36,32 +32,30 @@ from ..base.wrappers import unwrap_model
 from ..engine.blame import BlameMode, NonFiniteBlame, check_mode
 from ..engine.deepspeed_config import check_training_args, zero_stage
 from ..engine.enforce import EnforceReport
-from ..engine.frontend import GuardFrontEnd, PrecisionGuard, policy_origin
+from ..engine.frontend import PrecisionGuard, policy_origin
 from ..engine.hooks import GuardHandle
-from ..engine.lost_updates import LostUpdateCheck, LostUpdates, check_option, watch
+from ..engine.lost_updates import LostUpdateCheck, LostUpdates, check_option
 from ..errors import PrecisionError, PrecisionWarning
 from ..rules import flags
 from ..rules.groups import ModuleGroups
 from ..rules.policy import LeafGuards, Mode, PrecisionPolicy
 from ..rules.policy_spec import refuse_fp16_trainables
+from .callback_steps import CallbackSteps
+from .trainer_adapters import TRAINER_ADAPTERS as TRAINER_ADAPTERS  # the old path
+from .trainer_adapters import TrainerModels, find_trainer, trainer_models
 
 logger = logging.getLogger("hf_precision")
+
+#: the old private names of :mod:`.trainer_adapters`'s functions
+_find_trainer, _trainer_models = find_trainer, trainer_models
 
 #: The most the CPU copies kept across a ``*_full_eval`` evaluation may hold (trainable weights
 #: first, then what the policy keeps in float32, then other frozen tensors the in-place cast
 #: rounds); what does not fit comes back rounded, said in one warning when the copies are made.
 STASH_LIMIT_BYTES = 2 * 1024**3
 
-#: Trainer adapters (as transformers' ``INTEGRATION_TO_CALLBACK``): the top-level package a
-#: Trainer class comes from -> the module whose ``trainer_models(trainer, init_args)`` names the
-#: other models that Trainer runs. Loaded only when a Trainer of that package is seen;
-#: tests/test_layering.py checks every module here exists in ``hf_precision/integrations/``.
-TRAINER_ADAPTERS: dict[str, str] = {
-    "trl": "hf_precision.integrations.trl_models",
-}
 
-
-class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
+class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
     """Enforce one precision policy across training, evaluation, prediction and generation.
 
     Args:
@@ -164,16 +158,6 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
     @_reporter.setter
     def _reporter(self, value: Any) -> None:
         self.reporter = value
-
-    def bind_trainer(self, trainer: Any) -> None:
-        """The Trainer this callback serves, given directly (the launcher does, before
-        ``Trainer.__init__`` runs); a callback added by hand finds it in the calling frames."""
-        self._trainer = weakref.ref(trainer)  # no cycle keeps a finished Trainer alive
-
-    def _served(self) -> Any:
-        """The Trainer this callback serves (bound, else found in the calling frames): its
-        trackers' callbacks are where the report's tracker events go."""
-        return _find_trainer(self, self._trainer() if self._trainer is not None else None)[0]
 
     def _with_overrides(self, policy: PrecisionPolicy) -> PrecisionPolicy:
         policy = super()._with_overrides(policy)
@@ -311,44 +295,6 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
             event, args, guard, step=int(getattr(state, "global_step", 0) or 0)
         )
 
-    # ------------------------------------------------------------------ other models
-    def _verify_trainer_models(
-        self, event: str, args: Any, guard: PrecisionGuard, *, step: int
-    ) -> None:
-        """The other models the Trainer runs (TRL's ``ref_model``, reward, value and teacher
-        models) get this callback's policy, guards and report (``<step>-<event>.<name>.json``),
-        each its own engine. They are found by the adapter of the library the Trainer's class
-        comes from (:data:`TRAINER_ADAPTERS`, the module's ``trainer_models``)."""
-        trainer, init_args = _find_trainer(
-            self, self._trainer() if self._trainer is not None else None
-        )
-        if trainer is None:
-            return
-        for name, model in _trainer_models(trainer, init_args).items():
-            root, _ = unwrap_model(model)
-            if root is guard.root:
-                continue
-            other = self.trainer_guards.get(name)
-            if other is None or other.root is not root:
-                other = self._new_guard(
-                    model,
-                    deepspeed_dtype=self._deepspeed_dtype,
-                    deepspeed_stage=self._deepspeed_stage,
-                )
-                if self.write_reports:
-                    from ..report.reporting import PrecisionReporter
-
-                    other.reporter = PrecisionReporter.from_training_args(
-                        args, report_dir=self.report_dir, report_to=self.report_to, trainer=trainer
-                    )
-                self.trainer_guards[name] = other
-            other.verify(  # not the Trainer's wrapper: TRL prepares these in evaluation mode
-                f"{event}.{name}",
-                model=model,
-                wrapper=None if event == "on_init_end" else "auto",
-                step=step,
-            )
-
     def _provenance(self, args: Any, model: nn.Module) -> None:
         from ..engine.provenance import precision_provenance
 
@@ -356,14 +302,6 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         found = self.guard.sections["provenance"] = precision_provenance(args, model)
         if found["notable"]:
             logger.warning("hf-precision: %s", found["line"])
-
-    def _watch_updates(self, args: Any, kwargs: dict[str, Any]) -> None:
-        """Start the lost-update check on the Trainer's optimizer, once per model."""
-        optimizer = kwargs.get("optimizer")
-        if self.lost_updates == "off" or self.guard is None or optimizer is None:
-            return
-        if self._lost is None or self._lost.root is not self.guard.root:
-            self._lost = watch(self.guard, optimizer, args=args)
 
     def _stash(self) -> None:
         if self.guard is not None and self.policy is not None:
@@ -377,36 +315,6 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         # restore: a standalone evaluate() with *_full_eval ran before train()
         self._verify("on_train_begin", args, state, kwargs, check_ranks=True, restore=True)
         self._watch_updates(args, kwargs)
-
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.trace and self._tracer is None and self.trace_result is None:
-            from ..engine.trace import DtypeTrace
-
-            model = kwargs.get("model")
-            if model is not None:
-                self._tracer = DtypeTrace(model)
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        step = int(getattr(state, "global_step", 0) or 0)
-        if self._tracer is not None:
-            self.trace_result, self._tracer = self._tracer.result(), None
-            logger.info("%s", self.trace_result.line())
-            if self.reporter is not None:
-                self.reporter.log_trace(self.trace_result, step=step)
-        if self.blame is not None and self.blame.armed:
-            finding = self.blame.collect(step=step)
-            if finding is not None and self.reporter is not None:
-                self.reporter.log_nonfinite(finding, step=step)
-        if getattr(control, "should_evaluate", False):
-            self._verify("before_evaluate", args, state, kwargs)
-
-    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
-        if self.blame is not None:  # auto: a non-finite loss/grad_norm arms the next step
-            self.blame.observe(logs, step=int(getattr(state, "global_step", 0) or 0))
-        # events that waited for a tracker's writer (TensorBoard)
-        flush = getattr(self.reporter, "flush_trackers", None)
-        if flush is not None:
-            flush()
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._verify("on_evaluate", args, state, kwargs, check_ranks=True, restore=True)
@@ -426,41 +334,3 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
             self._tracer = None
         self._verify("on_train_end", args, state, kwargs)
         self._stash()
-
-
-def _find_trainer(callback: object, bound: Any = None) -> tuple[Any, dict[str, Any]]:
-    """The Trainer whose event is running with ``callback`` among its callbacks (``bound``
-    when the launcher bound it, else read from the calling frames: a callback is given the
-    model, not the Trainer), and the arguments of its ``__init__`` while that runs (at
-    ``on_init_end``: models a subclass stores only after ``Trainer.__init__`` returns)."""
-    frame: FrameType | None = sys._getframe(1)
-    trainer: Any = bound
-    init_args: dict[str, Any] = {}
-    for _ in range(64):
-        if frame is None:
-            break
-        this = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-        if trainer is None:
-            handler = getattr(this, "callback_handler", None)
-            if callback in getattr(handler, "callbacks", ()):
-                trainer = this
-        if trainer is not None and this is trainer and frame.f_code.co_name == "__init__":
-            # the outermost __init__ (the subclass's) is read last and wins
-            init_args.update({k: v for k, v in frame.f_locals.items() if k != "self"})
-        frame = frame.f_back
-    return trainer, init_args
-
-
-def _trainer_models(trainer: Any, init_args: dict[str, Any]) -> dict[str, nn.Module]:
-    """Ask the adapter of each library in the Trainer's class hierarchy (a LLaMA-Factory DPO
-    trainer is a TRL DPOTrainer) for the other models it runs."""
-    found: dict[str, nn.Module] = {}
-    for library in dict.fromkeys(c.__module__.split(".")[0] for c in type(trainer).__mro__):
-        name = TRAINER_ADAPTERS.get(library)
-        if name is None:
-            continue
-        adapter = importlib.import_module(name)
-        models = getattr(adapter, "trainer_models", None)
-        if models is not None:
-            found.update({k: v for k, v in models(trainer, init_args).items() if k not in found})
-    return found

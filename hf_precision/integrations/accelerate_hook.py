@@ -13,13 +13,14 @@ diffusers' example training scripts, kohya-style scripts and custom loops build 
 * ``Accelerator.prepare``: the models passed go through a
   :class:`~hf_precision.PrecisionGuardPlugin` (one per accelerator, policy from its
   ``mixed_precision``: under bf16/fp16 the trainable weights become fp32, so a LoRA trained in
-  bf16 no longer rounds its updates away), reports in ``<project_dir>/precision``.
-  (TODO for the lead: where the policy keeps trainable weights in half precision on purpose
-  (``--policy bf16-true``), the lost-update check the Trainer path gets from
-  ``hf_precision/engine/lost_updates.py`` belongs on the plugin's optimizer step pre-hook too.) A
-  prepare
-  with fp16 on a CPU (no fp16 autocast, no GradScaler there) is refused before anything is cast,
-  with the fix;
+  bf16 no longer rounds its updates away), reports in ``<project_dir>/precision``; an optimizer
+  prepared on its own after the model goes through it too. The plugin runs the lost-update check
+  (:mod:`hf_precision.engine.lost_updates`) on the optimizer's first steps, as the Trainer path
+  does: the ``lost_updates`` section and event give the share of sampled elements each step left
+  unchanged, and where the trainable weights stay in half precision (``--mode audit``,
+  ``--policy bf16-true``) and lose updates, one warning with the fix in the launcher's flags. A
+  prepare with fp16 on a CPU (no fp16 autocast, no GradScaler there) is refused before anything
+  is cast, with the fix;
 * ``Accelerator.accumulate`` / ``backward``: the first call after a prepare (the loop's start:
   scripts cast their VAE and text encoders to ``weight_dtype`` after prepare) guards the models
   built with ``from_pretrained`` that nothing guards yet (VAE, text and image encoders, EMA
@@ -103,13 +104,11 @@ def _wrap_init(init: Any) -> Any:
 def _wrap_prepare(prepare: Any) -> Any:
     @functools.wraps(prepare)
     def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from torch import nn
-
         if (
             getattr(_state, "depth", 0)
             or not autostart.enabled()
             or getattr(self, TRAINER_ATTR, False)
-            or not any(isinstance(a, nn.Module) for a in args)
+            or not _guards_any(self, args)
         ):
             return prepare(self, *args, **kwargs)
         plugin = plugin_for(self)
@@ -125,6 +124,22 @@ def _wrap_prepare(prepare: Any) -> Any:
 
     setattr(wrapped, _WRAPPED_ATTR, True)
     return wrapped
+
+
+def _guards_any(accelerator: Any, objects: tuple[Any, ...]) -> bool:
+    """Whether the plugin takes this prepare: it holds a model, or an optimizer prepared on its
+    own after the plugin guards a model (its step hooks and the lost-update check)."""
+    import torch
+    from torch import nn
+
+    if any(isinstance(o, nn.Module) for o in objects):
+        return True
+    plugin = getattr(accelerator, PLUGIN_ATTR, None)
+    return (
+        plugin is not None
+        and bool(plugin.guards)
+        and any(isinstance(o, torch.optim.Optimizer) for o in objects)
+    )
 
 
 def _wrap_loop_start(method: Any) -> Any:
@@ -147,20 +162,29 @@ def plugin_for(accelerator: Any) -> Any:
     if plugin is not None:
         return plugin
     from ..frontends.accelerate_plugin import PrecisionGuardPlugin
-    from .launcher import ENV_TOOL, LaunchConfig, tool_name
+    from .launch_config import ENV_MODE, ENV_TOOL, LaunchConfig, tool_name
 
     config = LaunchConfig.from_env()
     if config.tool is None:
         os.environ.setdefault(ENV_TOOL, tool_name(sys.argv))
     refuse_cpu_fp16(accelerator, config)
-    policy = config.resolved_policy(call=f"{autostart.ENV_GUARD}={config.policy!r}")
-    if policy is None and config.keep_fp32:
-        from ..rules.policy import PrecisionPolicy
-
-        policy = PrecisionPolicy.from_accelerator(accelerator)
-        policy = policy.replace(keep_fp32=(*policy.keep_fp32, *config.keep_fp32))
-    plugin = PrecisionGuardPlugin(policy, mode=config.mode, report_dir=config.report_dir)  # type: ignore[arg-type]
-    plugin._reporter = _reporter(accelerator, config)
+    call = f"{autostart.ENV_GUARD}={config.policy!r}"
+    config.check_blame(call=call)
+    policy = config.resolved_policy(call=call)
+    plugin = PrecisionGuardPlugin(
+        policy,
+        mode=config.mode,  # type: ignore[arg-type]  # checked by LaunchConfig.check
+        report_dir=config.report_dir,
+        blame=config.blame,  # type: ignore[arg-type]
+        # an inferred policy gets the --keep-fp32 patterns at prepare (a given one has them)
+        keep_fp32=config.keep_fp32 if policy is None else (),
+    )
+    plugin.reporter = _reporter(accelerator, config)
+    plugin.lost_updates_fix = (
+        f"the guard's bf16 policy in mode fix (hf-precision run --policy bf16 --mode fix, or "
+        f"{autostart.ENV_GUARD}=bf16 {ENV_MODE}=fix): it holds trainable weights in float32 "
+        "and computes in bf16"
+    )
     setattr(accelerator, PLUGIN_ATTR, plugin)
     _announce(accelerator, plugin, config)
     return plugin
@@ -192,7 +216,7 @@ def refuse_cpu_fp16(accelerator: Any, config: Any) -> None:
     device = str(getattr(accelerator, "device", "cpu"))
     if str(getattr(accelerator, "mixed_precision", "no")) != "fp16" or device != "cpu":
         return
-    from .launcher import tool_name
+    from .launch_config import tool_name
 
     tool = config.tool or tool_name(sys.argv)
     raise PrecisionError(
@@ -208,7 +232,7 @@ def refuse_cpu_fp16(accelerator: Any, config: Any) -> None:
 def _announce(accelerator: Any, plugin: Any, config: Any) -> None:
     if not getattr(accelerator, "is_main_process", True):
         return
-    from .launcher import tool_name
+    from .launch_config import tool_name
 
     where = config.report_dir or os.path.join(
         getattr(accelerator, "project_dir", None) or ".", "precision"
@@ -302,7 +326,7 @@ def guard_held(accelerator: Any) -> Any:
 
     plugin = getattr(accelerator, PLUGIN_ATTR, None)
     inside = {
-        id(m) for g in getattr(plugin, "_guarded", ()) for m in unwrap_model(g.model)[0].modules()
+        id(m) for g in getattr(plugin, "guards", ()) for m in unwrap_model(g.model)[0].modules()
     }
     comps: dict[str, Any] = {}
     for model in list(tracked):
@@ -332,7 +356,7 @@ def guard_as_loaded(comps: dict[str, Any], accelerator: Any, event: str) -> Any:
         one = guard_diffusion(
             {key: module},
             loaded_policy(mp, {key: module}),
-            reporter=getattr(plugin, "_reporter", None),
+            reporter=getattr(plugin, "reporter", None),
             event=f"{event}-{name}",
             step=getattr(plugin, "steps", 0),
         )

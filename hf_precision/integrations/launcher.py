@@ -18,6 +18,12 @@ only), whose import hook waits for ``transformers.trainer`` and then calls
 callback before the original ``__init__`` runs, so ``on_init_end`` fires. Workers started by
 torchrun, ``accelerate launch`` and ``deepspeed`` inherit the environment and are guarded too.
 
+The launcher is split by job: this module binds the guard to each ``Trainer``;
+:mod:`.launch_config` reads the environment below into a :class:`LaunchConfig`;
+:mod:`.launch_cli` is ``hf-precision run`` / ``install-hook`` (the command's environment, the
+``exec``, the start-up line); :mod:`.accelerate_hook` reaches plain accelerate loops. Every name
+they define is importable from here too.
+
 Environment variables (``hf-precision run`` sets them from its flags):
 
 * ``HF_PRECISION_GUARD``: ``auto`` (the policy inferred from the Trainer's arguments), a preset
@@ -44,264 +50,43 @@ Environment variables (``hf-precision run`` sets them from its flags):
 
 from __future__ import annotations
 
-import argparse
 import functools
 import inspect
-import json
 import os
-import re
-import shutil
 import sys
-import sysconfig
 import threading
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from ..base.names import PRESET_NAMES
-from ..errors import PrecisionError, did_you_mean
 from . import autostart
-
-ENV_GUARD = autostart.ENV_GUARD
-ENV_MODE = "HF_PRECISION_MODE"
-ENV_KEEP_FP32 = "HF_PRECISION_KEEP_FP32"
-ENV_REPORT_DIR = "HF_PRECISION_REPORT_DIR"
-ENV_TOOL = "HF_PRECISION_TOOL"  # = flags.ENV (flags imports torch; --help must not)
-ENV_BLAME = "HF_PRECISION_BLAME"  # = blame.ENV_BLAME (blame imports torch)
-ENV_TRACE = "HF_PRECISION_TRACE"
-BLAME_MODES = ("off", "auto", "always")  # = blame.BLAME_MODES
-#: how the guard was switched on, for the log line (``hf-precision run`` sets it)
-ENV_VIA = "HF_PRECISION_VIA"
-ENV_VARS = (
+from .launch_cli import (
+    BOOT_DIR,
+    PTH_NAME,
+    PTH_SOURCE,
+    add_cli,
+    command_env,
+    install_hook,
+    run_cli,
+    run_command,
+)
+from .launch_config import (
+    BLAME_MODES,
+    ENV_BLAME,
     ENV_GUARD,
-    ENV_MODE,
     ENV_KEEP_FP32,
+    ENV_MODE,
     ENV_REPORT_DIR,
     ENV_TOOL,
-    ENV_VIA,
-    ENV_BLAME,
     ENV_TRACE,
+    ENV_VARS,
+    ENV_VIA,
+    LAUNCHED_ATTR,
+    MODES,
+    LaunchConfig,
+    parse_keep_fp32,
+    tool_name,
 )
-MODES = ("fix", "audit", "raise")
 
-#: the ``sitecustomize`` folder ``hf-precision run`` puts first on ``PYTHONPATH``
-BOOT_DIR = Path(__file__).resolve().parent / "_boot"
-#: the start-up line a wheel install puts in site-packages (``hf-precision install-hook``)
-PTH_NAME = "hf_precision_guard.pth"
-PTH_SOURCE = Path(__file__).resolve().parent / PTH_NAME
-#: marks the callback this module added (``trainer.add_callback`` of the user's own replaces it)
-LAUNCHED_ATTR = "_hf_precision_launched"
 _WRAPPED_ATTR = "_hf_precision_wrapped"
-
-# launchers whose own arguments come before the user's script
-_LAUNCHERS = ("torchrun", "accelerate", "deepspeed", "python", "python3", "uv", "uvx")
-_LAUNCHER_MODULES = (
-    "torch.distributed.run",
-    "torch.distributed.launch",
-    "accelerate.commands.launch",
-    "deepspeed.launcher.runner",
-)
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """What the environment asks for: the policy (``"auto"``, a preset, a JSON string or path),
-    the mode override, extra keep-fp32 patterns, the report folder and the user's tool."""
-
-    policy: str = "auto"
-    mode: str | None = None
-    keep_fp32: tuple[str, ...] = ()
-    report_dir: str | None = None
-    tool: str | None = None
-    via: str = ENV_GUARD
-    blame: str = "auto"
-    trace: bool = False
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> LaunchConfig:
-        env = os.environ if environ is None else environ
-        keep = env.get(ENV_KEEP_FP32, "").strip()
-        return cls(
-            policy=env.get(ENV_GUARD, "auto").strip() or "auto",
-            mode=(env.get(ENV_MODE) or "").strip().lower() or None,
-            keep_fp32=parse_keep_fp32(keep, where=ENV_KEEP_FP32) if keep else (),
-            report_dir=env.get(ENV_REPORT_DIR) or None,
-            tool=env.get(ENV_TOOL) or None,
-            via=env.get(ENV_VIA) or f"{ENV_GUARD}={env.get(ENV_GUARD, 'auto')}",
-            blame=(env.get(ENV_BLAME) or "auto").strip().lower(),
-            trace=(env.get(ENV_TRACE) or "").strip().lower() in ("1", "true", "yes", "on"),
-        )
-
-    def to_env(self) -> dict[str, str]:
-        """The variables that carry this configuration to the process tree."""
-        env = {ENV_GUARD: self.policy, ENV_VIA: self.via}
-        if self.mode:
-            env[ENV_MODE] = self.mode
-        if self.keep_fp32:
-            env[ENV_KEEP_FP32] = json.dumps(list(self.keep_fp32))
-        if self.report_dir:
-            env[ENV_REPORT_DIR] = self.report_dir
-        if self.tool:
-            env[ENV_TOOL] = self.tool
-        if self.blame != "auto":
-            env[ENV_BLAME] = self.blame
-        if self.trace:
-            env[ENV_TRACE] = "1"
-        return env
-
-    def resolved_policy(self, *, call: str) -> Any:
-        """``None`` for ``auto``, else the :class:`PrecisionPolicy` (preset, JSON text, or JSON
-        file), with the extra keep-fp32 patterns; a bad value raises a :class:`PrecisionError`
-        that names ``call`` and the fix."""
-        if self.policy.lower() == "auto":
-            return None
-        text = self.policy
-        self._check_names(call=call)
-        from ..rules.policy import PRESETS
-        from ..rules.policy_spec import parse_policy
-
-        try:
-            if text in PRESETS or text.lstrip()[:1] == "{" or Path(text).expanduser().is_file():
-                policy = parse_policy(text)
-            else:
-                hint = did_you_mean(text, ["auto", *PRESETS])
-                raise PrecisionError(
-                    f"{call}: {text!r} is neither 'auto', a preset ({', '.join(PRESETS)}), a "
-                    f"policy JSON string nor an existing policy JSON file.{hint} Fix: "
-                    f"--policy auto, --policy bf16, or --policy path/to/policy.json "
-                    f"(PrecisionPolicy.to_json() writes one)."
-                )
-        except PrecisionError as err:  # from_json names what does not parse
-            if str(err).startswith(call):
-                raise
-            raise PrecisionError(f"{call}: {err}") from None
-        if self.keep_fp32:
-            policy = policy.replace(keep_fp32=(*policy.keep_fp32, *self.keep_fp32))
-        return policy
-
-    def _check_names(self, *, call: str) -> None:
-        """What needs no engine (torch): a policy that is no preset name, no JSON text and no
-        file, JSON text that does not parse, a bad ``re:`` pattern; said before torch loads."""
-        text = self.policy
-        if text.lower() == "auto":
-            pass
-        elif text.lstrip().startswith("{"):
-            try:
-                json.loads(text)
-            except json.JSONDecodeError as err:
-                raise PrecisionError(f"{call}: the policy is not valid JSON ({err})") from None
-        elif text not in PRESET_NAMES and not Path(text).expanduser().is_file():
-            hint = did_you_mean(text, ["auto", *PRESET_NAMES])
-            raise PrecisionError(
-                f"{call}: {text!r} is neither 'auto', a preset ({', '.join(PRESET_NAMES)}), a "
-                f"policy JSON string nor an existing policy JSON file.{hint} Fix: "
-                f"--policy auto, --policy bf16, or --policy path/to/policy.json "
-                f"(PrecisionPolicy.to_json() writes one)."
-            )
-        for pat in self.keep_fp32:
-            try:
-                re.compile(pat[3:]) if pat.startswith("re:") else None
-            except re.error as err:
-                raise PrecisionError(
-                    f"{call}: --keep-fp32 {pat!r}: bad regex: {err}. Fix: escape it or drop the "
-                    "'re:' prefix for a plain path."
-                ) from None
-
-    def check(self, *, call: str) -> None:
-        """Validate everything before any process starts (``hf-precision run``)."""
-        if self.mode is not None and self.mode not in MODES:
-            raise PrecisionError(
-                f"{call}: unknown mode {self.mode!r}.{did_you_mean(self.mode, MODES)} Fix: "
-                f"--mode {' / --mode '.join(MODES)} ({ENV_MODE})."
-            )
-        self._check_names(call=call)
-        self.check_blame(call=call)
-        self.resolved_policy(call=call)
-        if self.keep_fp32:
-            from ..rules.policy import PrecisionPolicy
-
-            try:
-                PrecisionPolicy.from_preset("fp32", keep_fp32=self.keep_fp32)
-            except PrecisionError as err:
-                raise PrecisionError(f"{call}: {str(err).splitlines()[0]}") from None
-
-    def check_blame(self, *, call: str) -> None:
-        if self.blame not in BLAME_MODES:
-            raise PrecisionError(
-                f"{call}: {ENV_BLAME}={self.blame!r} is not a blame mode."
-                f"{did_you_mean(self.blame, BLAME_MODES)} Fix: {ENV_BLAME}=auto (default), "
-                "always or off (hf-precision run --blame ...)."
-            )
-
-    def make_callback(self) -> Any:
-        """The :class:`PrecisionGuardCallback` for one Trainer (a new one each time: a callback
-        infers its ``auto`` policy from its own Trainer)."""
-        from ..frontends.callback import PrecisionGuardCallback
-
-        call = f"{ENV_GUARD}={self.policy!r}"
-        self.check_blame(call=call)
-        policy = self.resolved_policy(call=call)
-        mode: Any = self.mode
-        # an inferred policy gets the --keep-fp32 patterns at each Trainer (a given one has them)
-        keep = self.keep_fp32 if policy is None else ()
-        cb = PrecisionGuardCallback(
-            policy,
-            mode=mode,
-            report_dir=self.report_dir,
-            blame=self.blame,  # type: ignore[arg-type]  # checked by check_blame
-            trace=self.trace,
-            keep_fp32=keep,
-        )
-        setattr(cb, LAUNCHED_ATTR, True)
-        return cb
-
-
-def parse_keep_fp32(value: str, *, where: str) -> tuple[str, ...]:
-    """``HF_PRECISION_KEEP_FP32``: a JSON list of regexes, or regexes separated by commas."""
-    if value.startswith("["):
-        try:
-            items = json.loads(value)
-        except json.JSONDecodeError as err:
-            raise PrecisionError(
-                f"{where}={value!r}: not a JSON list ({err}). Fix: "
-                f"{where}='[\"vision_tower\\\\..*norm\"]' or comma-separated patterns."
-            ) from None
-        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
-            raise PrecisionError(f"{where}={value!r}: expected a JSON list of strings.")
-        return tuple(items)
-    return tuple(p.strip() for p in value.split(",") if p.strip())
-
-
-# ----------------------------------------------------------------------- the user's tool
-def tool_name(argv: Sequence[str]) -> str:
-    """The user's tool in ``argv`` for messages: the program's name, or for a launcher
-    (``torchrun``, ``accelerate launch``, ``deepspeed``, ``python``) the script or module it runs.
-
-    >>> tool_name(["/venv/bin/llamafactory-cli", "train", "cfg.yaml"])
-    'llamafactory-cli'
-    >>> tool_name(["python", "-m", "trl.cli", "sft"]), tool_name(["accelerate", "launch", "t.py"])
-    ('trl.cli', 't.py')
-    """
-    if not argv:
-        return "python"
-    prog = os.path.basename(argv[0])
-    launcher = prog.startswith("python") or prog in _LAUNCHERS
-    if not launcher:
-        return prog
-    rest = list(argv[1:])
-    for i, arg in enumerate(rest):
-        module = rest[i + 1] if arg in ("-m", "--module") and i + 1 < len(rest) else "-"
-        if not module.startswith("-") and module not in _LAUNCHER_MODULES:
-            return module
-        if arg == "-c" and prog.startswith("python"):
-            return f"{prog} -c"
-        if arg.endswith(".py") and not arg.startswith("-"):
-            return os.path.basename(arg)
-    positional = [a for a in rest if not a.startswith("-")]
-    if prog.startswith("python") and positional:
-        return os.path.basename(positional[0])
-    return prog
 
 
 # ----------------------------------------------------------------------- the Trainer patch
@@ -457,186 +242,28 @@ def install(policy: str | None = None, **env: str) -> None:
     autostart.activate()
 
 
-# ----------------------------------------------------------------------- hf-precision run
-_RUN_EXAMPLES = f"""examples:
-  hf-precision run -- llamafactory-cli train cfg.yaml
-  hf-precision run --policy bf16 -- trl sft --model_name_or_path ./tiny ...
-  hf-precision run --mode audit --report-dir ./precision -- torchrun --nproc_per_node 2 train.py
-  hf-precision run -- accelerate launch train_text_to_image_lora.py --mixed_precision bf16 ...
-  {ENV_GUARD}=auto llamafactory-cli train cfg.yaml      # without the wrapper (see below)
-
-Every transformers Trainer (and subclass) built in any Python process COMMAND starts gets a
-PrecisionGuardCallback; every other accelerate Accelerator (diffusers' training scripts, custom
-loops) prepares its models through a PrecisionGuardPlugin, and the pipelines and models such a
-script loads with from_pretrained are guarded as loaded; torchrun / accelerate launch /
-deepspeed workers too. The variable form
-needs the start-up line a wheel install ships (an editable install: run
-'hf-precision install-hook' once). Off: unset {ENV_GUARD} (or set it to 0)."""
-
-
-def add_cli(sub: Any) -> None:
-    """The ``run`` and ``install-hook`` subcommands of ``hf-precision``."""
-    s = sub.add_parser(
-        "run",
-        help="run a command with the guard on every Trainer it builds",
-        description="Run COMMAND so that every transformers Trainer built in any of its Python "
-        "processes gets a PrecisionGuardCallback.",
-        epilog=_RUN_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    s.add_argument(
-        "--policy",
-        default="auto",
-        help="auto (inferred from each Trainer's arguments, the default), a preset name, a "
-        "policy JSON string or a policy JSON file",
-    )
-    s.add_argument("--mode", default=None, help="fix / audit / raise (default: the policy's)")
-    s.add_argument(
-        "--keep-fp32",
-        action="append",
-        default=[],
-        metavar="PATTERN",
-        help="a weight kept in float32: exact name, path prefix, path component or "
-        "re:<regex>, as in PrecisionPolicy(keep_fp32=...) (repeatable)",
-    )
-    s.add_argument(
-        "--report-dir", default=None, help="where reports go (default <output_dir>/precision)"
-    )
-    s.add_argument(
-        "--blame",
-        default="auto",
-        choices=BLAME_MODES,
-        help="name the first module whose output turns inf/NaN: auto (default: armed by a "
-        f"non-finite logged loss or gradient norm), always, off ({ENV_BLAME})",
-    )
-    s.add_argument(
-        "--trace",
-        action="store_true",
-        help=f"record the first training step's activation dtypes, module by module ({ENV_TRACE})",
-    )
-    s.add_argument("cmd", nargs="...", metavar="-- COMMAND [ARGS...]")
-    h = sub.add_parser(
-        "install-hook",
-        help=f"install the start-up line that makes {ENV_GUARD} work (editable installs)",
-        description=f"Write {PTH_NAME} into site-packages (a wheel install ships it): Python "
-        f"then runs its one line at every start, which does nothing unless {ENV_GUARD} is set.",
-    )
-    h.add_argument("--target", default=None, help="site-packages folder (default: this Python's)")
-    h.add_argument("--remove", action="store_true", help="remove it instead")
-
-
-def run_cli(args: Any) -> int:
-    """``hf-precision run`` / ``install-hook``: dispatched here from
-    :mod:`hf_precision.tools.cli`."""
-    if args.command == "install-hook":
-        path = install_hook(args.target, remove=args.remove)
-        print(f"{'removed' if args.remove else 'installed'}: {path}")
-        return 0
-    cmd = list(args.cmd)
-    if cmd[:1] == ["--"]:
-        cmd = cmd[1:]
-    return run_command(
-        cmd,
-        policy=args.policy,
-        mode=args.mode,
-        keep_fp32=args.keep_fp32,
-        report_dir=args.report_dir,
-        blame=args.blame,
-        trace=args.trace,
-    )
-
-
-def command_env(
-    cmd: Sequence[str],
-    *,
-    policy: str = "auto",
-    mode: str | None = None,
-    keep_fp32: Sequence[str] = (),
-    report_dir: str | None = None,
-    environ: Mapping[str, str] | None = None,
-    blame: str = "auto",
-    trace: bool = False,
-) -> dict[str, str]:
-    """The environment ``hf-precision run`` gives ``cmd``: the variables, checked, and the boot
-    folder first on ``PYTHONPATH``."""
-    call = "hf-precision run"
-    if not cmd:
-        raise PrecisionError(
-            f"{call}: no command to run. Fix: hf-precision run [--policy auto] -- "
-            "llamafactory-cli train cfg.yaml"
-        )
-    if policy and policy.lower() not in ("auto",) and Path(policy).expanduser().is_file():
-        policy = str(Path(policy).expanduser().resolve())  # the workers may change directory
-    keep: list[str] = []
-    for value in keep_fp32:
-        keep.extend(parse_keep_fp32(value, where="--keep-fp32"))
-    config = LaunchConfig(
-        policy=policy or "auto",
-        mode=mode.lower() if mode else None,
-        keep_fp32=tuple(keep),
-        report_dir=str(Path(report_dir).expanduser().resolve()) if report_dir else None,
-        tool=tool_name(cmd),
-        via=call,
-        blame=blame,
-        trace=trace,
-    )
-    config.check(call=f"{call} --policy {config.policy!r}" + (f" --mode {mode}" if mode else ""))
-    env = dict(os.environ if environ is None else environ)
-    for var in ENV_VARS:
-        env.pop(var, None)
-    env.update(config.to_env())
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join([str(BOOT_DIR), *(p for p in paths if p != str(BOOT_DIR))])
-    return env
-
-
-def run_command(cmd: Sequence[str], **options: Any) -> int:
-    """Replace this process with ``cmd`` under the guard's environment (``os.execvpe``: signals,
-    exit code and terminal go straight to the command)."""
-    env = command_env(cmd, **options)
-    program = shutil.which(cmd[0], path=env.get("PATH"))
-    if program is None:
-        raise PrecisionError(
-            f"hf-precision run: command {cmd[0]!r} not found on PATH. Fix: install it or give "
-            "its full path, e.g. hf-precision run -- python train.py"
-        )
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(program, list(cmd), env)
-    return 0  # pragma: no cover
-
-
-# ----------------------------------------------------------------------- install-hook
-def install_hook(target: str | os.PathLike[str] | None = None, *, remove: bool = False) -> Path:
-    """Write (or ``remove``) ``hf_precision_guard.pth`` in ``target`` (default: this Python's
-    site-packages), the start-up line that makes ``HF_PRECISION_GUARD`` work without
-    ``hf-precision run``; a wheel install ships it, an editable install (``pip install -e``) does
-    not. Returns the file's path."""
-    folder = Path(target) if target is not None else Path(sysconfig.get_paths()["purelib"])
-    path = folder / PTH_NAME
-    if remove:
-        path.unlink(missing_ok=True)
-        return path
-    if not folder.is_dir():
-        raise PrecisionError(
-            f"hf-precision install-hook --target {folder}: no such folder. Fix: give a "
-            "site-packages folder, or no --target for this Python's."
-        )
-    path.write_text(PTH_SOURCE.read_text())
-    return path
-
-
 __all__ = [
+    "BLAME_MODES",
+    "BOOT_DIR",
+    "ENV_BLAME",
     "ENV_GUARD",
     "ENV_KEEP_FP32",
     "ENV_MODE",
     "ENV_REPORT_DIR",
     "ENV_TOOL",
+    "ENV_TRACE",
+    "ENV_VARS",
+    "ENV_VIA",
+    "LAUNCHED_ATTR",
+    "MODES",
+    "PTH_NAME",
+    "PTH_SOURCE",
     "LaunchConfig",
     "add_cli",
     "command_env",
     "install",
     "install_hook",
+    "parse_keep_fp32",
     "patch_trainer",
     "patch_trainer_module",
     "run_cli",

@@ -291,3 +291,71 @@ def test_one_dtype_map_per_event_shared_by_the_reporter_and_the_rank_check(
     guard.verify("check", check_ranks=True)
     assert len(maps) == 1 and compared == maps and reporter.last_map is maps[0]
     guard.teardown()
+
+
+def test_configure_is_the_one_way_a_front_end_changes_the_engine(tmp_path: Path) -> None:
+    """#29: a front end tells the engine what it learnt (a restored policy, its reporter, the
+    DeepSpeed dtype) through one method that names its fields, not by writing them."""
+    guard = PrecisionGuard(tiny_llava(), PrecisionPolicy.from_preset("fp32"), name="Front")
+    reporter = PrecisionReporter(tmp_path)
+    bf16 = PrecisionPolicy.from_preset("bf16")
+    guard.configure(
+        policy=bf16,
+        reporter=reporter,
+        deepspeed_dtype=torch.bfloat16,
+        deepspeed_stage=3,
+        origin="from Accelerator(mixed_precision='bf16')",
+    )
+    assert guard.policy is bf16 and guard.reporter is reporter
+    assert (guard.deepspeed_dtype, guard.deepspeed_stage) == (torch.bfloat16, 3)
+    assert guard.origin == "from Accelerator(mixed_precision='bf16')"
+    with pytest.raises(TypeError, match=r"Front.configure\(reporterr=...\): no such field"):
+        guard.configure(reporterr=reporter)
+    with pytest.raises(TypeError, match="deepspeed_stage='3'.*expected int or NoneType"):
+        guard.configure(deepspeed_stage="3")
+    with pytest.raises(TypeError, match="policy='bf16'.*expected PrecisionPolicy"):
+        guard.configure(policy="bf16")
+    assert guard.policy is bf16 and guard.deepspeed_stage == 3  # a refused call changes nothing
+    guard.teardown()
+
+
+ENGINE_FIELDS = {
+    "policy",
+    "reporter",
+    "deepspeed_dtype",
+    "deepspeed_stage",
+    "origin",
+    "model",
+    "root",
+    "groups",
+    "handle",
+    "last_report",
+    "events",
+    "params",
+    "dtypes",
+    "wrap_dtypes",
+    "sections",
+}
+
+
+def test_no_front_end_writes_the_engines_fields() -> None:
+    """#29: "the plugin writes the engine's fields before each event". Outside the engine, an
+    assignment to an engine field of anything but ``self`` (``g.policy = ...``,
+    ``other.reporter = ...``) is refused: front ends call :meth:`PrecisionGuard.configure`."""
+    import ast
+
+    found = []
+    for folder in ("frontends", "integrations", "tools"):
+        for path in sorted(Path(PKG, folder).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                targets = node.targets if isinstance(node, ast.Assign) else []
+                for t in targets:
+                    for el in t.elts if isinstance(t, ast.Tuple) else [t]:
+                        if (
+                            isinstance(el, ast.Attribute)
+                            and el.attr in ENGINE_FIELDS
+                            and not (isinstance(el.value, ast.Name) and el.value.id == "self")
+                            and ast.unparse(el) != "plugin.reporter"  # the plugin's own property
+                        ):
+                            found.append(f"{folder}/{path.name}:{el.lineno} {ast.unparse(el)}")
+    assert found == []

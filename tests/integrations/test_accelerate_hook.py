@@ -159,3 +159,82 @@ def test_a_held_fp32_vae_beside_a_bf16_unet_is_guarded_when_the_loop_starts(tmp_
     assert latents.dtype == torch.float32 and vae.dtype == torch.float32  # nothing cast
     # one event per held model (a model of an earlier test still alive in this process counts)
     assert list((tmp_path / "precision").glob("000000-held_models-vae*.json"))
+
+
+def _three_steps(accelerator: Accelerator, model: nn.Module) -> list[str]:
+    """The diffusers LoRA script's loop, unedited: model and optimizer prepared apart (some
+    scripts do), AdamW at lr 1e-5, bf16 autocast; the warnings it raised about lost updates."""
+    import warnings
+
+    nn.init.normal_(model.lora_B.weight, std=0.1)  # peft starts it at 0: lora_A had no gradient
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = accelerator.prepare(model)
+        optimizer = accelerator.prepare(optimizer)
+        for _ in range(3):
+            with accelerator.accumulate(model), accelerator.autocast():
+                loss = model(torch.randn(4, 8)).float().pow(2).mean()
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+    return [str(w.message) for w in caught if "updates lost" in str(w.message)]
+
+
+def _lost_updates(tmp_path) -> dict:
+    [path] = sorted((tmp_path / "precision").glob("*-lost_updates.json"))
+    data = json.loads(path.read_text())
+    assert data["event"] == "lost_updates"
+    return data["lost_updates"]
+
+
+def test_the_bf16_lora_loop_is_upcast_and_its_lost_update_section_says_none_lost(tmp_path):
+    """#30: the LoRA script under --mixed_precision bf16, launched: the LoRA weights train in
+    fp32, and the lost-update check (run as on the Trainer path, also for an optimizer prepared
+    on its own) reports the fraction: none."""
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16", project_dir=str(tmp_path))
+    model = Lora()
+    lost = _three_steps(accelerator, model)
+    assert model.lora_A.weight.dtype == torch.float32
+    section = _lost_updates(tmp_path)
+    assert section["steps"] == 3 and section["counted"] > 0
+    assert {w["name"]: w["dtype"] for w in section["weights"]} == {
+        "lora_A.weight": "float32",
+        "lora_B.weight": "float32",
+    }
+    assert section["unchanged"] == 0 and section["half_share"] == 0.0
+    assert lost == []
+
+
+def test_a_bf16_lora_kept_in_bf16_is_warned_with_the_fraction_lost(tmp_path, monkeypatch):
+    """#30: the same loop with the guard in audit mode (nothing cast): the LoRA weights train in
+    bf16 and most updates round away; the section has the fraction, the warning says it and the
+    fix in the launcher's own flags."""
+    monkeypatch.setenv("HF_PRECISION_MODE", "audit")
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16", project_dir=str(tmp_path))
+    model = Lora()
+    [line] = _three_steps(accelerator, model)
+    assert model.lora_A.weight.dtype == torch.bfloat16  # audit: as loaded
+    section = _lost_updates(tmp_path)
+    assert [w["dtype"] for w in section["weights"]] == ["bfloat16", "bfloat16"]
+    assert section["half_share"] > 0.5, section
+    assert f"{section['half_share']:.0%} of the sampled bfloat16 elements" in line
+    assert f"({section['unchanged']}/{section['counted']})" in line
+    assert "lora_A.weight" in line and "lora_B.weight" in line
+    assert "hf-precision run --policy bf16 --mode fix" in line
+    assert "HF_PRECISION_GUARD=bf16 HF_PRECISION_MODE=fix" in line
+
+
+def test_keep_fp32_reaches_the_inferred_policy(tmp_path, monkeypatch):
+    """--keep-fp32 under --policy auto: the policy is still inferred at prepare, from the
+    accelerator and the model, with the pattern (a constructor parameter, as the callback's)."""
+    monkeypatch.setenv("HF_PRECISION_KEEP_FP32", "base")
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16", project_dir=str(tmp_path))
+    model = Lora()
+    accelerator.prepare(model)
+    plugin = getattr(accelerator, accelerate_hook.PLUGIN_ATTR)
+    assert plugin.extra_keep_fp32 == ("base",)
+    assert plugin.policy.name == "bf16" and "base" in plugin.policy.keep_fp32
+    assert model.base.weight.dtype == torch.float32  # named by the user: kept in fp32
+    assert model.lora_A.weight.dtype == torch.float32
