@@ -43,7 +43,7 @@ from ..rules.groups import ModuleGroups, hidden_module
 from ..rules.keep_rules import model_dtype_note, model_keep_lists
 from ..rules.policy import PrecisionPolicy, Role, tensor_role
 from .records import Change, Decided, EnforceReport, Plan, PlannedCast, TensorKind
-from .rotary import recomputed_rotary
+from .rotary import rounded_rotary
 
 #: the records live in :mod:`hf_precision.engine.records`; importable from here as before
 __all__ = [
@@ -355,7 +355,8 @@ class _Planner:
             return
         value = None
         if rule == "rotary" and t.dtype != target and t.device.type != "meta":
-            value, reason = self._rounded_rotary(mod, key, t, full, group)
+            value, reason, warning = rounded_rotary(mod, key, t, full, group)
+            self.report.warnings += [warning] if warning else []
         dev = t.device
         target_dev = dev
         if self.device is not None and dev != self.device:
@@ -417,28 +418,6 @@ class _Planner:
                 Decided(name, named, t, current, target, reason, keeps, t.requires_grad)
             )
         return target, reason, decision.rule
-
-    def _rounded_rotary(
-        self, mod: nn.Module, key: str, t: torch.Tensor, full: str, group: str
-    ) -> tuple[torch.Tensor | None, str]:
-        """A rotary table found in a lower precision (a ``model.to(bf16)`` rounded it): its
-        exact values recomputed from the config where the rotary module can (the same table,
-        rounded, equals what the model holds), else a warning that the upcast cannot give the
-        lost bits back."""
-        was = dtype_name(t.dtype)
-        value = recomputed_rotary(mod, key, t)
-        if value is not None:
-            return value, f"rotary table rounded to {was}: recomputed from the config"
-        self.report.warnings.append(
-            f"{full} [{group}]: this rotary table was already rounded to {was} "
-            f"({type(mod).__name__}, e.g. by model.to({t.dtype})); the guard keeps it in "
-            "float32 from now on, but an upcast cannot restore the lost bits, and the table "
-            "cannot be recomputed (its module keeps no config, or the config's table rounded "
-            "is not what it holds). Fix: load the model with "
-            f"from_pretrained(..., dtype={t.dtype}), which keeps rotary tables in float32, "
-            f"instead of casting the whole model with .to({t.dtype})."
-        )
-        return None, f"rotary table rounded to {was}: upcast, the lost bits cannot be restored"
 
     def _skip_quantized(
         self, mod: nn.Module, t: torch.Tensor, full: str, group: str, kind: TensorKind

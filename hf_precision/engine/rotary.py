@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["recomputed_rotary"]
+from ..rules.dtypes import dtype_name
+
+__all__ = ["recomputed_rotary", "rounded_rotary"]
 
 
 def recomputed_rotary(mod: nn.Module, key: str, t: torch.Tensor) -> torch.Tensor | None:
@@ -38,3 +40,26 @@ def recomputed_rotary(mod: nn.Module, key: str, t: torch.Tensor) -> torch.Tensor
         if torch.equal(rounded, held):
             return value
     return None
+
+
+def rounded_rotary(
+    mod: nn.Module, key: str, t: torch.Tensor, full: str, group: str
+) -> tuple[torch.Tensor | None, str, str | None]:
+    """A rotary table found in a lower precision (a ``model.to(bf16)`` rounded it): its
+    exact values recomputed from the config where the rotary module can (the same table,
+    rounded, equals what the model holds), else a warning that the upcast cannot give the
+    lost bits back (returned: the value, the reason, the warning)."""
+    was = dtype_name(t.dtype)
+    value = recomputed_rotary(mod, key, t)
+    if value is not None:
+        return value, f"rotary table rounded to {was}: recomputed from the config", None
+    warning = (
+        f"{full} [{group}]: this rotary table was already rounded to {was} "
+        f"({type(mod).__name__}, e.g. by model.to({t.dtype})); the guard keeps it in "
+        "float32 from now on, but an upcast cannot restore the lost bits, and the table "
+        "cannot be recomputed (its module keeps no config, or the config's table rounded "
+        "is not what it holds). Fix: load the model with "
+        f"from_pretrained(..., dtype={t.dtype}), which keeps rotary tables in float32, "
+        f"instead of casting the whole model with .to({t.dtype})."
+    )
+    return None, f"rotary table rounded to {was}: upcast, the lost bits cannot be restored", warning
