@@ -4,8 +4,10 @@
   and raises a :class:`PrecisionError` naming the ranks and modules that differ. Without an
   initialised process group (or with one process) it returns at once.
 * :func:`detect_wrapper` says who holds the parameters: ``"FSDP2"`` (``fully_shard``, DTensor
-  parameters), ``"FSDP"`` (FSDP1), ``"DeepSpeed"``, ``"DDP"`` or ``None``. After such a wrapper
-  exists the guard never casts parameters it owns; it verifies and explains.
+  parameters), ``"FSDP"`` (FSDP1), ``"DeepSpeed"``, ``"DDP"`` or ``None``, each one record of
+  :data:`~hf_precision.base.wrappers.WRAPPERS`. After such a wrapper exists the guard never
+  casts parameters it owns; it verifies and explains (:func:`check_wrapped`,
+  :func:`explain_wrapped`: :mod:`hf_precision.engine.wrapped`, importable from here).
 * :func:`wrapper_compute_dtypes` maps each FSDP-owned parameter to the dtype FSDP computes it in
   (``MixedPrecisionPolicy.param_dtype``), which is not its storage dtype.
 * :func:`check_deepspeed_config` (from :mod:`hf_precision.engine.deepspeed_config`) checks a
