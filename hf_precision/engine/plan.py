@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..base.wrappers import clean_name, owned_by
+from ..base.wrappers import WRAPPERS, WrapperKind
 from ..errors import did_you_mean
 from ..model.view import ModelView, model_device
 from ..rules import flags
@@ -202,6 +202,10 @@ class _Planner:
     decided: list[Decided] = field(default_factory=list)
     #: ``id`` of the parameters of modules held outside the module tree
     unseen: set[int] = field(default_factory=set)
+    #: the wrapper kinds that own tensors one by one (FSDP2's shards, ZeRO-3's partitions)
+    owners: tuple[WrapperKind, ...] = field(
+        default_factory=lambda: tuple(k for k in WRAPPERS.values() if k.owned_test is not None)
+    )
 
     def walk(
         self, root: nn.Module, groups: ModuleGroups, walk: list[tuple[str, str, nn.Module]]
@@ -411,12 +415,8 @@ class _Planner:
         if decision.kept:
             self.report.kept.append((full, group, decision.rule, reason))
         if param and id(t) not in self.unseen:
-            name = clean_name(full)
-            named = group if name == full else self.report.groups.group_of(name)
-            keeps = decision.keeps_fp32
-            self.decided.append(
-                Decided(name, named, t, current, target, reason, keeps, t.requires_grad)
-            )
+            keeps, grad = decision.keeps_fp32, t.requires_grad
+            self.decided.append(Decided(full, group, t, current, target, reason, keeps, grad))
         return target, reason, decision.rule
 
     def _skip_quantized(
@@ -431,10 +431,10 @@ class _Planner:
                 self.report.group_dtypes.setdefault(group, set()).add(compute)
 
     def _skip_wrapper_owned(self, t: torch.Tensor, full: str, group: str, kind: TensorKind) -> bool:
-        """A wrapper owns this tensor (:func:`~hf_precision.base.wrappers.owned_by`: FSDP2's
-        shards, ZeRO-3's partitions): writing .data would desynchronise it from the wrapper.
+        """A wrapper owns this tensor (:attr:`~hf_precision.base.wrappers.WrapperKind.owned_test`:
+        FSDP2's shards, ZeRO-3's partitions): writing .data would desynchronise it from the wrapper.
         Verified elsewhere, never cast."""
-        owner = owned_by(t, kind)
+        owner = next((k for k in self.owners if k.owned_test(t, kind)), None)  # type: ignore[misc]
         if owner is None:
             return False
         held = (zero3_dtype(t) if kind == "param" else None) or t.dtype

@@ -48,7 +48,7 @@ class Decided(NamedTuple):
     """One parameter as the plan decided it, cast or not: what the wrapper check
     (:func:`hf_precision.engine.wrapped.classify`) sorts into expected, noted and violations."""
 
-    name: str  # its path in the model, wrapper segments dropped
+    name: str  # its path in the model (FSDP1's segments still in it)
     group: str
     tensor: torch.Tensor
     storage: torch.dtype  # the dtype it is stored in (a ZeRO-3 partition's)

@@ -154,6 +154,13 @@ def _verdict(
     return "violation", ""
 
 
+def _cleaned(d: Decided, groups: ModuleGroups) -> Decided:
+    """``d`` named without wrapper segments (FSDP1's ``_fsdp_wrapped_module``), in the group
+    that name is in."""
+    name = clean_name(d.name)
+    return d if name == d.name else d._replace(name=name, group=groups.group_of(name))
+
+
 def classify(
     plan: Plan, wrapper: str, *, deepspeed_dtype: torch.dtype | None = None
 ) -> WrapperCheck:
@@ -167,7 +174,7 @@ def classify(
     compute = wrapper_compute_dtypes(view.model, modules)
     kind = wrapper_kind(wrapper) or WrapperKind(wrapper)
     out = WrapperCheck(wrapper)
-    for d in plan.decided:
+    for d in map(_cleaned, plan.decided, [plan.groups] * len(plan.decided)):
         runs = compute.get(id(d.tensor), d.storage)
         verdict, why = _verdict(d, kind, runs, deepspeed_dtype, plan.policy.compute_dtype)
         out.add(d, verdict, why, runs)
