@@ -48,7 +48,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..base.wrappers import detect_wrapper, settle_shards, unwrap_model
+from ..base.wrappers import HOLDING_WRAPPERS, detect_wrapper, settle_shards, unwrap_model
 from ..errors import PrecisionWarning
 from ..model.view import ModelView
 from ..rules.dtypes import zero3_dtype
@@ -65,7 +65,6 @@ from .console import (
 )
 from .distributed import (
     check_model_ranks,
-    check_wrapped,
     check_zero3_split,
     ddp_restore_error,
     explain_wrapped,
@@ -82,13 +81,12 @@ from .hooks import (
 )
 from .memory_account import account_line, memory_account
 from .outside_reads import find_outside_reads, install_fused_head_check
-from .plan import plan_policy
+from .plan import Plan, plan_policy
 from .stash import stash_tensors
+from .wrapped import classify
 
 logger = logging.getLogger("hf_precision")
 
-#: Wrappers that own the parameters: the guard verifies and explains, never casts.
-HOLDING_WRAPPERS = ("FSDP", "FSDP2", "DeepSpeed")
 _MAX_LISTED = 8
 
 
@@ -228,7 +226,7 @@ class PrecisionGuard:
             wrapper == "DeepSpeed" and first and _zero_init_only(view, event, policy.mode)
         )
         if held and wrapper is not None:
-            report, found = self._explain(model, wrapper, audit, where)
+            report, found = self._explain(model, wrapper, audit, where, plan)
         elif audit.changes and policy.mode != "audit":
             if wrapper == "DDP":
                 self._check_ddp_restore(audit, where)
@@ -341,17 +339,10 @@ class PrecisionGuard:
 
     # ------------------------------------------------------------------ steps
     def _explain(
-        self, model: nn.Module, wrapper: str, audit: EnforceReport, where: str
+        self, model: nn.Module, wrapper: str, audit: EnforceReport, where: str, plan: Plan
     ) -> tuple[EnforceReport, int]:
         policy = self.policy
-        check = check_wrapped(
-            model,
-            policy,
-            self.groups,
-            wrapper=wrapper,
-            deepspeed_dtype=self.deepspeed_dtype,
-            master_fp32=self.master_fp32(),
-        )
+        check = classify(plan, wrapper, deepspeed_dtype=self.deepspeed_dtype)
         for why, n in check.expected.items():
             logger.info("hf-precision %s: %d parameter(s) %s (expected)", where, n, why)
         for note in check.notes[:_MAX_LISTED]:

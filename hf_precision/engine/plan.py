@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..base.wrappers import is_sharded
+from ..base.wrappers import WRAPPERS, WrapperKind
 from ..errors import did_you_mean
 from ..model.view import ModelView, model_device
 from ..rules import flags
@@ -42,11 +42,13 @@ from ..rules.dtypes import (
 from ..rules.groups import ModuleGroups, hidden_module
 from ..rules.keep_rules import model_dtype_note, model_keep_lists
 from ..rules.policy import PrecisionPolicy, Role, tensor_role
-from .records import Change, EnforceReport, Plan, PlannedCast, TensorKind
+from .records import Change, Decided, EnforceReport, Plan, PlannedCast, TensorKind
+from .rotary import rounded_rotary
 
 #: the records live in :mod:`hf_precision.engine.records`; importable from here as before
 __all__ = [
     "Change",
+    "Decided",
     "EnforceReport",
     "Plan",
     "PlannedCast",
@@ -131,6 +133,7 @@ def plan_policy(
         warnings=tuple(found.warnings),
         group_dtypes=tuple((g, frozenset(d)) for g, d in found.group_dtypes.items()),
         meta=tuple(planner.meta),
+        decided=tuple(planner.decided),
     )
 
 
@@ -157,36 +160,6 @@ def group_compute_dtypes(
                 per = counts.setdefault(groups.by_path.get(full, group), {})
                 per[dt] = per.get(dt, 0) + p.numel()
     return {g: max(c, key=lambda d: c[d]) for g, c in counts.items() if c}
-
-
-def _recomputed_rotary(mod: nn.Module, key: str, t: torch.Tensor) -> torch.Tensor | None:
-    """``mod.<key>`` recomputed in float32 by building the rotary module again from its config
-    (transformers' rotary modules keep ``config`` and compute their tables in ``__init__``:
-    ``rope_init_fn`` / ``compute_default_rope_parameters``); ``None`` when the module cannot,
-    or when the fresh table, rounded, is not what the model holds (a table changed on purpose,
-    e.g. by dynamic RoPE scaling, is not replaced)."""
-    config = getattr(mod, "config", None)
-    if config is None:
-        return None
-    try:
-        with torch.device("cpu"):
-            fresh = type(mod)(config)
-    except Exception:  # a constructor that needs more than the config: cannot recompute
-        return None
-    value = fresh._buffers.get(key)
-    if value is None or value.shape != t.shape or not value.is_floating_point():
-        return None
-    value = value.detach().float()
-    held = t.detach().to("cpu")
-    # the same table rounded, once or through another half dtype (bf16, then fp16)
-    chains = ((t.dtype,), (torch.bfloat16, t.dtype), (torch.float16, t.dtype))
-    for chain in chains:
-        rounded = value
-        for dt in chain:
-            rounded = rounded.to(dt)
-        if torch.equal(rounded, held):
-            return value
-    return None
 
 
 def _range_checked(src: torch.dtype, dst: torch.dtype, kind: TensorKind) -> bool:
@@ -225,6 +198,14 @@ class _Planner:
     quantized_groups: set[str] = field(default_factory=set)
     #: group -> the dtype most of its weights other than norms and adapters are in (first pass)
     group_dtype: dict[str, torch.dtype] = field(default_factory=dict)
+    #: every floating parameter of the tree as decided, for the wrapper check
+    decided: list[Decided] = field(default_factory=list)
+    #: ``id`` of the parameters of modules held outside the module tree
+    unseen: set[int] = field(default_factory=set)
+    #: the wrapper kinds that own tensors one by one (FSDP2's shards, ZeRO-3's partitions)
+    owners: tuple[WrapperKind, ...] = field(
+        default_factory=lambda: tuple(k for k in WRAPPERS.values() if k.owned_test is not None)
+    )
 
     def walk(
         self, root: nn.Module, groups: ModuleGroups, walk: list[tuple[str, str, nn.Module]]
@@ -233,7 +214,7 @@ class _Planner:
         first name decides, the tie holds)."""
         # Parameters of modules held outside the module tree are frozen by construction: the
         # optimizer (built from model.parameters()) never sees them, whatever requires_grad says.
-        unseen = {
+        self.unseen = unseen = {
             id(p)
             for hp in groups.hidden.values()
             if (m := hidden_module(root, hp)) is not None
@@ -367,38 +348,19 @@ class _Planner:
         kind: TensorKind,
         trainable: bool,
     ) -> None:
-        """One tensor: what the policy wants (:meth:`PrecisionPolicy.decide`), unless it is
-        quantized or a wrapper's, in range, on the model's device; a :class:`PlannedCast` when
-        that differs from what it is."""
+        """One tensor: what the policy wants (:meth:`_decide`), unless it is quantized or a
+        wrapper's, in range, on the model's device; a :class:`PlannedCast` when that differs
+        from what it is."""
         if not is_castable(t):
             self._skip_quantized(mod, t, full, group, kind)
             return
-        role: Role | None = tensor_role(mod, key, t, is_buffer=kind == "buffer")
-        decision = self.policy.decide(
-            full,
-            group,
-            trainable=trainable,
-            is_buffer=kind == "buffer",
-            model_patterns=self.model_keep,
-            strict_patterns=self.strict,
-            current=t.dtype,
-            role=role,
-            group_dtype=self.group_dtype.get(group),
-            master_fp32=self.master_fp32 if kind == "param" else None,
-        )
-        target, reason = decision.dtype, decision.reason
-        held = self.quantized.get(group)
-        if held is not None and decision.rule in ("frozen", "group_dtypes") and target != held[0]:
-            target, reason = held[0], f"follows the quantized layers of {group} ({held[1]})"
-        if decision.keeps_fp32:
-            self.report.kept_fp32.append((full, reason))
-        if decision.kept:
-            self.report.kept.append((full, group, decision.rule, reason))
+        target, reason, rule = self._decide(mod, key, t, full, group, kind, trainable)
         if self._skip_wrapper_owned(t, full, group, kind):
             return
         value = None
-        if decision.rule == "rotary" and t.dtype != target and t.device.type != "meta":
-            value, reason = self._rounded_rotary(mod, key, t, full, group)
+        if rule == "rotary" and t.dtype != target and t.device.type != "meta":
+            value, reason, warning = rounded_rotary(mod, key, t, full, group)
+            self.report.warnings += [warning] if warning else []
         dev = t.device
         target_dev = dev
         if self.device is not None and dev != self.device:
@@ -411,40 +373,51 @@ class _Planner:
             self.report.group_dtypes.setdefault(group, set()).add(final)
         if final == t.dtype and target_dev == dev:
             return
-        change = Change(
-            full,
-            kind,
-            group,
-            dtype_name(t.dtype),
-            dtype_name(final),
-            reason,
-            str(dev),
-            str(target_dev),
-        )
+        before, after = dtype_name(t.dtype), dtype_name(final)
+        change = Change(full, kind, group, before, after, reason, str(dev), str(target_dev))
         self.report.changes.append(change)
         self.todo.append(PlannedCast(mod, key, t, change, final, target_dev, value))
 
-    def _rounded_rotary(
-        self, mod: nn.Module, key: str, t: torch.Tensor, full: str, group: str
-    ) -> tuple[torch.Tensor | None, str]:
-        """A rotary table found in a lower precision (a ``model.to(bf16)`` rounded it): its
-        exact values recomputed from the config where the rotary module can (the same table,
-        rounded, equals what the model holds), else a warning that the upcast cannot give the
-        lost bits back."""
-        was = dtype_name(t.dtype)
-        value = _recomputed_rotary(mod, key, t)
-        if value is not None:
-            return value, f"rotary table rounded to {was}: recomputed from the config"
-        self.report.warnings.append(
-            f"{full} [{group}]: this rotary table was already rounded to {was} "
-            f"({type(mod).__name__}, e.g. by model.to({t.dtype})); the guard keeps it in "
-            "float32 from now on, but an upcast cannot restore the lost bits, and the table "
-            "cannot be recomputed (its module keeps no config, or the config's table rounded "
-            "is not what it holds). Fix: load the model with "
-            f"from_pretrained(..., dtype={t.dtype}), which keeps rotary tables in float32, "
-            f"instead of casting the whole model with .to({t.dtype})."
+    def _decide(
+        self,
+        mod: nn.Module,
+        key: str,
+        t: torch.Tensor,
+        full: str,
+        group: str,
+        kind: TensorKind,
+        trainable: bool,
+    ) -> tuple[torch.dtype, str, str]:
+        """The dtype the policy wants for one castable tensor (:meth:`PrecisionPolicy.decide`;
+        a group's quantized layers lead its frozen weights), the reason and the rule; the keep
+        rules reported, and a parameter of the tree recorded in ``decided``."""
+        role: Role | None = tensor_role(mod, key, t, is_buffer=kind == "buffer")
+        param = kind == "param"
+        current = (zero3_dtype(t) or t.dtype) if param else t.dtype
+        decision = self.policy.decide(
+            full,
+            group,
+            trainable=trainable,
+            is_buffer=not param,
+            model_patterns=self.model_keep,
+            strict_patterns=self.strict,
+            current=current,
+            role=role,
+            group_dtype=self.group_dtype.get(group),
+            master_fp32=self.master_fp32 if param else None,
         )
-        return None, f"rotary table rounded to {was}: upcast, the lost bits cannot be restored"
+        target, reason = decision.dtype, decision.reason
+        held = self.quantized.get(group)
+        if held is not None and decision.rule in ("frozen", "group_dtypes") and target != held[0]:
+            target, reason = held[0], f"follows the quantized layers of {group} ({held[1]})"
+        if decision.keeps_fp32:
+            self.report.kept_fp32.append((full, reason))
+        if decision.kept:
+            self.report.kept.append((full, group, decision.rule, reason))
+        if param and id(t) not in self.unseen:
+            keeps, grad = decision.keeps_fp32, t.requires_grad
+            self.decided.append(Decided(full, group, t, current, target, reason, keeps, grad))
+        return target, reason, decision.rule
 
     def _skip_quantized(
         self, mod: nn.Module, t: torch.Tensor, full: str, group: str, kind: TensorKind
@@ -458,14 +431,14 @@ class _Planner:
                 self.report.group_dtypes.setdefault(group, set()).add(compute)
 
     def _skip_wrapper_owned(self, t: torch.Tensor, full: str, group: str, kind: TensorKind) -> bool:
-        """The wrapper owns these tensors: writing .data would desynchronise them from its
-        partitions (ZeRO-3's ds_tensor) or shards. Verified elsewhere, never cast."""
-        zero3 = zero3_dtype(t) if kind == "param" else None
-        if zero3 is None and not is_sharded(t):
+        """A wrapper owns this tensor (:attr:`~hf_precision.base.wrappers.WrapperKind.owned_test`:
+        FSDP2's shards, ZeRO-3's partitions): writing .data would desynchronise it from the wrapper.
+        Verified elsewhere, never cast."""
+        owner = next((k for k in self.owners if k.owned_test(t, kind)), None)  # type: ignore[misc]
+        if owner is None:
             return False
-        held = zero3 or t.dtype
-        owner = "partitioned by DeepSpeed ZeRO-3" if zero3 is not None else "sharded by FSDP2"
-        self.report.skipped.append((full, f"{owner} ({dtype_name(held)}); not cast"))
+        held = (zero3_dtype(t) if kind == "param" else None) or t.dtype
+        self.report.skipped.append((full, f"{owner.owned_words} ({dtype_name(held)}); not cast"))
         if kind == "param":
             self.report.group_dtypes.setdefault(group, set()).add(held)
         return True

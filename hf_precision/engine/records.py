@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from ..model.view import ModelView
 from ..rules.groups import ModuleGroups
 from ..rules.policy import PrecisionPolicy, Rule
 
-__all__ = ["Change", "EnforceReport", "Plan", "PlannedCast", "TensorKind"]
+__all__ = ["Change", "Decided", "EnforceReport", "Plan", "PlannedCast", "TensorKind"]
 
 TensorKind = Literal["param", "buffer"]
 
@@ -42,6 +42,20 @@ class Change:
             else ""
         )
         return f"{self.name} [{self.group}]: {self.before} -> {self.after}{dev} ({self.reason})"
+
+
+class Decided(NamedTuple):
+    """One parameter as the plan decided it, cast or not: what the wrapper check
+    (:func:`hf_precision.engine.wrapped.classify`) sorts into expected, noted and violations."""
+
+    name: str  # its path in the model (FSDP1's segments still in it)
+    group: str
+    tensor: torch.Tensor
+    storage: torch.dtype  # the dtype it is stored in (a ZeRO-3 partition's)
+    target: torch.dtype  # what the policy wants
+    reason: str
+    keeps_fp32: bool  # a keep rule decided (:attr:`Decision.keeps_fp32`)
+    trainable: bool  # ``requires_grad``
 
 
 @dataclass
@@ -168,6 +182,9 @@ class Plan:
     group_dtypes: tuple[tuple[str, frozenset[torch.dtype]], ...]
     #: tensors on the meta device while the model is elsewhere
     meta: tuple[str, ...]
+    #: every floating parameter of the model's tree as decided (cast or not), for the wrapper
+    #: check; parameters of modules held outside the tree are not among them
+    decided: tuple[Decided, ...] = ()
 
     @property
     def groups(self) -> ModuleGroups:

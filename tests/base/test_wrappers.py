@@ -1,19 +1,31 @@
 """Who holds the parameters, and the way to the model inside: real wrappers built on CPU
-(DataParallel, torch.compile, PEFT); DDP/FSDP/DeepSpeed run in tests/engine/test_distributed.py."""
+(DataParallel, torch.compile, PEFT); DDP/FSDP/DeepSpeed run in tests/engine/test_distributed.py.
+The wrapper table's wiring is tested with a registered kind no library has (``ShardKeeper``)."""
 
 from __future__ import annotations
 
+import types
+from collections.abc import Iterator
+
+import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from hf_precision import find_module_groups
 from hf_precision.base.wrappers import (
+    HOLDING_WRAPPERS,
+    WRAPPERS,
+    WrapperKind,
     clean_name,
     detect_wrapper,
     is_sharded,
+    owned_by,
     owning_wrapper,
+    planned_wrapper,
+    register_wrapper,
     unwrap_model,
+    wrapper_kind,
     wrapper_of,
 )
 from hf_precision.tiny import tiny_llava
@@ -60,3 +72,72 @@ def test_clean_name_drops_wrapper_segments_only() -> None:
     assert clean_name("_orig_mod.lm_head.weight") == "lm_head.weight"
     assert clean_name("model.vision_tower._fsdp_wrapped_module") == "model.vision_tower"
     assert clean_name("model.orig_module.weight") == "model.orig_module.weight"
+
+
+# ------------------------------------------------------------------ the table: one record a kind
+class ShardKeeper(nn.Module):
+    """A wrapper kind that exists nowhere: it only tests that the table is the one place a
+    wrapper is described (the real wrappers run in tests/engine/test_distributed.py and the
+    torchrun scenarios). It holds the model under ``held``, not ``module``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.held = model
+
+
+KEEPER = WrapperKind(
+    "Keeper",
+    classes=("ShardKeeper",),
+    inner="held",
+    param_test=lambda p: hasattr(p, "_keeper"),
+    args_test=lambda args: bool(getattr(args, "keeper", False)),
+    segments=("_keeper_wrapped",),
+    owns_params=True,
+    owned_test=lambda t, kind: hasattr(t, "_keeper"),
+    owned_words="kept by Keeper",
+)
+
+
+@pytest.fixture
+def keeper() -> Iterator[WrapperKind]:
+    saved = dict(WRAPPERS)
+    yield register_wrapper(KEEPER)
+    WRAPPERS.clear()
+    WRAPPERS.update(saved)
+
+
+def test_a_registered_wrapper_kind_is_detected_and_unwrapped_everywhere(keeper) -> None:
+    base = tiny_llava()
+    wrapped = ShardKeeper(base)
+    assert next(iter(WRAPPERS)) == "Keeper"  # a registered kind is asked first
+    assert wrapper_of(wrapped) == "Keeper" and detect_wrapper(wrapped) == "Keeper"
+    assert wrapper_kind("Keeper") is KEEPER
+    assert unwrap_model(wrapped) == (base, "held.")
+    assert owning_wrapper(wrapped) == "ShardKeeper"
+    assert "Keeper" in HOLDING_WRAPPERS and "DDP" not in HOLDING_WRAPPERS
+    assert clean_name("model._keeper_wrapped.lm_head.weight") == "model.lm_head.weight"
+    assert planned_wrapper(args=types.SimpleNamespace(keeper=True, deepspeed=None)) == "Keeper"
+    # a parameter it marks names it inside a plain model too, and the plan leaves it alone
+    p = base.lm_head.weight
+    p._keeper = True  # type: ignore[attr-defined]
+    assert wrapper_of(base) == "Keeper" and owned_by(p, "param") is KEEPER
+    assert owned_by(base.model.multi_modal_projector.linear_1.weight, "param") is None
+
+
+def test_without_its_record_the_fake_wrapper_is_nobody(keeper) -> None:
+    WRAPPERS.pop("Keeper")
+    wrapped = ShardKeeper(tiny_llava())
+    assert wrapper_of(wrapped) is None and owning_wrapper(wrapped) is None
+    assert unwrap_model(wrapped) == (wrapped, "")  # "held" is not "module": not peeled
+    assert "Keeper" not in HOLDING_WRAPPERS
+    assert (
+        clean_name("model._keeper_wrapped.lm_head.weight") == "model._keeper_wrapped.lm_head.weight"
+    )
+
+
+def test_the_built_in_kinds_keep_their_order_and_ownership() -> None:
+    assert list(WRAPPERS) == ["FSDP2", "FSDP", "DeepSpeed", "DDP"]
+    assert tuple(HOLDING_WRAPPERS) == ("FSDP2", "FSDP", "DeepSpeed")
+    ns = types.SimpleNamespace  # a DeepSpeed config wins over fsdp, as in TrainingArguments
+    both = ns(deepspeed="ds.json", fsdp="full_shard", fsdp_config={"version": 2}, world_size=2)
+    assert planned_wrapper(args=both) == "DeepSpeed"
