@@ -76,7 +76,7 @@ from .hooks import (
     GuardHandle,
     Notice,
     claim_model,
-    install_guards,
+    guards_on,
     release_model,
     remove_guards,
 )
@@ -154,6 +154,7 @@ class PrecisionGuard:
         #: FSDP2 unit path -> the hooks that cast its outputs to its parent's compute dtype
         self._bridges: dict[str, list[RemovableHandle]] = {}
         self._stash: dict[str, torch.Tensor] = {}
+        self._unwrapped: tuple[nn.Module, nn.Module, str] | None = None
         #: extra sections of every event's JSON: ``memory`` (the setup's account), ``provenance``
         #: (who chose the precision), ``lost_updates`` (the first optimizer steps)
         self.sections: dict[str, Any] = {}
@@ -212,13 +213,17 @@ class PrecisionGuard:
             self.model = model
         model, policy, where = self.model, self._renamed(self.policy), f"{self.name}.{event}"
         first = not self.events
-        view = ModelView.of(model, self.groups)  # the one walk of the model for this event
+        # the event's one check, unwrap and walk of the model: every step below reads it
+        kept, self._unwrapped = self._unwrapped, None  # what holds() unwrapped just before
+        unwrapped = kept[1:] if kept is not None and kept[0] is model else None
+        view = ModelView.of(model, self.groups, call=self.call, unwrapped=unwrapped)
         check_zero3_split(view, where, policy.mode)
         if wrapper == "auto":
-            inner = [m for _, _, m in view.modules] if model is view.root else None
-            wrapper = detect_wrapper(model, args=args, modules=inner)
+            wrapper = detect_wrapper(model, args=args, modules=view.every_module())
         if wrapper == "FSDP2":
-            settle_shards(model)  # FSDP2 keeps the root unsharded after forward: read shards
+            settle_shards(
+                model, view.every_module()
+            )  # FSDP2 keeps the root unsharded after forward: read shards
         plan = plan_policy(view, policy, master_fp32=self.master_fp32(view))
         audit = apply_plan(plan, "audit")
         report, found = audit, len(audit.changes)
@@ -239,9 +244,7 @@ class PrecisionGuard:
         self._say(where, audit, report, found, first=first, held=held)
         self._account(report, first=first)
         self.last_report = report
-        self.handle = install_guards(
-            model, policy, report, groups=self.groups, view=view, notice=self.notice
-        )
+        self.handle = guards_on(view, policy, report, notice=self.notice)
         self._outside_reads(report, where, view)
         self.params = tuple(view.parameters())
         self.dtypes = tuple(p.dtype for p in self.params)
@@ -269,6 +272,14 @@ class PrecisionGuard:
         if check_ranks:  # a collective: every rank reaches the same events
             check_model_ranks(model, self.groups, policy=policy, where=where, view=view, dmap=dmap)
         return report
+
+    def holds(self, model: nn.Module) -> bool:
+        """Whether ``model`` is this guard's model or a wrapper around it. A front end asks
+        before its event's :meth:`verify` of the same ``model``, which then reuses this
+        unwrap: one per event."""
+        root, prefix = unwrap_model(model)
+        self._unwrapped = (model, root, prefix)
+        return root is self.root
 
     def master_fp32(self, view: ModelView | None = None) -> torch.dtype | None:
         """The half dtype DeepSpeed ZeRO-3 holds this run's trainable weights in, whose fp32

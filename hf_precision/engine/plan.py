@@ -108,7 +108,7 @@ def plan_policy(
     root, groups = view.root, view.groups
     model_keep, strict = model_keep_lists(root)
     device_mapped = bool(getattr(root, "hf_device_map", None))
-    device = model_device(root, groups) if policy.move_devices and not device_mapped else None
+    device = view.model_device() if policy.move_devices and not device_mapped else None
     found = EnforceReport(policy, groups, applied=False, device=device)
     planner = _Planner(found, policy, model_keep, device, strict=strict, master_fp32=master_fp32)
     planner.walk(root, groups, view.modules)
