@@ -211,7 +211,7 @@ class PrecisionGuard:
         run = self.wrapper.run  # explain what a holding wrapper did, else apply the plan
         report, found = run(plan, audit, wrapper, self, held, optimizer, where, master)
         self.speaker.event(self, where, audit, report, found, first=first, held=held)
-        self._account(report, first=first)
+        self._account(report, view, first=first)
         self.last_report = report
         self.handle = guards_on(view, policy, report, notice=self.notice)
         self._outside_reads(report, where, view)
@@ -293,12 +293,14 @@ class PrecisionGuard:
         self.wrapper.mark(model)
 
     # ------------------------------------------------------------------ steps
-    def _account(self, report: EnforceReport, *, first: bool) -> None:
+    def _account(self, report: EnforceReport, view: ModelView, *, first: bool) -> None:
         """The setup's memory account (every later event's JSON carries it); said on the
         console with the setup's cast line."""
         if not first:
             return
-        self.sections["memory"] = memory_account(report, self.root, stash_bytes=self.stash_bytes)
+        self.sections["memory"] = memory_account(
+            report, self.root, stash_bytes=self.stash_bytes, view=view
+        )
         if report.applied and report.changes:
             logger.warning(account_line(self.sections["memory"]))
 

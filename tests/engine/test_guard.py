@@ -56,7 +56,9 @@ def test_one_walk_of_the_model_per_event(drift: bool, tmp_path: Path) -> None:
     guard = PrecisionGuard(
         model, PrecisionPolicy.from_preset("bf16-true"), reporter=PrecisionReporter(tmp_path)
     )
-    guard.verify("setup")
+    with counting_walks(model) as setup:
+        guard.verify("setup")  # the first event: its memory account reads the view too
+    assert (setup.walks, setup.unwraps, setup.checks) == (ONE_WALK, ONE_UNWRAP, ONE_CHECK)
     if drift:
         model.model.multi_modal_projector.float()
     plans: list[int] = []
