@@ -119,6 +119,16 @@ class ModelView:
             self._parameters = _unique_parameters(self.modules)
         return list(self._parameters)
 
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """``path -> parameter`` of every module of the walk (a tied parameter under each of
+        its names)."""
+        return {
+            f"{path}.{key}" if path else key: p
+            for path, _, mod in self.modules
+            for key, p in mod._parameters.items()
+            if p is not None
+        }
+
     def within(self, mod: nn.Module) -> list[tuple[str, str, nn.Module]]:
         """``mod`` and the modules below it, as this walk lists them (``mod.named_modules()``
         without walking it again); every module for the root."""

@@ -47,15 +47,21 @@ def _split() -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("drift", [False, True], ids=["clean", "drift"])
-def test_one_walk_of_the_model_per_event(drift: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("drift", "keep"),
+    [(False, ()), (True, ()), (False, ("vison_tower",))],
+    ids=["clean", "drift", "typo"],
+)
+def test_one_walk_of_the_model_per_event(
+    drift: bool, keep: tuple[str, ...], tmp_path: Path
+) -> None:
     """One event walks the model once (no subtree walk, no ``_modules`` stack walk), unwraps it
-    once and checks it once: the plan, the apply, the guards (each group's receiving dtype and
-    device, its entry leaf), the dtype map and the rank check all read the event's view."""
+    once and checks it once: the plan (its "did you mean" for a keep_fp32 pattern that selects
+    nothing included), the apply, the guards (each group's receiving dtype and device, its
+    entry leaf), the dtype map and the rank check all read the event's view."""
     model = _split()
-    guard = PrecisionGuard(
-        model, PrecisionPolicy.from_preset("bf16-true"), reporter=PrecisionReporter(tmp_path)
-    )
+    policy = PrecisionPolicy.from_preset("bf16-true", keep_fp32=keep)
+    guard = PrecisionGuard(model, policy, reporter=PrecisionReporter(tmp_path))
     with counting_walks(model) as setup:
         guard.verify("setup")  # the first event: its memory account reads the view too
     assert (setup.walks, setup.unwraps, setup.checks) == (ONE_WALK, ONE_UNWRAP, ONE_CHECK)
