@@ -23,7 +23,10 @@ idempotent (installing twice adds nothing):
   projector trained in fp32 beside a bf16 language model, or a projector's bf16 autocast
   output written into fp32 embeddings.
 
-Targets are computed at install time; the per-call cost is a dtype comparison.
+Targets are computed at install time, from the event's
+:class:`~hf_precision.model.view.ModelView` (:func:`guards_on`; :func:`install_guards` is its
+shell for callers without a view): :mod:`.hook_targets` chooses them, :mod:`.cast_hooks` holds
+the hooks that run at every forward, whose per-call cost is a dtype comparison.
 
 >>> from hf_precision import enforce_policy
 >>> from hf_precision.engine.hooks import install_guards
