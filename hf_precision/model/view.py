@@ -104,8 +104,10 @@ class ModelView:
     ) -> ModelView:
         """``view`` when it is a walk of ``model``'s root (the caller's walk for this event),
         else a new walk (``call``: as in :meth:`of`)."""
-        if view is not None and (model is view.model or model is view.root):
+        if view is not None and model is view.model:
             return view
+        if view is not None and model is view.root:  # the model inside the view's wrappers
+            return replace(view, model=model, outer=())
         check_model(model, call)
         root, prefix = unwrap_model(model)
         if view is None or view.root is not root:
