@@ -131,7 +131,7 @@ class PrecisionGuard:
         #: what this engine said on the console (each warning once)
         self.speaker = Speaker()
         #: the wrapper around the model: DDP's wrap-time dtypes, FSDP2's output bridges
-        self.wrapper = WrapperStep(name, self.speaker)
+        self.wrapper_step = WrapperStep(name, self.speaker)
         #: hears of the first input each kind of guard casts at run time (said once per kind)
         self.notice = Notice(self._bridged)
         self._stash: dict[str, torch.Tensor] = {}
@@ -208,7 +208,7 @@ class PrecisionGuard:
         held = wrapper in HOLDING_WRAPPERS and not (
             wrapper == "DeepSpeed" and first and _zero_init_only(view, event, policy.mode)
         )
-        run = self.wrapper.run  # explain what a holding wrapper did, else apply the plan
+        run = self.wrapper_step.run  # explain what a holding wrapper did, else apply the plan
         report, found = run(plan, audit, wrapper, self, held, optimizer, where, master)
         self.speaker.event(self, where, audit, report, found, first=first, held=held)
         self._account(report, view, first=first)
@@ -290,7 +290,7 @@ class PrecisionGuard:
     def mark_wrapped(self, model: nn.Module) -> None:
         """Remember the dtypes a DDP wrapper built its gradient buckets for."""
         self.model = model
-        self.wrapper.mark(model)
+        self.wrapper_step.mark(model)
 
     # ------------------------------------------------------------------ steps
     def _account(self, report: EnforceReport, view: ModelView, *, first: bool) -> None:
@@ -346,7 +346,7 @@ class PrecisionGuard:
     def teardown(self) -> None:
         """Take the guards off and release the model."""
         remove_guards(self.model)
-        self.wrapper.teardown()
+        self.wrapper_step.teardown()
         release_model(self.root, self.owner)
 
     def __repr__(self) -> str:

@@ -126,10 +126,10 @@ def test_a_callback_evaluation_walks_the_model_once(make_trainer: Any) -> None:
         trainer.evaluate()  # on_evaluate: one event
     assert seen.walks == ONE_WALK
     assert seen.checks == ONE_CHECK
-    # the engine unwraps once; the callback's _setup unwraps once more to find its guard
-    # (frontends/callback.py: asking guard.holds(model) instead makes it the event's one)
-    assert [u for u in seen.unwraps if not u.startswith("callback.py")] == ONE_UNWRAP
-    assert len(seen.unwraps) <= 2
+    # the engine unwraps once, or lends the unwrap of guard.holds(model) to the event; a
+    # callback that compares roots itself in _setup adds its own (frontends/callback.py)
+    engine = [u for u in seen.unwraps if u != "callback.py:_setup"]
+    assert engine in (ONE_UNWRAP, ["guard.py:holds"]) and len(seen.unwraps) <= 2
 
 
 def test_events_run_the_pipeline_in_order(tmp_path: Path) -> None:
