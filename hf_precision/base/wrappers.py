@@ -298,12 +298,13 @@ def detect_wrapper(
     return found or planned_wrapper(accelerator, args)
 
 
-def settle_shards(model: nn.Module) -> int:
+def settle_shards(model: nn.Module, modules: Iterable[nn.Module] | None = None) -> int:
     """Re-register FSDP2's sharded parameters where a forward left unsharded ones (the root
     unit keeps them after forward), so dtypes read the stored weights; local, no collective.
-    Returns how many FSDP2 modules were resharded."""
+    Returns how many FSDP2 modules were resharded. ``modules``: ``model.modules()`` when the
+    caller has walked them already."""
     n = 0
-    for m in model.modules():
+    for m in modules if modules is not None else model.modules():
         if is_fsdp2_module(m) and not all(
             getattr(g, "is_sharded", True) for g in fsdp_param_groups(m)
         ):
@@ -349,7 +350,8 @@ def clean_name(name: str) -> str:
 
 def _module_wrapper(model: nn.Module) -> bool:
     """A DDP-like wrapper of any class: its one registered child is ``module``."""
-    return list(model._modules) == ["module"] and isinstance(model._modules["module"], nn.Module)
+    children = model._modules
+    return len(children) == 1 and isinstance(children.get("module"), nn.Module)
 
 
 def owning_wrapper(model: nn.Module) -> str | None:

@@ -14,11 +14,13 @@ torch.bfloat16
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from ..errors import PrecisionError
+from ..rules.dtypes import zero3_dtype
 
 _SECTIONS = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16",)}
 
@@ -168,3 +170,25 @@ def check_training_args(args: Any) -> torch.dtype | None:
         bf16=bool(getattr(args, "bf16", False) or getattr(args, "bf16_full_eval", False)),
         fp16=bool(getattr(args, "fp16", False) or getattr(args, "fp16_full_eval", False)),
     )
+
+
+def zero3_master_dtype(
+    half: torch.dtype | None, stage: int | None, params: Iterable[torch.Tensor]
+) -> torch.dtype | None:
+    """The half dtype DeepSpeed ZeRO-3 holds a run's trainable weights in, whose fp32 master
+    copies live in its optimizer (rule ``wrapper_master_fp32``), or ``None``. ``half``: the
+    dtype the DeepSpeed config holds the model in; ``stage``: its ZeRO stage; ``params``: the
+    model's parameters. ZeRO-3 flattens every trainable partition into one buffer of one dtype:
+    once some trainable weights are partitioned in the half dtype (``ds_id``: a model built
+    under ``deepspeed.zero.Init``), the others join them; before any partition (the stage known
+    from the front end's config), only when every trainable weight is in it already (TRL's
+    bf16 LoRA) — otherwise DeepSpeed casts the module itself and nothing is kept."""
+    if half not in (torch.bfloat16, torch.float16):
+        return None
+    trainable = [p for p in params if p.requires_grad and p.is_floating_point()]
+    parted = [p for p in trainable if hasattr(p, "ds_id")]
+    if parted:
+        return half if all(zero3_dtype(p) == half for p in parted) else None
+    if stage == 3 and all(p.dtype == half for p in trainable):
+        return half
+    return None

@@ -208,7 +208,11 @@ def check_model_ranks(
     the event's walk; ``dmap``: the event's map when the reporter made it already (one map
     per event)."""
     if is_distributed():
-        in_place = wrapper_of(model) in ("FSDP", "DeepSpeed")  # per-rank slices: numel differs
+        mods = view.modules_of(model) if view is not None else None
+        in_place = wrapper_of(model, mods) in (
+            "FSDP",
+            "DeepSpeed",
+        )  # per-rank slices: numel differs
         if dmap is None:
             dmap = dtype_map(model, groups, policy=policy, view=view)
         check_ranks_agree(dmap, where=where, with_numel=not in_place)

@@ -136,8 +136,7 @@ def enforce_policy(
     has one. ``master_fp32``: the half dtype of a DeepSpeed ZeRO-3 run, whose trainable weights
     in it are left as they are (rule ``wrapper_master_fp32``; the front ends pass it).
     """
-    check_model(model, "enforce_policy(model, policy)")
-    view = ModelView.reuse(view, model, groups)
+    view = ModelView.reuse(view, model, groups, call="enforce_policy(model, policy)")
     policy, mode = _policy_and_mode(view, policy, mode)
     plan = plan_policy(view, policy, master_fp32=master_fp32)
     return apply_plan(plan, mode, optimizer, allow_wrapped=allow_wrapped)

@@ -37,57 +37,42 @@ True
 
 from __future__ import annotations
 
-import copy
 import importlib
 import logging
-import os
 import warnings
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from ..base.wrappers import HOLDING_WRAPPERS, detect_wrapper, settle_shards, unwrap_model
 from ..errors import PrecisionWarning
 from ..model.view import ModelView
-from ..rules.dtypes import zero3_dtype
 from ..rules.groups import ModuleGroups, find_module_groups
 from ..rules.policy import PrecisionPolicy
-from .console import (
-    bridged_line,
-    cast_line,
-    flag_conflict,
-    kept_as_is,
-    kept_words,
-    memory_line,
-    policy_origin,
-)
+from .console import cast_line, flag_conflict, kept_as_is, kept_words, memory_line, policy_origin
+from .deepspeed_config import zero3_master_dtype
 from .distributed import (
     check_model_ranks,
     check_zero3_split,
-    ddp_restore_error,
-    explain_wrapped,
 )
 from .enforce import EnforceReport, apply_plan, restore_values
-from .fsdp2 import settle_outputs
 from .hooks import (
     GuardHandle,
     Notice,
     claim_model,
-    install_guards,
+    guards_on,
     release_model,
     remove_guards,
 )
 from .memory_account import account_line, memory_account
 from .outside_reads import find_outside_reads, install_fused_head_check
-from .plan import Plan, plan_policy
+from .plan import plan_policy
+from .speaker import Speaker, report_dir_of
 from .stash import stash_tensors
-from .wrapped import classify
+from .wrapper_step import WrapperStep
 
 logger = logging.getLogger("hf_precision")
-
-_MAX_LISTED = 8
 
 
 class PrecisionGuard:
@@ -143,15 +128,14 @@ class PrecisionGuard:
         #: parameters and their dtypes after the last verify (a cheap drift check compares them)
         self.params: tuple[torch.Tensor, ...] = ()
         self.dtypes: tuple[torch.dtype, ...] = ()
-        #: parameter dtypes when DDP wrapped the model (drift may only go back to them)
-        self.wrap_dtypes: dict[int, torch.dtype] = {}
-        self._said: set[str] = set()
+        #: what this engine said on the console (each warning once)
+        self.speaker = Speaker()
+        #: the wrapper around the model: DDP's wrap-time dtypes, FSDP2's output bridges
+        self.wrapper_step = WrapperStep(name, self.speaker)
         #: hears of the first input each kind of guard casts at run time (said once per kind)
         self.notice = Notice(self._bridged)
-        self._wrapper_casts: set[str] = set()
-        #: FSDP2 unit path -> the hooks that cast its outputs to its parent's compute dtype
-        self._bridges: dict[str, list[RemovableHandle]] = {}
         self._stash: dict[str, torch.Tensor] = {}
+        self._unwrapped: tuple[nn.Module, nn.Module, str] | None = None
         #: extra sections of every event's JSON: ``memory`` (the setup's account), ``provenance``
         #: (who chose the precision), ``lost_updates`` (the first optimizer steps)
         self.sections: dict[str, Any] = {}
@@ -210,83 +194,78 @@ class PrecisionGuard:
             self.model = model
         model, policy, where = self.model, self._renamed(self.policy), f"{self.name}.{event}"
         first = not self.events
-        view = ModelView.of(model, self.groups)  # the one walk of the model for this event
+        view = self._view(model)  # the event's one check, unwrap and walk: every step reads it
         check_zero3_split(view, where, policy.mode)
         if wrapper == "auto":
-            inner = [m for _, _, m in view.modules] if model is view.root else None
-            wrapper = detect_wrapper(model, args=args, modules=inner)
-        if wrapper == "FSDP2":
-            settle_shards(model)  # FSDP2 keeps the root unsharded after forward: read shards
-        plan = plan_policy(view, policy, master_fp32=self.master_fp32(view))
+            wrapper = detect_wrapper(model, args=args, modules=view.every_module())
+        if wrapper == "FSDP2":  # FSDP2 keeps the root unsharded after forward: read shards
+            settle_shards(model, view.every_module())
+        master = self.master_fp32(view)
+        plan = plan_policy(view, policy, master_fp32=master)
         audit = apply_plan(plan, "audit")
-        report, found = audit, len(audit.changes)
         # built under deepspeed.zero.Init, no engine yet: the plan left the partitions
         # (DeepSpeed's) alone; what is not partitioned yet is cast like any weight
         held = wrapper in HOLDING_WRAPPERS and not (
             wrapper == "DeepSpeed" and first and _zero_init_only(view, event, policy.mode)
         )
-        if held and wrapper is not None:
-            report, found = self._explain(model, wrapper, audit, where, plan)
-        elif audit.changes and policy.mode != "audit":
-            if wrapper == "DDP":
-                self._check_ddp_restore(audit, where)
-            # the same plan, not a second one
-            report = apply_plan(plan, policy.mode, optimizer, allow_wrapped=wrapper is not None)
-        if wrapper == "FSDP2":
-            report = self._fsdp2_outputs(model, report, where)
-        self._say(where, audit, report, found, first=first, held=held)
-        self._account(report, first=first)
+        run = self.wrapper_step.run  # explain what a holding wrapper did, else apply the plan
+        report, found = run(plan, audit, wrapper, self, held, optimizer, where)
+        self.speaker.event(self, where, audit, report, found, first=first, held=held)
+        self._account(report, view, first=first)
         self.last_report = report
-        self.handle = install_guards(
-            model, policy, report, groups=self.groups, view=view, notice=self.notice
-        )
+        self.handle = guards_on(view, policy, report, notice=self.notice)
         self._outside_reads(report, where, view)
         self.params = tuple(view.parameters())
         self.dtypes = tuple(p.dtype for p in self.params)
         self.events.append((event, found))
-        dmap = None  # the event's one dtype map: the reporter's, shared with the rank check
-        if self.reporter is not None and (log_clean or found):
-            # a wrapper's choice kept (wrapper_master_fp32) is in the event's JSON too
-            noted = (
-                found
-                or report.wrapper_casts
-                or report.wrapper_findings
-                or report.outside_reads
-                or kept_as_is(report)
-            )
-            dmap = self.reporter.log_event(
-                event,
-                model,
-                step=step,
-                policy=policy,
-                groups=self.groups,
-                report=report if noted else None,
-                view=view,
-                sections=self.sections,
+        dmap = None
+        if log_clean or found:  # a wrapper's choice kept (wrapper_master_fp32) is noted too
+            dmap = self._log(
+                event, view, policy, report if _noted(report, found) else None, step=step
             )
         if check_ranks:  # a collective: every rank reaches the same events
             check_model_ranks(model, self.groups, policy=policy, where=where, view=view, dmap=dmap)
         return report
 
+    def _view(self, model: nn.Module) -> ModelView:
+        """The event's :class:`ModelView` of ``model``, with the unwrap :meth:`holds` made for
+        it just before when a front end asked."""
+        kept, self._unwrapped = self._unwrapped, None
+        unwrapped = kept[1:] if kept is not None and kept[0] is model else None
+        return ModelView.of(model, self.groups, call=self.call, unwrapped=unwrapped)
+
+    def _log(
+        self, event: str, view: ModelView, policy: PrecisionPolicy, report: Any, *, step: int
+    ) -> Any:
+        """The reporter's files / W&B for this event (``report``: the event's findings, when it
+        found any); its dtype map, the event's one, shared with the rank check."""
+        if self.reporter is None:
+            return None
+        return self.reporter.log_event(
+            event,
+            view.model,
+            step=step,
+            policy=policy,
+            groups=self.groups,
+            report=report,
+            view=view,
+            sections=self.sections,
+        )
+
+    def holds(self, model: nn.Module) -> bool:
+        """Whether ``model`` is this guard's model or a wrapper around it. A front end asks
+        before its event's :meth:`verify` of the same ``model``, which then reuses this
+        unwrap: one per event."""
+        root, prefix = unwrap_model(model)
+        self._unwrapped = (model, root, prefix)
+        return root is self.root
+
     def master_fp32(self, view: ModelView | None = None) -> torch.dtype | None:
         """The half dtype DeepSpeed ZeRO-3 holds this run's trainable weights in, whose fp32
-        master copies live in its optimizer (rule ``wrapper_master_fp32``), or ``None``. ZeRO-3
-        flattens every trainable partition into one buffer of one dtype: once some trainable
-        weights are partitioned in the half dtype (``ds_id``: a model built under
-        ``deepspeed.zero.Init``), the others join them; before any partition (the stage known
-        from the front end's config), only when every trainable weight is in it already (TRL's
-        bf16 LoRA) — otherwise DeepSpeed casts the module itself and nothing is kept."""
-        half = self.deepspeed_dtype
-        if half not in (torch.bfloat16, torch.float16):
-            return None
-        params = list(view.parameters() if view is not None else self.root.parameters())
-        trainable = [p for p in params if p.requires_grad and p.is_floating_point()]
-        parted = [p for p in trainable if hasattr(p, "ds_id")]
-        if parted:
-            return half if all(zero3_dtype(p) == half for p in parted) else None
-        if self.deepspeed_stage == 3 and all(p.dtype == half for p in trainable):
-            return half
-        return None
+        master copies live in its optimizer (rule ``wrapper_master_fp32``), or ``None``
+        (:func:`~hf_precision.engine.deepspeed_config.zero3_master_dtype`)."""
+        params = view.parameters() if view is not None else self.root.parameters()
+        return zero3_master_dtype(self.deepspeed_dtype, self.deepspeed_stage, params)
 
     def _outside_reads(self, report: EnforceReport, where: str, view: ModelView) -> None:
         """Weights read outside their module: in the report; a fused LM head also on the
@@ -295,38 +274,14 @@ class PrecisionGuard:
         report.outside_reads = find_outside_reads(view.root, walk)
         if self.policy.mode != "audit":
             install_fused_head_check(view.root, report.outside_reads)
-        for read in report.outside_reads:
-            if read.kind == "fused_head" and read.tensor not in self._said:
-                self._said.add(read.tensor)
-                logger.warning(f"{where}: {read.describe()}; report: {self._report_dir() or 'off'}")
+        self.speaker.fused_heads(report.outside_reads, where, report_dir_of(self.reporter))
 
     def _renamed(self, policy: PrecisionPolicy) -> PrecisionPolicy:
-        """``policy`` with the former group names the model's rule renamed
-        (:attr:`~hf_precision.rules.groups.ModuleGroups.renamed`) said under their names now, and a
-        warning (once) that says so."""
-        renamed = {
-            old: new
-            for old, new in self.groups.renamed.items()
-            if old in policy.group_dtypes or old in policy.batch_key_groups.values()
-        }
-        if not renamed:
-            return policy
-        group_dtypes = dict(policy.group_dtypes)
-        for old, new in renamed.items():
-            if old in group_dtypes:
-                group_dtypes.setdefault(new, group_dtypes[old])
-                del group_dtypes[old]
-        keys = {k: renamed.get(g, g) for k, g in policy.batch_key_groups.items()}
-        said = ", ".join(f"{old!r} is {new!r}" for old, new in renamed.items())
-        self._warn_once(
-            f"{self.call}: under rule {self.groups.rule!r} ({type(self.root).__name__}) {said} "
-            "now (the merger maps image features into the language model: the projector, as "
-            "LLaMA-Factory, ms-swift and transformers call it); the policy's setting for the "
-            "old name applies to it. Fix: name "
-            + " and ".join(repr(n) for n in renamed.values())
-            + " in group_dtypes."
-        )
-        return policy.replace(group_dtypes=group_dtypes, batch_key_groups=keys)
+        """``policy`` in the groups' names now (:func:`renamed_policy`), said once."""
+        renamed, said = renamed_policy(policy, self.groups, self.call, type(self.root).__name__)
+        if said is not None:
+            self.speaker.once(said)
+        return renamed
 
     def drifted(self) -> bool:
         """Whether any parameter changed dtype since the last verify (one read per tensor)."""
@@ -335,97 +290,17 @@ class PrecisionGuard:
     def mark_wrapped(self, model: nn.Module) -> None:
         """Remember the dtypes a DDP wrapper built its gradient buckets for."""
         self.model = model
-        self.wrap_dtypes = {id(p): p.dtype for p in model.parameters()}
+        self.wrapper_step.mark(model)
 
     # ------------------------------------------------------------------ steps
-    def _explain(
-        self, model: nn.Module, wrapper: str, audit: EnforceReport, where: str, plan: Plan
-    ) -> tuple[EnforceReport, int]:
-        policy = self.policy
-        check = classify(plan, wrapper, deepspeed_dtype=self.deepspeed_dtype)
-        for why, n in check.expected.items():
-            logger.info("hf-precision %s: %d parameter(s) %s (expected)", where, n, why)
-        for note in check.notes[:_MAX_LISTED]:
-            self._warn_once(f"{where}: {note}")
-        if check and policy.mode == "audit":
-            warnings.warn(str(check.error(where, policy)), PrecisionWarning, stacklevel=3)
-        kept = explain_wrapped(
-            model, policy, self.groups, audit, where=where, wrapper=wrapper, check=check
-        )
-        casts = {c.name for c in kept.wrapper_casts}
-        if casts and casts != self._wrapper_casts:  # once, not at every evaluation
-            warnings.warn(kept.wrapper_note or "", PrecisionWarning, stacklevel=3)
-        self._wrapper_casts = casts
-        return kept, len(check.violations)
-
-    def _fsdp2_outputs(self, model: nn.Module, report: EnforceReport, where: str) -> EnforceReport:
-        """FSDP2's ``output_dtype``, said and bridged (:func:`.fsdp2.settle_outputs`)."""
-        messages = settle_outputs(model, self.name, self._bridges)
-        for message in messages:
-            self._warn_once(message)
-        if not messages:
-            return report
-        report = copy.copy(report)
-        report.wrapper_findings = [*report.wrapper_findings, *messages]
-        return report
-
-    def _check_ddp_restore(self, audit: EnforceReport, where: str) -> None:
-        """DDP built its gradient buckets for the dtypes at wrapping time (or, when the guard
-        did not see the wrapping, at its last verify): only going back to those is safe."""
-        ref = self.wrap_dtypes or {id(p): d for p, d in zip(self.params, self.dtypes)}
-        error = ddp_restore_error(audit.changes, ref, self.root, where=where, name=self.name)
-        if error is not None:
-            raise error
-
-    def _say(
-        self,
-        where: str,
-        audit: EnforceReport,
-        report: EnforceReport,
-        found: int,
-        *,
-        first: bool,
-        held: bool,
-    ) -> None:
-        policy = self.policy
-        if first and report.applied and report.changes:
-            logger.warning(cast_line(report, origin=self.origin, report_dir=self._report_dir()))
-            grown = memory_line(report)
-            if grown:
-                logger.warning(grown)
-        elif first and policy.mode == "audit" and audit.changes and not held:
-            # audit mode: the same line, said as findings (nothing was cast), on the console
-            line = cast_line(audit, origin=self.origin, report_dir=self._report_dir())
-            logger.warning(
-                f"hf-precision: audit found {len(audit.changes)} tensor(s) off the policy, "
-                f"nothing cast (mode 'audit'); the policy would cast "
-                + line.removeprefix("hf-precision: ")
-            )
-        elif first and not found and kept_as_is(report):
-            # nothing to cast, but a wrapper's choice was kept: said once, at setup
-            logger.warning(
-                f"hf-precision: nothing cast; {kept_words(report)}; policy {policy.describe()}; "
-                f"report: {self._report_dir() or 'off (report=False)'}"
-            )
-        elif found:  # later events: the model drifted from the policy
-            verb = "repaired" if policy.mode == "fix" and not held else "found"
-            example = f", e.g. {audit.changes[0].describe()}" if audit.changes else ""
-            warnings.warn(
-                f"{where}: dtype drift {verb}: {found} tensor(s) did not match "
-                f"{policy.describe()}{example}; report: {self._report_dir() or 'off'}",
-                PrecisionWarning,
-                stacklevel=4,
-            )
-        if not report.applied:  # enforce_policy said the warnings of what it applied
-            for w in report.warnings:
-                self._warn_once(w)
-
-    def _account(self, report: EnforceReport, *, first: bool) -> None:
+    def _account(self, report: EnforceReport, view: ModelView, *, first: bool) -> None:
         """The setup's memory account (every later event's JSON carries it); said on the
         console with the setup's cast line."""
         if not first:
             return
-        self.sections["memory"] = memory_account(report, self.root, stash_bytes=self.stash_bytes)
+        self.sections["memory"] = memory_account(
+            report, self.root, stash_bytes=self.stash_bytes, view=view
+        )
         if report.applied and report.changes:
             logger.warning(account_line(self.sections["memory"]))
 
@@ -437,29 +312,14 @@ class PrecisionGuard:
         """Write an event that carries :attr:`sections` without planning or casting anything
         (the lost-update check's result, mid-training)."""
         if self.reporter is not None:
-            policy = self._renamed(self.policy)
-            self.reporter.log_event(
-                event,
-                self.model,
-                step=step,
-                policy=policy,
-                groups=self.groups,
-                sections=self.sections,
-            )
-
-    def _report_dir(self) -> str | None:
-        path = getattr(self.reporter, "report_dir", None)
-        return f"{os.fspath(path).rstrip(os.sep)}{os.sep}" if path is not None else None
+            view = ModelView.of(self.model, self.groups, call=self.call)  # this event's walk
+            self._log(event, view, self._renamed(self.policy), None, step=step)
 
     def _bridged(self, kind: str, path: str, what: str, src: torch.dtype, dst: torch.dtype) -> None:
         """A guard cast an input at run time (called once per kind by the hooks)."""
         cast = bool(self.events) and self.events[0][1] > 0
-        logger.warning(bridged_line(kind, path, what, src, dst, cast, self._report_dir()))
-
-    def _warn_once(self, message: str) -> None:
-        if message not in self._said:
-            self._said.add(message)
-            warnings.warn(message, PrecisionWarning, stacklevel=4)
+        at = report_dir_of(self.reporter)
+        self.speaker.bridged(kind, path, what, src, dst, cast=cast, report_dir=at)
 
     def stash(self, eval_dtype: torch.dtype | None, limit_bytes: int) -> None:
         """Keep CPU copies of what an in-place ``model.to(eval_dtype)`` (``*_full_eval``) would
@@ -486,10 +346,7 @@ class PrecisionGuard:
     def teardown(self) -> None:
         """Take the guards off and release the model."""
         remove_guards(self.model)
-        for handles in self._bridges.values():
-            for h in handles:
-                h.remove()
-        self._bridges = {}
+        self.wrapper_step.teardown()
         release_model(self.root, self.owner)
 
     def __repr__(self) -> str:
@@ -546,3 +403,47 @@ def _zero_init_only(view: ModelView, event: str, mode: str) -> bool:
         and type(view.model).__name__ != "DeepSpeedEngine"
         and any(hasattr(p, "ds_id") for p in view.parameters())
     )
+
+
+def _noted(report: EnforceReport, found: int) -> bool:
+    """Whether the event's JSON carries its report: tensors off the policy, or a wrapper's
+    choice kept (``wrapper_master_fp32``), an output bridged, a weight read outside its module,
+    a keep rule's tensors left as they are."""
+    return bool(
+        found
+        or report.wrapper_casts
+        or report.wrapper_findings
+        or report.outside_reads
+        or kept_as_is(report)
+    )
+
+
+def renamed_policy(
+    policy: PrecisionPolicy, groups: ModuleGroups, call: str, model_type: str
+) -> tuple[PrecisionPolicy, str | None]:
+    """``policy`` with the former group names the model's rule renamed
+    (:attr:`~hf_precision.rules.groups.ModuleGroups.renamed`) said under their names now, and
+    the warning that says so (``None`` when nothing was renamed)."""
+    renamed = {
+        old: new
+        for old, new in groups.renamed.items()
+        if old in policy.group_dtypes or old in policy.batch_key_groups.values()
+    }
+    if not renamed:
+        return policy, None
+    group_dtypes = dict(policy.group_dtypes)
+    for old, new in renamed.items():
+        if old in group_dtypes:
+            group_dtypes.setdefault(new, group_dtypes[old])
+            del group_dtypes[old]
+    keys = {k: renamed.get(g, g) for k, g in policy.batch_key_groups.items()}
+    said = ", ".join(f"{old!r} is {new!r}" for old, new in renamed.items())
+    message = (
+        f"{call}: under rule {groups.rule!r} ({model_type}) {said} "
+        "now (the merger maps image features into the language model: the projector, as "
+        "LLaMA-Factory, ms-swift and transformers call it); the policy's setting for the "
+        "old name applies to it. Fix: name "
+        + " and ".join(repr(n) for n in renamed.values())
+        + " in group_dtypes."
+    )
+    return policy.replace(group_dtypes=group_dtypes, batch_key_groups=keys), message

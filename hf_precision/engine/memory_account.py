@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..base.tables import fmt_bytes
+from ..model.view import ModelView
 from ..rules.dtypes import dtype_name
 from .plan import EnforceReport
 
@@ -38,9 +39,22 @@ def _itemsize(dtype: torch.dtype | str) -> int | None:
     return torch.empty((), dtype=d).element_size()
 
 
-def _tensors(root: nn.Module) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = dict(root.named_buffers(remove_duplicate=False))
-    out.update(root.named_parameters(remove_duplicate=False))
+def _tensors(root: nn.Module, view: ModelView | None) -> dict[str, torch.Tensor]:
+    """Every buffer and parameter by name (parameters win a shared name), from ``view`` when
+    the caller has the event's walk."""
+    if view is None:
+        out: dict[str, torch.Tensor] = dict(root.named_buffers(remove_duplicate=False))
+        out.update(root.named_parameters(remove_duplicate=False))
+        return out
+    out = {}
+    params: dict[str, torch.Tensor] = {}
+    for path, _, mod in view.modules:
+        prefix = f"{path}." if path else ""
+        for attr, into in (("_buffers", out), ("_parameters", params)):
+            for key, t in getattr(mod, attr).items():
+                if t is not None:
+                    into[prefix + key] = t
+    out.update(params)
     return out
 
 
@@ -51,11 +65,16 @@ def _decision(kind: str, trainable: bool, grew: bool) -> str:
 
 
 def memory_account(
-    report: EnforceReport, root: nn.Module, *, stash_bytes: int = 0
+    report: EnforceReport,
+    root: nn.Module,
+    *,
+    stash_bytes: int = 0,
+    view: ModelView | None = None,
 ) -> dict[str, Any]:
     """The bytes of each decision in ``report`` on ``root`` (see the module docstring); every
-    figure is exact (bytes, positive = costs, negative = saves)."""
-    tensors = _tensors(root)
+    figure is exact (bytes, positive = costs, negative = saves). ``view``: the event's walk of
+    ``root``, when the caller has one."""
+    tensors = _tensors(root, view if view is not None and view.root is root else None)
     decisions: dict[str, dict[str, int]] = {}
     for c in report.changes:
         t = tensors.get(c.name)
@@ -76,7 +95,8 @@ def memory_account(
         row = kept.setdefault(rule, {"count": 0, "bytes": 0})
         row["count"] += 1
         row["bytes"] += t.numel() * spared
-    trained = [p for p in root.parameters() if p.requires_grad]
+    params = view.parameters() if view is not None and view.root is root else root.parameters()
+    trained = [p for p in params if p.requires_grad]
     numel = sum(p.numel() for p in trained)
     half = sum(p.numel() for p in trained if p.dtype in (torch.bfloat16, torch.float16))
     return {

@@ -65,13 +65,14 @@ _SELF_CASTING = re.compile(r"(^|\.)lora_(A|B|embedding_A|embedding_B|magnitude_v
 
 
 def _unmatched_patterns(
-    root: nn.Module, policy: PrecisionPolicy, groups: ModuleGroups, report: EnforceReport
+    view: ModelView, policy: PrecisionPolicy, report: EnforceReport
 ) -> list[str]:
     """One message per ``keep_fp32`` pattern that selects nothing and per ``group_dtypes``
     group the model does not have (a typo such as ``model.vison_tower`` is silent otherwise)."""
 
     from ..rules.policy import PRESET_DEFAULTS
 
+    root, groups = view.root, view.groups
     preset = PRESET_DEFAULTS.get(policy.name or "", {})  # a preset's own rules (vae32) are general
     used = {reason for _, reason in report.kept_fp32}
     out = []
@@ -79,7 +80,7 @@ def _unmatched_patterns(
     for pat in policy.keep_fp32:
         if f"keep_fp32 {pat!r}" in used or pat in preset.get("keep_fp32", ()):
             continue
-        names = names or [n for n, _ in root.named_modules() if n]
+        names = names or [n for n, _, _ in view.modules if n]
         hint = did_you_mean(pat.removeprefix("re:"), names)
         out.append(
             f"keep_fp32 pattern {pat!r} selects no parameter or buffer of "
@@ -110,13 +111,13 @@ def plan_policy(
     root, groups = view.root, view.groups
     model_keep, strict = model_keep_lists(root)
     device_mapped = bool(getattr(root, "hf_device_map", None))
-    device = model_device(root, groups) if policy.move_devices and not device_mapped else None
+    device = view.model_device() if policy.move_devices and not device_mapped else None
     found = EnforceReport(policy, groups, applied=False, device=device)
     planner = _Planner(found, policy, model_keep, device, strict=strict, master_fp32=master_fp32)
     planner.walk(root, groups, view.modules)
     if found.overflow:
-        planner.keep_with_overflowed(root)
-    found.warnings += _unmatched_patterns(root, policy, groups, found)
+        planner.keep_with_overflowed(view)
+    found.warnings += _unmatched_patterns(view, policy, found)
     note = model_dtype_note(root, view.modules, found.kept, policy.frozen_dtype)
     if note is not None:  # a keep rule on the first floating parameter: model.dtype says fp32
         found.warnings.append(note)
@@ -318,11 +319,11 @@ class _Planner:
         self.report.changes.append(change)
         self.todo.append(PlannedCast(mod, key, b, change, b.dtype, device))
 
-    def keep_with_overflowed(self, root: nn.Module) -> None:
+    def keep_with_overflowed(self, view: ModelView) -> None:
         """A module computes in one dtype: the parameters beside one kept for its range stay
         in its dtype too (an fp32 weight next to an fp16 bias fails inside F.linear)."""
         report = self.report
-        named = dict(root.named_parameters())
+        named = view.named_parameters()
         held = {n.rpartition(".")[0]: named[n].dtype for n, _ in report.overflow if n in named}
         for item in list(self.todo):
             change, t = item.change, item.tensor

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..base.wrappers import unwrap_model
+from ..base.wrappers import unwrap_model, wrapper_compute_dtypes
+from ..errors import check_model
 from ..rules.dtypes import is_castable, majority_dtype
 from ..rules.groups import OTHER, ModuleGroups, find_module_groups, hidden_module
 
@@ -44,7 +46,8 @@ class ModelView:
     """One walk of a model for one event: every module with its path and group (modules held
     outside the module tree included, last). The plan (:func:`~hf_precision.enforce_policy`),
     the guards (:func:`~hf_precision.install_guards`) and the engine read this list instead of
-    walking the model again.
+    walking the model again; what they derive from it (the parameters, a module's subtree, the
+    dtype and device each group receives) is cached here, for this event.
 
     >>> from hf_precision.tiny import tiny_llava
     >>> view = ModelView.of(tiny_llava())
@@ -58,42 +61,180 @@ class ModelView:
     #: the object the walk was asked for (``root`` or the DDP/DeepSpeed/PEFT wrapper around it)
     model: nn.Module = field(default=None, repr=False)  # type: ignore[assignment]
     _parameters: list[nn.Parameter] | None = field(default=None, repr=False, compare=False)
+    #: the wrappers from ``model`` down to ``root`` (``root`` excluded; empty when unwrapped)
+    outer: tuple[nn.Module, ...] = field(default=(), repr=False, compare=False)
+    _cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.model is None:
             self.model = self.root
 
     @classmethod
-    def of(cls, model: nn.Module, groups: ModuleGroups | None = None) -> ModelView:
-        root, _ = unwrap_model(model)
+    def of(
+        cls,
+        model: nn.Module,
+        groups: ModuleGroups | None = None,
+        *,
+        call: str = "ModelView.of",
+        unwrapped: tuple[nn.Module, str] | None = None,
+    ) -> ModelView:
+        """The event's walk of ``model``: its one model check (a :class:`PrecisionError` that
+        repeats ``call`` when ``model`` is no module), its one unwrap (``unwrapped``: the
+        ``unwrap_model(model)`` the caller made for this event already) and its one walk."""
+        check_model(model, call)
+        root, prefix = unwrapped if unwrapped is not None else unwrap_model(model)
+        return cls._walk(model, root, prefix, groups)
+
+    @classmethod
+    def _walk(
+        cls, model: nn.Module, root: nn.Module, prefix: str, groups: ModuleGroups | None
+    ) -> ModelView:
         groups = groups if groups is not None else find_module_groups(root)
-        return cls(root, groups, list(walk_modules(root, groups)), model)
+        outer = _outer(model, prefix)
+        return cls(root, groups, list(walk_modules(root, groups)), model, outer=outer)
 
     @classmethod
     def reuse(
-        cls, view: ModelView | None, model: nn.Module, groups: ModuleGroups | None = None
+        cls,
+        view: ModelView | None,
+        model: nn.Module,
+        groups: ModuleGroups | None = None,
+        *,
+        call: str = "ModelView.reuse",
     ) -> ModelView:
         """``view`` when it is a walk of ``model``'s root (the caller's walk for this event),
-        else a new walk."""
-        root, _ = unwrap_model(model)
+        else a new walk (``call``: as in :meth:`of`)."""
+        if view is not None and model is view.model:
+            return view
+        if view is not None and model is view.root:  # the model inside the view's wrappers
+            return replace(view, model=model, outer=())
+        check_model(model, call)
+        root, prefix = unwrap_model(model)
         if view is None or view.root is not root:
-            return cls.of(model, groups)
-        return view if view.model is model else replace(view, model=model)
+            return cls._walk(model, root, prefix, groups)
+        return replace(view, model=model, outer=_outer(model, prefix))
 
     def parameters(self) -> list[nn.Parameter]:
         """Every parameter once, in walk order (``root.parameters()`` plus hidden modules'),
         listed once per view."""
-        if self._parameters is not None:
-            return list(self._parameters)
-        seen: set[int] = set()
-        out = []
-        for _, _, mod in self.modules:
-            for p in mod._parameters.values():
-                if p is not None and id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        self._parameters = out
-        return list(out)
+        if self._parameters is None:
+            self._parameters = _unique_parameters(self.modules)
+        return list(self._parameters)
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """``path -> parameter`` of every module of the walk (a tied parameter under each of
+        its names)."""
+        return {
+            f"{path}.{key}" if path else key: p
+            for path, _, mod in self.modules
+            for key, p in mod._parameters.items()
+            if p is not None
+        }
+
+    def within(self, mod: nn.Module) -> list[tuple[str, str, nn.Module]]:
+        """``mod`` and the modules below it, as this walk lists them (``mod.named_modules()``
+        without walking it again); every module for the root."""
+        if mod is self.root:
+            return self.modules
+        index = self._cache.get("index")
+        if index is None:
+            index = self._cache["index"] = {}
+            for i, (_, _, m) in enumerate(self.modules):
+                index.setdefault(id(m), i)
+        start = index.get(id(mod))
+        if start is None:  # not in this walk (a module the caller built since): walk it
+            return [(p, OTHER, m) for p, m in mod.named_modules()]
+        path = self.modules[start][0]
+        below = path + "."
+        end = start + 1
+        while end < len(self.modules) and self.modules[end][0].startswith(below):
+            end += 1
+        return self.modules[start:end]
+
+    def parameters_of(self, mod: nn.Module) -> list[nn.Parameter]:
+        """``mod.parameters()``, from this walk (cached per module)."""
+        key = ("params", id(mod))
+        found = self._cache.get(key)
+        if found is None:
+            found = self._cache[key] = _unique_parameters(self.within(mod))
+        return list(found)
+
+    def every_module(self) -> list[nn.Module]:
+        """The wrappers around the root (:attr:`outer`), then every module of the walk:
+        ``model.modules()`` of the object the walk was asked for, without walking it."""
+        return [*self.outer, *(m for _, _, m in self.modules)]
+
+    def modules_of(self, model: nn.Module) -> list[nn.Module] | None:
+        """``model.modules()`` from this walk when ``model`` is the walked object or its root
+        (``None`` for another model: the caller walks it)."""
+        if model is self.model:
+            return self.every_module()
+        return [m for _, _, m in self.modules] if model is self.root else None
+
+    @property
+    def compute(self) -> dict[int, torch.dtype]:
+        """``id(parameter) -> dtype`` FSDP mixed precision computes it in (empty without FSDP):
+        :func:`~hf_precision.base.wrappers.wrapper_compute_dtypes` on this walk."""
+        found = self._cache.get("compute")
+        if found is None:
+            found = wrapper_compute_dtypes(self.model, self.every_module())
+            self._cache["compute"] = found
+        return found  # type: ignore[no-any-return]
+
+    def receiving_of(self, mod: nn.Module) -> tuple[torch.dtype | None, torch.device | None]:
+        """:func:`receiving` of ``mod`` under this walk's FSDP compute dtypes (cached)."""
+        key = ("receiving", id(mod))
+        found = self._cache.get(key)
+        if found is None:
+            found = self._cache[key] = receiving(mod, self.compute, self.parameters_of(mod))
+        return found  # type: ignore[no-any-return]
+
+    def receiving_dtypes(self) -> dict[str, torch.dtype]:
+        """Per group, the dtype its entry receives: the first of its roots that has one."""
+        out = {}
+        for group in self.groups.names:
+            for mod in self.groups.modules(group):
+                dtype, _ = self.receiving_of(mod)
+                if dtype is not None:
+                    out[group] = dtype
+                    break
+        return out
+
+    def model_device(self) -> torch.device | None:
+        """Where the model lives: the language model's device, else the majority device."""
+        lm = self.groups.modules("language_model")
+        counts = _weights_per_device(p for mod in lm for p in self.parameters_of(mod))
+        counts = counts or _weights_per_device(self.parameters())
+        return max(counts, key=lambda d: counts[d]) if counts else None
+
+
+def _outer(model: nn.Module, prefix: str) -> tuple[nn.Module, ...]:
+    """The wrappers ``unwrap_model`` peeled, outermost first (attribute reads, no walk)."""
+    out: list[nn.Module] = []
+    at = model
+    for name in prefix.split(".")[:-1]:
+        out.append(at)
+        at = getattr(at, name)
+    return tuple(out)
+
+
+def _unique_parameters(walk: Iterable[tuple[str, str, nn.Module]]) -> list[nn.Parameter]:
+    seen: set[int] = set()
+    out = []
+    for _, _, mod in walk:
+        for p in mod._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def _weights_per_device(params: Iterable[torch.Tensor]) -> dict[torch.device, int]:
+    counts: dict[torch.device, int] = {}
+    for p in params:
+        if p.device.type != "meta":
+            counts[p.device] = counts.get(p.device, 0) + p.numel()
+    return counts
 
 
 def receiving(
@@ -126,14 +267,8 @@ def receiving(
 
 def model_device(root: nn.Module, groups: ModuleGroups) -> torch.device | None:
     """Where the model lives: the language model's device, else the majority device."""
-
-    def weights_per_device(mods: list[nn.Module]) -> dict[torch.device, int]:
-        counts: dict[torch.device, int] = {}
-        for p in (p for mod in mods for p in mod.parameters()):
-            if p.device.type != "meta":
-                counts[p.device] = counts.get(p.device, 0) + p.numel()
-        return counts
-
-    counts = weights_per_device(groups.modules("language_model") or [root])
-    counts = counts or weights_per_device([root])
+    counts = _weights_per_device(
+        p for mod in groups.modules("language_model") for p in mod.parameters()
+    )
+    counts = counts or _weights_per_device(root.parameters())
     return max(counts, key=lambda d: counts[d]) if counts else None

@@ -289,6 +289,7 @@ def _launch(out: Path, names: list[str], nproc: int = 2, timeout: int = 600) -> 
 
 
 CPU_SCENARIOS = [
+    "one_walk",
     "plain_loop",
     "plain_disagree",
     "trainer",
@@ -359,6 +360,20 @@ def test_plain_loop_on_two_ranks(two_ranks):
     files = sorted(p.name for p in (out / "plain_loop" / "precision").iterdir())
     assert files == sorted(r0["written"] + ["precision.log"])
     assert r0["policy_file"] and r1["policy_file"]  # one shared checkpoint folder
+
+
+@pytest.mark.multiprocess
+@pytest.mark.xdist_group("torchrun")
+def test_one_walk_per_event_on_two_ranks(two_ranks):
+    """Under DDP on two ranks one event checks, unwraps and walks the model once: the rank
+    check reuses the event's view and the reporter's dtype map (no second walk, no stack walk
+    through ``_modules``), and maps the view itself when no reporter made one."""
+    _, results = two_ranks
+    one = {"walks": ["view.py:walk_modules"], "unwraps": ["view.py:of"], "checks": ["view.py:of"]}
+    for r in _ok(results, "one_walk"):
+        assert r["wrapper"] == "DistributedDataParallel"
+        for case in ("reported", "bare"):
+            assert r[case] == {**one, "changes": 0}, case
 
 
 @pytest.mark.multiprocess

@@ -143,6 +143,6 @@ def test_nested_unit_returning_fp32_into_a_bf16_parent_is_bridged(one_rank, tmp_
     assert {n: (p.dtype, p.to_local().data_ptr()) for n, p in model.named_parameters()} == shards
     guard.verify(model, "again")  # a second event installs no second hook
     engine = guard._guarded[0]
-    assert sum(len(h) for h in engine._bridges.values()) == 2
+    assert sum(len(h) for h in engine.wrapper_step.bridges.values()) == 2
     guard.remove()  # the hooks go with the guard
-    assert engine._bridges == {}
+    assert engine.wrapper_step.bridges == {}

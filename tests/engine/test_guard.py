@@ -4,8 +4,6 @@ order, adapters holding no logic of their own."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,30 +21,24 @@ from hf_precision.tiny import tiny_batch, tiny_llava
 PKG = str(Path(__file__).resolve().parents[2] / "hf_precision")
 
 
-@contextmanager
-def walks_of(model: nn.Module) -> Iterator[list[str]]:
-    """Every ``named_modules()`` pass over ``model`` that hf-precision's code starts
-    (``modules()``, ``parameters()``, ``named_parameters()`` all go through it)."""
-    root = model
-    seen: list[str] = []
-    original = nn.Module.named_modules
+def _load_walks() -> Any:
+    """``tests/multiprocess/walks.py``: the counter this file and the two-rank scenario share."""
+    import importlib.util
 
-    def counting(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if self is root:
-            frame = sys._getframe(1)
-            while frame is not None and frame.f_code.co_filename.startswith(
-                str(Path(torch.__file__).parent)
-            ):
-                frame = frame.f_back  # torch's own helpers (parameters() -> named_modules())
-            if frame is not None and frame.f_code.co_filename.startswith(PKG):
-                seen.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}")
-        return original(self, *args, **kwargs)
+    path = Path(__file__).resolve().parents[1] / "multiprocess" / "walks.py"
+    spec = importlib.util.spec_from_file_location("hf_precision_tests_walks", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
-    nn.Module.named_modules = counting  # type: ignore[method-assign]
-    try:
-        yield seen
-    finally:
-        nn.Module.named_modules = original  # type: ignore[method-assign]
+
+counting_walks = _load_walks().counting_walks
+#: one event: the view's walk, its one unwrap and its one model check; nothing else
+ONE_WALK = ["view.py:walk_modules"]
+ONE_UNWRAP = ["view.py:of"]
+ONE_CHECK = ["view.py:of"]
 
 
 def _split() -> nn.Module:
@@ -55,13 +47,24 @@ def _split() -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("drift", [False, True], ids=["clean", "drift"])
-def test_one_walk_of_the_model_per_event(drift: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("drift", "keep"),
+    [(False, ()), (True, ()), (False, ("vison_tower",))],
+    ids=["clean", "drift", "typo"],
+)
+def test_one_walk_of_the_model_per_event(
+    drift: bool, keep: tuple[str, ...], tmp_path: Path
+) -> None:
+    """One event walks the model once (no subtree walk, no ``_modules`` stack walk), unwraps it
+    once and checks it once: the plan (its "did you mean" for a keep_fp32 pattern that selects
+    nothing included), the apply, the guards (each group's receiving dtype and device, its
+    entry leaf), the dtype map and the rank check all read the event's view."""
     model = _split()
-    guard = PrecisionGuard(
-        model, PrecisionPolicy.from_preset("bf16-true"), reporter=PrecisionReporter(tmp_path)
-    )
-    guard.verify("setup")
+    policy = PrecisionPolicy.from_preset("bf16-true", keep_fp32=keep)
+    guard = PrecisionGuard(model, policy, reporter=PrecisionReporter(tmp_path))
+    with counting_walks(model) as setup:
+        guard.verify("setup")  # the first event: its memory account reads the view too
+    assert (setup.walks, setup.unwraps, setup.checks) == (ONE_WALK, ONE_UNWRAP, ONE_CHECK)
     if drift:
         model.model.multi_modal_projector.float()
     plans: list[int] = []
@@ -71,21 +74,62 @@ def test_one_walk_of_the_model_per_event(drift: bool, tmp_path: Path) -> None:
         plans.append(1)
         return plan(*args, **kwargs)
 
-    with walks_of(model) as walks, pytest.MonkeyPatch.context() as mp:
+    with counting_walks(model) as seen, pytest.MonkeyPatch.context() as mp:
         mp.setattr(guard_module, "plan_policy", counted)
-        report = guard.verify("check")  # plan, apply, guards, dtype map and files
-    assert walks == ["view.py:walk_modules"]  # the event's ModelView, nothing else
+        report = guard.verify("check", check_ranks=True)  # plan, apply, guards, map, files
+    assert seen.walks == ONE_WALK  # the event's ModelView, nothing else
+    assert (seen.unwraps, seen.checks) == (ONE_UNWRAP, ONE_CHECK)
     assert len(plans) == 1  # the audit's plan is the one applied, not planned again
     assert bool(report.changes) == drift
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert guard.handle is not None and guard.handle.boundary  # the guards were put
+
+
+def test_the_counter_sees_subtree_and_stack_walks() -> None:
+    """The counter can fail: a walk of one group, a ``children()`` pass and the dtype map's own
+    ``_modules`` stack walk (no view given) are each seen, named after who started them."""
+    from hf_precision.engine.hooks import install_guards
+    from hf_precision.model.dtype_maps import dtype_map
+
+    model = _split()
+    with counting_walks(model) as seen:
+        install_guards(model, "bf16-true")  # no view: builds one (a walk, an unwrap, a check)
+        dtype_map(model)  # no view: its own stack walk over _modules
+        model.model.vision_tower.parameters()  # the test's own walks are not counted
+    assert seen.walks == ["view.py:walk_modules", "dtype_maps.py:_stack_walk"]
+    assert seen.unwraps[0] == "view.py:reuse" and "dtype_maps.py:_dtype_map" in seen.unwraps
+    assert seen.checks[0] == "view.py:reuse" and "dtype_maps.py:dtype_map" in seen.checks
+    with counting_walks(model) as seen:
+        from hf_precision.model.view import receiving
+
+        receiving(model.model.vision_tower)  # a walk of one group's subtree
+        list(model.children())  # the test's own pass: not hf-precision's
+    assert seen.walks == ["view.py:receiving"]
+
+
+def test_a_front_end_that_asks_holds_first_unwraps_once(tmp_path: Path) -> None:
+    model = _split()
+    guard = PrecisionGuard(model, PrecisionPolicy.from_preset("bf16-true"))
+    guard.verify("setup")
+    with counting_walks(model) as seen:
+        assert guard.holds(model)
+        guard.verify("check", model=model)
+    assert seen.walks == ONE_WALK and seen.checks == ONE_CHECK
+    assert seen.unwraps == ["guard.py:holds"]
+    assert not guard.holds(tiny_llava())  # another model: not this guard's
 
 
 def test_a_callback_evaluation_walks_the_model_once(make_trainer: Any) -> None:
     model = _split()
     trainer = make_trainer(model, tiny_batch(model), callbacks=[PrecisionGuardCallback()])
-    with walks_of(model) as walks:
+    with counting_walks(model) as seen:
         trainer.evaluate()  # on_evaluate: one event
-    assert walks == ["view.py:walk_modules"]
+    assert seen.walks == ONE_WALK
+    assert seen.checks == ONE_CHECK
+    # the engine unwraps once, or lends the unwrap of guard.holds(model) to the event; a
+    # callback that compares roots itself in _setup adds its own (frontends/callback.py)
+    engine = [u for u in seen.unwraps if u != "callback.py:_setup"]
+    assert engine in (ONE_UNWRAP, ["guard.py:holds"]) and len(seen.unwraps) <= 2
 
 
 def test_events_run_the_pipeline_in_order(tmp_path: Path) -> None:

@@ -5,10 +5,9 @@ from hf_precision import (
     PrecisionError,
     PrecisionPolicy,
     enforce_policy,
-    find_module_groups,
     install_guards,
 )
-from hf_precision.engine.hooks import _guard_hook, guard_targets, installed_guards, remove_guards
+from hf_precision.engine.hooks import guard_targets, installed_guards, remove_guards
 from hf_precision.tiny import tiny_batch, tiny_llava
 
 
@@ -55,15 +54,6 @@ def test_without_guard_a_component_split_fails():
     model.model.vision_tower.to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="same dtype|should be the same"):
         model(**tiny_batch(model))
-
-
-def test_hot_path_returns_none_when_nothing_to_cast():
-    model, _, _ = _guarded()
-    lin = model.model.multi_modal_projector
-    x = torch.rand(2, 32, dtype=torch.bfloat16)
-    assert _guard_hook(lin, (x,), {}) is None
-    new_args, _ = _guard_hook(lin, (x.float(),), {})
-    assert new_args[0].dtype == torch.bfloat16
 
 
 def test_raise_mode_names_module_dtypes_and_fix():
@@ -151,27 +141,6 @@ def test_exit_hook_hands_a_fp32_projector_over_in_the_embeddings_dtype():
     remove_guards(model)
     assert not model.mlp1._forward_hooks
     assert model.mlp1(torch.randn(1, 4, 64)).dtype == torch.float32  # no exit hook left
-
-
-def test_exit_hooks_sit_where_features_leave_the_image_path():
-    from hf_precision.engine.hooks import _handover_roots
-    from hf_precision.tiny import tiny_blip2, tiny_idefics2, tiny_idefics3, tiny_qwen2_vl
-
-    cases = {
-        tiny_llava: ["model.multi_modal_projector"],
-        # no projector: the resampler hands over, through the vision tower that holds it
-        tiny_qwen2_vl: ["model.visual"],
-        tiny_idefics3: ["model.connector"],  # the projector sits inside the connector
-        tiny_idefics2: ["model.connector"],  # projection, then perceiver: their common module
-        tiny_blip2: ["language_projection"],  # qformer and projection beside the LM: the last
-    }
-    for build, expected in cases.items():
-        model = build()
-        groups = find_module_groups(model)
-        assert [p for p, _ in _handover_roots(model, groups)] == expected, build.__name__
-    model = tiny_llava()
-    audit = PrecisionPolicy.from_preset("bf16-true", mode="audit")
-    assert install_guards(model, audit, enforce_policy(model, audit)).exit == []
 
 
 def test_install_guards_on_what_is_not_a_model_says_so():

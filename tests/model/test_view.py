@@ -77,3 +77,36 @@ def test_walk_modules_is_lazy_and_matches_the_view() -> None:
     walk = walk_modules(model, groups)
     assert next(walk)[0] == ""  # a generator: the view materialises it once
     assert [p for p, _, _ in ModelView.of(model, groups).modules][1:] == [p for p, _, _ in walk]
+
+
+def test_a_subtree_and_its_receiving_dtype_come_from_the_walk() -> None:
+    from hf_precision.model.view import receiving
+
+    model = tiny_llava(torch.bfloat16)
+    model.model.multi_modal_projector.float()
+    view = ModelView.of(model)
+    tower = model.model.vision_tower
+    assert [m for _, _, m in view.within(tower)] == list(tower.modules())
+    assert view.within(tower)[0][0] == "model.vision_tower"
+    assert view.parameters_of(tower) == list(tower.parameters())
+    projector = model.model.multi_modal_projector
+    assert (
+        view.receiving_of(projector) == receiving(projector) == (torch.float32, torch.device("cpu"))
+    )
+    assert view.receiving_dtypes()["projector"] == torch.float32
+    assert view.receiving_dtypes()["language_model"] == torch.bfloat16
+    assert view.model_device() == torch.device("cpu")
+    assert set(view.named_parameters()) == {n for n, _ in model.named_parameters()}
+
+
+def test_the_wrappers_peeled_are_listed_outermost_first() -> None:
+    base = tiny_llava()
+    peft = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"]))
+    view = ModelView.of(peft)
+    assert view.outer == (peft, peft.base_model)
+    assert view.every_module() == list(peft.modules())
+    assert view.modules_of(peft) == list(peft.modules())
+    assert view.modules_of(base) == list(base.modules())
+    assert view.modules_of(tiny_llava()) is None  # another model: the caller walks it
+    inner = ModelView.reuse(view, base)  # the model inside the wrappers: the same walk
+    assert inner.model is base and inner.outer == () and inner.modules is view.modules

@@ -133,6 +133,34 @@ def plain_disagree(out: Path) -> dict[str, Any]:
     return {"wrapped": "no error"}
 
 
+@scenario
+def one_walk(out: Path) -> dict[str, Any]:
+    """One event of an engine on a DDP model, on both ranks: the view's one walk, unwrap and
+    model check serve the plan, the guards, the reporter's dtype map and the rank check
+    (``check_model_ranks(view=, dmap=)``); without a reporter the rank check maps the view."""
+    from torch.nn.parallel import DistributedDataParallel
+    from walks import counting_walks
+
+    from hf_precision import PrecisionPolicy
+    from hf_precision.engine.guard import PrecisionGuard
+    from hf_precision.report.reporting import PrecisionReporter
+
+    model = split_llava()
+    seen: dict[str, Any] = {}
+    for case, reporter in (("reported", PrecisionReporter(out / "precision")), ("bare", None)):
+        guard = PrecisionGuard(
+            model, PrecisionPolicy.from_preset("bf16"), reporter=reporter, claim=False
+        )
+        guard.verify("setup", check_ranks=True)  # cast before the wrapper exists
+        ddp = DistributedDataParallel(model)
+        guard.mark_wrapped(ddp)
+        with counting_walks(ddp) as walks:
+            report = guard.verify("check", model=ddp, wrapper="auto", check_ranks=True)
+        seen[case] = {**walks.as_dict(), "changes": len(report.changes)}
+    seen["wrapper"] = type(ddp).__name__
+    return seen
+
+
 # ----------------------------------------------------------------------------- Trainer
 def training_args(out: Path, **kw: Any) -> Any:
     """Two steps of batch 2 on CPU/gloo, an evaluation after each, no checkpoints, no trackers."""
