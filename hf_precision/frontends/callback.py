@@ -173,9 +173,9 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
     def _setup(self, args: Any, model: nn.Module | None) -> PrecisionGuard | None:
         if model is None:
             return None
-        root, _ = unwrap_model(model)
-        if self.guard is not None and self.guard.root is root:
+        if self.guard is not None and self.guard.holds(model):  # its unwrap is the event's
             return self.guard
+        root, _ = unwrap_model(model)
         first = self.guard is None
         if self._policy_arg is None:  # inferred: from this Trainer's arguments and model
             before = self.policy
