@@ -209,3 +209,49 @@ def leaf_guard_groups(
     if policy.leaf_guards == "auto" and report is not None:
         return (*report.mixed_groups, *sorted(LEAF_GUARDED_GROUPS))
     return ()
+
+
+#: The layers autocast runs in half precision: a trainable float32 one of these inside a half
+#: group hands its output on in the group's dtype (:func:`trainable_handovers`), as it would
+#: under autocast.
+_AUTOCAST_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: Groups whose outputs nothing half follows (logits): a float32 head there keeps its output.
+_FINAL_GROUPS = ("lm_head",)
+
+
+def trainable_handovers(
+    view: Any, kept: Iterable[tuple[str, str, str, str]]
+) -> list[tuple[str, nn.Module, torch.Tensor]]:
+    """``(path, module, ref)`` of every trainable float32 linear/conv layer inside a group held
+    in half precision (``ref``: a frozen weight of that group, read at call time): the policy
+    keeps its weight in float32 for the optimizer, and outside autocast its float32 output
+    would meet the group's half tensors in plain tensor code (attention's ``q`` beside half
+    ``k``/``v``). Its output leaves in the group's dtype, as autocast would hand it on. Layers
+    a keep rule holds, layers inside a PEFT adapter (PEFT casts its adapters' outputs itself)
+    and the LM head keep their outputs."""
+    names = {name.rpartition(".")[0] for name, *_ in kept}
+    recv = view.receiving_dtypes()
+    refs: dict[str, torch.Tensor | None] = {}
+    out: list[tuple[str, nn.Module, torch.Tensor]] = []
+    adapters: list[str] = []  # paths of PEFT tuner layers seen so far (parents come first)
+    for path, group, mod in view.modules:
+        if hasattr(mod, "adapter_layer_names"):  # peft's BaseTunerLayer
+            adapters.append(path + ".")
+        if not isinstance(mod, _AUTOCAST_LAYERS) or group in _FINAL_GROUPS or path in names:
+            continue
+        weight = mod._parameters.get("weight")
+        if weight is None or weight.dtype != torch.float32 or not weight.requires_grad:
+            continue
+        half = recv.get(group)
+        if half not in (torch.bfloat16, torch.float16):
+            continue
+        if any(path.startswith(a) for a in adapters):
+            continue
+        if group not in refs:
+            roots = view.groups.modules(group)
+            params = [p for r in roots for p in view.parameters_of(r)]
+            refs[group] = ref_param(params, half, view.compute)
+        ref = refs[group]
+        if ref is not None and not ref.requires_grad:
+            out.append((path, mod, ref))
+    return out

@@ -21,7 +21,10 @@ idempotent (installing twice adds nothing):
   the dtype of the language model's input embeddings, so plain tensor code after it
   (``input_embeds[selected] = vit_embeds``, ``masked_scatter``, ``cat``) sees one dtype: a
   projector trained in fp32 beside a bf16 language model, or a projector's bf16 autocast
-  output written into fp32 embeddings.
+  output written into fp32 embeddings. A trainable fp32 linear/conv layer inside a group held
+  in half precision gets one too (``hook_targets.trainable_handovers``): its output leaves in
+  the group's dtype, as autocast would hand it on (a trained fp32 ``q_proj`` beside half
+  ``k``/``v`` in attention).
 
 Targets are computed at install time, from the event's
 :class:`~hf_precision.model.view.ModelView` (:func:`guards_on`; :func:`install_guards` is its
@@ -85,6 +88,7 @@ from .hook_targets import (
     norm_held_fp32,
     own_weight,
     ref_param,
+    trainable_handovers,
 )
 
 __all__ = [
@@ -296,6 +300,12 @@ def _put_exits(put: _Installer, report: Any) -> set[int]:
         if policy.boundary_guards and id(mod) not in exits:
             exits.add(id(mod))
             put.exit(mod, ExitState(path, after[1], notice=put.notice))
+    if policy.mode == "fix" and policy.boundary_guards and report is not None:
+        # a trainable fp32 layer in a half group hands its output on in the group's dtype
+        for path, mod, ref in trainable_handovers(view, report.kept):
+            if id(mod) not in exits:
+                exits.add(id(mod))
+                put.exit(mod, ExitState(path, ref, notice=put.notice))
     return exits
 
 
