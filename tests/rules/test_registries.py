@@ -129,3 +129,15 @@ def test_the_architectures_command_prints_every_rule() -> None:
         check=True,
     )
     assert run.stdout == architecture_table(read_rules(text, RULES_FILE))
+
+
+def test_the_audit_command_finds_groups_by_the_built_in_rule() -> None:
+    """``hf-precision audit llava`` (its own process) groups the model by the built-in rule
+    ``llava``, not by the fallback an empty registry leaves."""
+    run = subprocess.run(
+        [sys.executable, "-m", "hf_precision", "audit", "llava", "--trainable", "none", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(run.stdout)["rule"] == "llava"
