@@ -47,6 +47,26 @@ import torch
 
 from ..errors import PrecisionError, PrecisionWarning
 
+#: Batch keys never cast (targets are compared, not computed with).
+DEFAULT_SKIP_KEYS: tuple[str, ...] = (
+    "labels",
+    "label",
+    "label_ids",
+    "targets",
+    "target",
+    # made by the model itself and handed back by generate(): not batch data
+    "mm_encoder_outputs",
+    "encoder_outputs",
+    "past_key_values",
+)
+#: Batch keys that follow a group's dtype rather than the compute dtype.
+DEFAULT_KEY_GROUPS: dict[str, str] = {
+    "pixel_values": "vision_encoder",
+    "pixel_values_videos": "vision_encoder",
+    "images": "vision_encoder",
+    "image": "vision_encoder",
+}
+
 KeyKind = Literal["metadata", "activation", "unknown_small"]
 #: Diffusion timesteps: metadata for every policy; the diffusion presets also skip them
 #: entirely (not even moved), and the denoiser's leaf guards cast them at their consumer.

@@ -1,7 +1,7 @@
 """Diffusion groups, recognition, rules, batch rules and presets: what
-:mod:`hf_precision.frontends.diffusion` documents, without its guard (so the package registers them
-at
-import, with nothing of the engine loaded).
+:mod:`hf_precision.frontends.diffusion` documents, without its guard (so
+:mod:`hf_precision.rules` registers them, after the built-in group rules, whenever it is first
+imported, with nothing of the engine loaded).
 
 Registers the groups ``text_encoder``, ``text_encoder_2``, ``text_encoder_3``, ``unet``,
 ``transformer``, ``vae``, the rules that find them, and the ``fp16-vae32`` / ``bf16-vae32``

@@ -1,12 +1,14 @@
 """The policy's JSON form: field names checked once, saved policies read forward-compatibly,
 JSON text that breaks said where. :class:`hf_precision.rules.policy.PrecisionPolicy`'s
-``to_dict``/``from_dict``/``to_json``/``from_json`` call these."""
+``to_dict``/``from_dict``/``to_json``/``from_json`` call these, and ``resolve`` reads a policy
+spelled as JSON text or a file through :func:`spec_object`."""
 
 from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -120,3 +122,24 @@ def json_object(text: Any) -> dict[str, Any]:
             "an object of policy fields. Fix: pass the text PrecisionPolicy.to_json() wrote."
         )
     return data
+
+
+def _is_file(text: str | Path) -> bool:
+    try:
+        return Path(text).expanduser().is_file()
+    except (OSError, ValueError):  # a name too long, a NUL byte
+        return False
+
+
+def spec_object(spec: str | Path, presets: Container[str]) -> dict[str, Any] | None:
+    """The JSON object a policy spelled as text holds: JSON text (``{...}``) or the path of a
+    JSON file (``PrecisionPolicy.to_json()`` wrote it); ``None`` where ``spec`` is a preset name
+    (one of ``presets``, or neither JSON nor a file: the preset check then says which preset
+    was meant). JSON that does not parse raises, saying where."""
+    if isinstance(spec, str) and (spec in presets or not spec.strip()):
+        return None
+    if isinstance(spec, str) and spec.lstrip().startswith("{"):
+        return json_object(spec)
+    if _is_file(spec):
+        return json_object(Path(spec).expanduser().read_text())
+    return None

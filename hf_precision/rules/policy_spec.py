@@ -18,7 +18,6 @@ import torch
 
 from ..errors import PrecisionError
 from .policy import PrecisionPolicy
-from .presets import PRESETS
 
 #: What :func:`parse_policy` reads.
 PolicySpec = PrecisionPolicy | str | Path | Mapping[str, Any] | None
@@ -29,32 +28,10 @@ def _as_call(err: PrecisionError, call: str) -> PrecisionError:
     return PrecisionError(f"{call}: {str(err).split(': ', 1)[-1]}")
 
 
-def _is_json_file(text: str | Path) -> bool:
-    try:
-        return Path(text).expanduser().is_file()
-    except (OSError, ValueError):  # a name too long, a NUL byte
-        return False
-
-
 def _parse(spec: PolicySpec) -> PrecisionPolicy:
-    if isinstance(spec, PrecisionPolicy):
-        return spec
     if spec is None:  # a stand-in, to validate overrides before the model is known
         return PrecisionPolicy.from_preset("fp32")
-    if isinstance(spec, Mapping):
-        return PrecisionPolicy.from_dict(spec)
-    if isinstance(spec, str) and (spec in PRESETS or not spec.strip()):
-        return PrecisionPolicy.from_preset(spec)
-    if isinstance(spec, str) and spec.lstrip().startswith("{"):
-        return PrecisionPolicy.from_json(spec)
-    if isinstance(spec, str | Path) and _is_json_file(spec):
-        return PrecisionPolicy.from_json(Path(spec).expanduser().read_text())
-    if isinstance(spec, str):
-        return PrecisionPolicy.from_preset(spec)  # raises, naming the preset meant
-    raise PrecisionError(
-        f"PrecisionPolicy.resolve({spec!r}): expected a PrecisionPolicy, a preset name "
-        f"({', '.join(PRESETS)}), a dict or None."
-    )
+    return PrecisionPolicy.resolve(spec)
 
 
 def parse_policy(spec: PolicySpec, *, call: str | None = None, **overrides: Any) -> PrecisionPolicy:

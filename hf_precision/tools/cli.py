@@ -16,6 +16,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NoReturn
 
 from ..base.names import GROUP_NAMES, PRESET_NAMES, preset_hint, unknown_groups
@@ -86,8 +87,9 @@ def _common_options(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--policy",
         default="bf16",
-        metavar="PRESET",
-        help=f"policy preset: {', '.join(PRESET_NAMES)} (default: bf16)",
+        metavar="POLICY",
+        help=f"policy preset ({', '.join(PRESET_NAMES)}), a policy JSON file "
+        "(PrecisionPolicy.to_json() writes one) or JSON text (default: bf16)",
     )
     s.add_argument("--json", action="store_true", help="print JSON instead of tables")
     s.add_argument("--plain", action="store_true", help="plain text tables even with rich")
@@ -258,13 +260,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _policy_spelling(value: str) -> bool:
+    """``--policy`` spells a policy the one parser reads (``parse_policy``): a preset name, JSON
+    text or a JSON file; what it holds is checked once the engine loads."""
+    if value in PRESET_NAMES or value.lstrip().startswith("{"):
+        return True
+    try:
+        return Path(value).expanduser().is_file()
+    except (OSError, ValueError):  # a name too long, a NUL byte
+        return False
+
+
 def _check_values(args: argparse.Namespace) -> None:
-    """The values argparse cannot check alone: the preset and the groups, before anything is
+    """The values argparse cannot check alone: the policy and the groups, before anything is
     read or built, from the names alone (no torch: an argument error answers at once)."""
-    if hasattr(args, "policy") and args.policy not in PRESET_NAMES:
+    if hasattr(args, "policy") and not _policy_spelling(args.policy):
         fail(
             f"argument --policy: unknown preset {args.policy!r}."
-            f"{preset_hint(args.policy, PRESET_NAMES)} Allowed: {', '.join(PRESET_NAMES)}"
+            f"{preset_hint(args.policy, PRESET_NAMES)} Allowed: {', '.join(PRESET_NAMES)}, "
+            "a policy JSON file or JSON text"
         )
     error = unknown_groups(args.trainable) if hasattr(args, "trainable") else None
     if error:

@@ -6,7 +6,7 @@ import torch
 from transformers import TrainingArguments
 
 from hf_precision import PrecisionError, PrecisionPolicy, PrecisionWarning
-from hf_precision.rules.policy import PRESETS, Decision, match_pattern
+from hf_precision.rules.policy import PRESETS, Decision
 from hf_precision.tiny import tiny_llava
 
 
@@ -159,25 +159,30 @@ def test_target_dtype_precedence():
         assert (d.dtype, d.rule, d.keeps_fp32) == (torch.float32, "keep_fp32_strict", True)
 
 
-def test_match_pattern_precedence():
-    assert match_pattern("model.vision_tower", "model.vision_tower.encoder.weight")
-    assert not match_pattern("model.vision", "model.vision_tower.encoder.weight")
-    assert match_pattern("wo", "a.wo.weight")
-    assert not match_pattern("norm", "x.post_norm.weight")
-    # re: is a full match of the name or of a module path holding it (PEFT's convention)
-    assert match_pattern("re:.*norm\\.weight", "x.post_norm.weight")
-    assert match_pattern("re:.*post_norm", "x.post_norm.weight")  # the module's tensors
-    assert not match_pattern("re:norm", "layernorm_proj.weight")  # no substring search
-    assert not match_pattern("re:x", "x_proj.weight") and match_pattern("re:x", "x.weight")
-
-
-def test_resolve():
+def test_resolve(tmp_path):
     assert PrecisionPolicy.resolve("fp16").name == "fp16"
     p = PrecisionPolicy.from_preset("fp32")
     assert PrecisionPolicy.resolve(p) is p
     assert PrecisionPolicy.resolve(p.to_dict()) == p
     with pytest.raises(PrecisionError, match="expected a PrecisionPolicy"):
         PrecisionPolicy.resolve(3.0)  # type: ignore[arg-type]
+
+
+def test_resolve_reads_every_spelling_parse_policy_reads(tmp_path):
+    """One reading of a string: what ``enforce_policy``, ``install_guards``, the collator and
+    ``guard_diffusion`` take (``resolve``) is what the front ends take (``parse_policy``)."""
+    from hf_precision.rules.policy_spec import parse_policy
+
+    policy = PrecisionPolicy.from_preset("bf16", keep_fp32=("re:.*norm",), mode="audit")
+    file = tmp_path / "policy.json"
+    file.write_text(policy.to_json())
+    for spec in (policy.to_json(), str(file), file, policy.to_dict(), "bf16"):
+        assert PrecisionPolicy.resolve(spec) == parse_policy(spec), spec
+    assert PrecisionPolicy.resolve(file) == policy
+    with pytest.raises(PrecisionError, match="not valid JSON"):
+        PrecisionPolicy.resolve("{bad")
+    with pytest.raises(PrecisionError, match="unknown preset 'bf61'.*'bf16'"):
+        PrecisionPolicy.resolve("bf61")
 
 
 def test_inference_keeps_fp32_trainables_the_same_way_everywhere():
@@ -285,26 +290,6 @@ def test_deliberate_fp32_norm_line() -> None:
     named = policy.replace(group_dtypes={"language_model": "bf16"})
     assert got(decide(named, group_dtype=torch.bfloat16)) == (torch.bfloat16, "group_dtypes")
     assert PrecisionPolicy.from_json(off.to_json()) == off
-
-
-def test_rotary_tables_of_every_name_stay_fp32() -> None:
-    policy = PrecisionPolicy.from_preset("bf16")
-    for name in (
-        "model.language_model.rotary_emb.inv_freq",
-        "model.language_model.rotary_emb.original_inv_freq",
-        "model.language_model.rotary_emb.sliding_attention_inv_freq",
-        "model.language_model.rotary_emb.sliding_attention_original_inv_freq",
-        "model.language_model.rotary_emb.full_attention_inv_freq",
-    ):
-        d = policy.decide(name, "language_model", trainable=False, is_buffer=True)
-        assert (d.dtype, d.rule) == (torch.float32, "rotary"), name
-    d = policy.decide(
-        "model.rotary.cos_cached", "language_model", trainable=False, is_buffer=True, role="rotary"
-    )
-    assert (d.dtype, d.rule) == (torch.float32, "rotary")
-    assert policy.decide("x.inv_freq_proj.weight", "language_model", trainable=False).rule == (
-        "frozen"  # a parameter is never a rotary table by name
-    )
 
 
 @pytest.mark.parametrize(
