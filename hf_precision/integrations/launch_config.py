@@ -110,26 +110,10 @@ class LaunchConfig:
         that names ``call`` and the fix."""
         if self.policy.lower() == "auto":
             return None
-        text = self.policy
-        self._check_names(call=call)
-        from ..rules.policy import PRESETS
+        self._check_names(call=call)  # the message a preset/JSON/file typo gets, torch-free
         from ..rules.policy_spec import parse_policy
 
-        try:
-            if text in PRESETS or text.lstrip()[:1] == "{" or Path(text).expanduser().is_file():
-                policy = parse_policy(text)
-            else:
-                hint = did_you_mean(text, ["auto", *PRESETS])
-                raise PrecisionError(
-                    f"{call}: {text!r} is neither 'auto', a preset ({', '.join(PRESETS)}), a "
-                    f"policy JSON string nor an existing policy JSON file.{hint} Fix: "
-                    f"--policy auto, --policy bf16, or --policy path/to/policy.json "
-                    f"(PrecisionPolicy.to_json() writes one)."
-                )
-        except PrecisionError as err:  # from_json names what does not parse
-            if str(err).startswith(call):
-                raise
-            raise PrecisionError(f"{call}: {err}") from None
+        policy = parse_policy(self.policy, call=call)  # the one parser every front end uses
         if self.keep_fp32:
             policy = policy.replace(keep_fp32=(*policy.keep_fp32, *self.keep_fp32))
         return policy
