@@ -74,11 +74,10 @@ def _getter(root: nn.Module, group: str) -> tuple[object, str] | None:
         return None
 
 
-def fallback_groups(
-    root: nn.Module,
-) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]], list[str]]:
-    # One shallow walk (4 levels) serves every lookup below: groups sit near the top, and a
-    # 7B model's ~1k leaf modules need not be visited.
+def _shallow_modules(root: nn.Module) -> tuple[dict[str, nn.Module], dict[int, str]]:
+    """path -> module and id(module) -> path for the top 4 levels, breadth first (a module
+    reached twice keeps its first path). One shallow walk serves every lookup of the fallback:
+    groups sit near the top, and a 7B model's ~1k leaf modules need not be visited."""
     modules: dict[str, nn.Module] = {"": root}
     path_of: dict[int, str] = {id(root): ""}
     todo = deque([("", root)])
@@ -92,6 +91,15 @@ def fallback_groups(
             path_of[id(child)] = name
             if name.count(".") < _MAX_DOTS:
                 todo.append((name, child))
+    return modules, path_of
+
+
+def fallback_groups(
+    root: nn.Module,
+) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]], list[str]]:
+    """The groups of a model no rule fits: ``(paths, params, how)``, ``how`` saying what
+    matched each group (a getter, a name, a pattern)."""
+    modules, path_of = _shallow_modules(root)
     how: list[str] = []
     paths: dict[str, tuple[str, ...]] = {}
     for group in _FALLBACK_NAMES:
