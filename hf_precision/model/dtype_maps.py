@@ -18,87 +18,28 @@ import gc
 import hashlib
 import json
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..base.tables import fmt_bytes, render_table
-from ..base.wrappers import clean_name, is_sharded, unwrap_model
+from ..base.wrappers import clean_name, unwrap_model
 from ..errors import check_model
-from ..rules.dtypes import (
-    dtype_name,
-    is_quantized,
-    logical_numel,
-    quantized_format,
-    storage_bytes,
-    zero3_dtype,
-)
-from ..rules.groups import OTHER, ModuleGroups, find_module_groups, hidden_module
-from ..rules.keep_rules import model_keep_lists
-from ..rules.policy import tensor_role
+from ..rules.groups import ModuleGroups, find_module_groups
+from .module_records import DtypeTally, GroupSummary, ModuleRecord
 from .view import ModelView, receiving
 
-#: Tensor types that are never DTensors nor packed quantized storage.
-_PLAIN = (nn.Parameter, torch.Tensor)
-
-
-@dataclass
-class ModuleRecord:
-    """The tensors one module owns directly (not its children's)."""
-
-    path: str
-    group: str
-    type: str
-    # dtype -> numel; a library's quantized weights count under their format
-    # ("bitsandbytes:nf4->bfloat16", see dtypes.quantized_format), with their storage bytes
-    params: dict[str, int] = field(default_factory=dict)
-    bytes: dict[str, int] = field(default_factory=dict)  # dtype -> bytes (params + buffers)
-    buffers: dict[str, int] = field(default_factory=dict)  # dtype -> numel
-    devices: list[str] = field(default_factory=list)
-    trainable: int = 0
-    quantized: int = 0
-    sharded: int = 0  # numel held as DTensor (FSDP2) or ZeRO-3 partitions: the wrapper's dtype
-    tied: list[str] = field(default_factory=list)  # "name -> first owner"
-    kept_fp32: str | None = None
-
-    @property
-    def dtypes(self) -> tuple[str, ...]:
-        return tuple(sorted(self.params))
-
-    def signature(self) -> tuple[Any, ...]:
-        return (
-            self.group,
-            tuple(sorted(self.params.items())),
-            tuple(sorted(self.buffers.items())),
-            tuple(self.devices),
-            self.trainable,
-        )
-
-
-@dataclass
-class GroupSummary:
-    """Totals for one group."""
-
-    group: str
-    numel: dict[str, int] = field(default_factory=dict)  # dtype -> parameter numel
-    bytes: dict[str, int] = field(default_factory=dict)  # dtype -> bytes (params + buffers)
-    devices: list[str] = field(default_factory=list)
-    trainable: int = 0
-    quantized: int = 0
-    modules: int = 0
-    #: dtype -> numel of the trainable parameters (the rest of :attr:`numel` is frozen)
-    trainable_numel: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def dtypes(self) -> tuple[str, ...]:
-        return tuple(sorted(self.numel))
-
-    @property
-    def mixed(self) -> bool:
-        """More than one floating parameter dtype in the group."""
-        return len([d for d in self.numel if d.startswith(("float", "bfloat"))]) > 1
+__all__ = [
+    "DtypeChange",
+    "DtypeDiff",
+    "DtypeMap",
+    "GroupSummary",
+    "ModuleRecord",
+    "dtype_map",
+    "receiving_dtypes",
+]
 
 
 @dataclass
@@ -304,10 +245,6 @@ def receiving_dtypes(
     return out
 
 
-def _add(d: dict[str, int], key: str, n: int) -> None:
-    d[key] = d.get(key, 0) + n
-
-
 def dtype_map(
     model: nn.Module,
     groups: ModuleGroups | None = None,
@@ -335,96 +272,6 @@ def dtype_map(
             gc.enable()
 
 
-def _stack_walk(root: nn.Module, groups: ModuleGroups) -> Iterator[tuple[str, nn.Module, str]]:
-    """``(path, module, group)`` in ``named_modules(remove_duplicate=False)`` order, walked with
-    an explicit stack (the recursive generator costs a frame per nesting level for every module
-    it yields). Group modules held outside the module tree (a list-held tower) come last, under
-    their own group: ``model.named_modules()`` never reaches them."""
-    lookup = groups.by_path
-    stack: list[tuple[str, nn.Module, str]] = [
-        (path, mod, group)
-        for group, path in reversed(groups.hidden.items())
-        if (mod := hidden_module(root, path)) is not None
-    ]
-    stack.append(("", root, OTHER))
-    while stack:
-        raw, mod, parent_group = stack.pop()
-        path = clean_name(raw) if "_orig_mod" in raw or "wrapped_module" in raw else raw
-        # Pre-order walk: a module's group is its own entry or its parent's (O(1) per module).
-        group = lookup.get(path) or (parent_group if path else lookup.get("", OTHER))
-        if mod._modules:
-            prefix = raw + "." if raw else ""
-            stack.extend(
-                [
-                    (prefix + name, child, group)
-                    for name, child in reversed(mod._modules.items())
-                    if child is not None
-                ]
-            )
-        yield raw, mod, group
-
-
-class _Tally:
-    """Adds tensors to a module's record and its group's summary. Hot path (a 70B model has
-    thousands of tensors): per-dtype facts and device names are computed once, plain
-    Parameters skip the subclass checks."""
-
-    def __init__(self) -> None:
-        self.summaries: dict[str, GroupSummary] = {}
-        self._dtypes: dict[torch.dtype, tuple[str, int, bool]] = {}  # name, itemsize, quantized
-        self._devices: dict[torch.device, str] = {}
-
-    def summary(self, group: str) -> GroupSummary:
-        found = self.summaries.get(group)
-        if found is None:
-            found = self.summaries[group] = GroupSummary(group)
-        return found
-
-    def param(self, rec: ModuleRecord, group: str, p: torch.Tensor, mod: nn.Module) -> None:
-        n, dtype, plain = p.numel(), p.dtype, type(p) in _PLAIN
-        zero3 = plain and hasattr(p, "ds_id")  # partitioned by DeepSpeed ZeRO-3
-        if zero3:  # the whole parameter, in its partition's dtype (no gather)
-            n, dtype = int(getattr(p, "ds_numel", n)), zero3_dtype(p) or dtype
-        info = self._dtypes.get(dtype) if plain else None
-        if info is None:
-            info = (dtype_name(dtype), p.element_size(), is_quantized(p))
-            if plain:
-                self._dtypes[dtype] = info
-        dt, nbytes, quant = info[0], n * info[1], info[2]
-        if quant and not plain:  # a library's tensor: by format, its weights, real bytes
-            dt, n, nbytes = quantized_format(p, mod), logical_numel(p), storage_bytes(p)
-        dev = self._devices.get(p.device)
-        if dev is None:
-            dev = self._devices[p.device] = str(p.device)
-        summary = self.summaries.get(group) or self.summary(group)
-        # the module's record and its group's summary count the same facts, side by side
-        rp, rb, sp, sb = rec.params, rec.bytes, summary.numel, summary.bytes
-        rp[dt] = rp.get(dt, 0) + n
-        sp[dt] = sp.get(dt, 0) + n
-        rb[dt] = rb.get(dt, 0) + nbytes
-        sb[dt] = sb.get(dt, 0) + nbytes
-        if dev not in rec.devices:
-            rec.devices.append(dev)
-        if dev not in summary.devices:
-            summary.devices.append(dev)
-        if p.requires_grad:
-            rec.trainable += n
-            summary.trainable += n
-            st = summary.trainable_numel
-            st[dt] = st.get(dt, 0) + n
-        if quant:
-            rec.quantized += n
-            summary.quantized += n
-        if zero3 or (not plain and is_sharded(p)):
-            rec.sharded += n
-
-    def buffer(self, rec: ModuleRecord, group: str, b: torch.Tensor) -> None:
-        dt, nbytes = dtype_name(b.dtype), b.numel() * b.element_size()
-        _add(rec.buffers, dt, b.numel())
-        _add(rec.bytes, dt, nbytes)
-        _add(self.summary(group).bytes, dt, nbytes)
-
-
 def _dtype_map(
     model: nn.Module, groups: ModuleGroups | None, policy: Any, view: ModelView | None = None
 ) -> DtypeMap:
@@ -432,61 +279,15 @@ def _dtype_map(
         root = view.root  # the view unwrapped it
     else:
         root, _ = unwrap_model(model)
-    if view is not None and view.root is root:
-        groups = view.groups
-    elif groups is None:
-        groups = find_module_groups(root)
-    model_keep, strict = model_keep_lists(root)
-    records: dict[str, ModuleRecord] = {}
-    tally = _Tally()
-    seen: dict[int, str] = {}
-    lookup = groups.by_path
-    walk = (
-        ((path, mod, group) for path, group, mod in view.modules)
-        if view is not None and view.root is root
-        else _stack_walk(root, groups)
-    )
-    for raw, mod, group in walk:
-        path = clean_name(raw) if "_orig_mod" in raw or "wrapped_module" in raw else raw
-        mparams, mbufs = mod._parameters, mod._buffers
-        if not mparams and not mbufs:
-            continue
-        rec: ModuleRecord | None = None
-        for pname, p in mparams.items():
-            if p is None:
-                continue
-            full = f"{path}.{pname}" if path else pname
-            # only direct parameters (image_newline, query_tokens) have entries of their own
-            pgroup = lookup.get(full, group) if groups.params else group
-            if rec is None:
-                rec = ModuleRecord(path, pgroup, type(mod).__name__)
-            if id(p) in seen:
-                rec.tied.append(f"{pname} -> {seen[id(p)]}")
-                continue
-            seen[id(p)] = full
-            tally.param(rec, pgroup, p, mod)
-            if policy is not None and rec.kept_fp32 is None:
-                rec.kept_fp32 = policy.keep_fp32_reason(
-                    full, is_buffer=False, model_patterns=model_keep, strict_patterns=strict
-                )
-        for bname, b in mbufs.items():
-            if b is None:
-                continue
-            if rec is None:
-                rec = ModuleRecord(path, group, type(mod).__name__)
-            tally.buffer(rec, group, b)
-            if policy is not None and rec.kept_fp32 is None and b.is_floating_point():
-                full = f"{path}.{bname}" if path else bname
-                rec.kept_fp32 = policy.keep_fp32_reason(
-                    full,
-                    is_buffer=True,
-                    model_patterns=model_keep,
-                    strict_patterns=strict,
-                    role=tensor_role(mod, bname, b, is_buffer=True),
-                )
-        if rec is not None and path not in records:  # registered twice: the first name counts
-            records[path] = rec
-            tally.summary(rec.group).modules += 1
-    order = {g: i for i, g in enumerate((*groups.names, OTHER))}
-    summaries = dict(sorted(tally.summaries.items(), key=lambda kv: order.get(kv[0], len(order))))
-    return DtypeMap(records, summaries, groups.rule, groups.model_type)
+    if view is not None and view.root is root:  # the event's walk
+        tally = DtypeTally(root, view.groups, policy)
+        tally.count(
+            (clean_name(raw) if "_orig_mod" in raw or "wrapped_module" in raw else raw, mod, group)
+            for raw, group, mod in view.modules
+            if mod._parameters or mod._buffers
+        )
+    else:
+        tally = DtypeTally(root, groups if groups is not None else find_module_groups(root), policy)
+        tally.count(tally.walk(root))
+    records, summaries = tally.result()
+    return DtypeMap(records, summaries, tally.groups.rule, tally.groups.model_type)

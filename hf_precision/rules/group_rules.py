@@ -1,23 +1,23 @@
-"""Built-in group rules, read from ``group_rules.toml`` beside this file (transformers 5.24
-paths, and remote-code layouts matched by attribute names). The table is data: its header says
-what each key means. ``hf-precision architectures``
-(:func:`hf_precision.rules.groups.architecture_table`)
-prints it as docs/api.md's table; register your own rules with
-:func:`hf_precision.rules.groups.register_group_rule`, or read a file of them with
-:func:`read_rules`.
+"""The registry of group rules. The built-in ones are read from ``group_rules.toml`` beside this
+file (transformers 5.24 paths, and remote-code layouts matched by attribute names) on first use,
+whatever was imported first; the table is data, its header says what each key means.
+``hf-precision architectures`` (:func:`architecture_table`) prints it as docs/api.md's table;
+register your own rules with :func:`register_group_rule`, or read a file of them with
+:func:`read_rules`. (:mod:`hf_precision.rules.groups` re-exports these names.)
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 from importlib import resources
 from typing import Any
 
 from torch import nn
 
 from ..errors import PrecisionError
-from .groups import GroupRule, register_group_rule
+from .group_spec import GROUP_NAMES, NAME_RE, GroupRule
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -97,10 +97,107 @@ def read_rules(text: str, source: str = "<string>") -> list[GroupRule]:
     return [_rule(e, f"read_rules({source!r}), rule {i + 1}") for i, e in enumerate(entries)]
 
 
-def _register_built_in() -> None:
-    text = resources.files(__package__).joinpath(RULES_FILE).read_text(encoding="utf-8")
-    for rule in read_rules(text, RULES_FILE):
-        register_group_rule(rule)
+_RULES: list[GroupRule] = []
+_LOCK = threading.Lock()
+_loaded = False
 
 
-_register_built_in()
+def _registry() -> list[GroupRule]:
+    """The rules in order; the built-in ones (``group_rules.toml``) are read on first use,
+    before any other rule, whatever was imported first."""
+    global _loaded
+    if not _loaded:
+        with _LOCK:
+            if not _loaded:
+                text = resources.files(__package__).joinpath(RULES_FILE).read_text(encoding="utf-8")
+                for rule in read_rules(text, RULES_FILE):
+                    _check(rule, _RULES, f"{RULES_FILE}, rule {rule.name!r}")
+                    _RULES.append(rule)
+                _loaded = True
+    return _RULES
+
+
+def register_group_rule(rule: GroupRule, *, first: bool = False) -> GroupRule:
+    """Add an architecture rule. Names are unique and lowercase; groups must be known.
+    ``first=True`` puts it before the built-in rules (to override one for a model type).
+
+    >>> from hf_precision.rules.groups import GroupRule, register_group_rule, unregister_group_rule
+    >>> _ = register_group_rule(GroupRule(
+    ...     name="my_vlm", model_types=("my_vlm",),
+    ...     paths={"vision_encoder": ("encoder",), "language_model": ("decoder",)}))
+    >>> unregister_group_rule("my_vlm")
+    """
+    rules = _registry()
+    _check(rule, rules, f"register_group_rule(GroupRule(name={rule.name!r}))")
+    rules.insert(0, rule) if first else rules.append(rule)
+    return rule
+
+
+def _check(rule: GroupRule, rules: list[GroupRule], call: str) -> None:
+    """A rule's name is a new lowercase identifier; the groups it names are known."""
+    if not isinstance(rule.name, str) or not NAME_RE.match(rule.name):
+        raise PrecisionError(
+            f"{call}: rule names are lowercase identifiers ([a-z][a-z0-9_]*). "
+            "Fix: e.g. name='my_vlm'."
+        )
+    if any(r.name == rule.name for r in rules):
+        raise PrecisionError(
+            f"{call}: a rule of that name exists. Fix: choose another name, "
+            "or unregister_group_rule() the old one first."
+        )
+    used = set(rule.paths) | set(rule.params) | set(rule.extra) | set(rule.required)
+    used |= set(rule.renamed) | set(rule.renamed.values())
+    unknown = sorted(used - set(GROUP_NAMES))
+    if unknown:
+        raise PrecisionError(
+            f"{call}: unknown group(s) {unknown}. Allowed: "
+            f"{', '.join(GROUP_NAMES)}. Fix: register_group(name) first."
+        )
+
+
+def unregister_group_rule(name: str) -> None:
+    """Remove a rule by name (no error when absent)."""
+    rules = _registry()
+    rules[:] = [r for r in rules if r.name != name]
+
+
+def group_rules() -> tuple[GroupRule, ...]:
+    """Every registered rule, in the order :func:`~hf_precision.rules.groups.find_module_groups`
+    tries them (the built-in ones first, read on first use)."""
+    return tuple(_registry())
+
+
+def architecture_table(rules: Iterable[GroupRule] | None = None) -> str:
+    """The supported-architecture table (Markdown), generated from the rule registry: one row
+    per rule (model-layout rules only; diffusion rules have their own groups), the model types
+    it matches and, per group, its candidate paths (the first that exists wins), ``+`` modules
+    it adds when present, and direct parameters.
+
+    >>> row = architecture_table([group_rules()[0]]).splitlines()[2].split(" | ")
+    >>> row[0], row[2]
+    ('| llava', '`model.vision_tower`')
+    """
+    columns = GROUP_NAMES[:6]  # vision, resampler, projector, audio, language model, head
+    head = ["rule", "model types", *columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for rule in rules if rules is not None else _registry():
+        if not set(rule.paths) | set(rule.extra) | set(rule.params) <= set(columns):
+            continue
+        types = "; ".join(x for x in (", ".join(rule.model_types), rule.note) if x)
+        cells = [_cell(rule, g) for g in columns]
+        lines.append("| " + " | ".join([rule.name, types, *cells]) + " |")
+    lines.append(
+        '| *fallback* | any other model (says what matched) | `get_encoder(modality="image")` '
+        'or a tower name | a name pattern | a name pattern | `get_encoder(modality="audio")` '
+        "or a tower name | `get_decoder()` or a name | `get_output_embeddings()` or a name |"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _cell(rule: GroupRule, group: str) -> str:
+    cell = " / ".join(f"`{p}`" if p else "the model" for p in rule.paths.get(group, ()))
+    for p in rule.extra.get(group, ()):
+        cell += f" + `{p}`" if cell else f"+ `{p}`"
+    for p in rule.params.get(group, ()):
+        cell += f", `{p}` (param)" if cell else f"`{p}` (param)"
+    return cell or "—"

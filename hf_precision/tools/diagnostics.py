@@ -314,13 +314,7 @@ def diagnose(
     rec = _Recorder(root, groups, batch, pol)
     diag = Diagnosis(model=type(root).__name__, policy=pol.describe())
     saved = _grads(root)
-    ac_dtype = None
-    if autocast is not None:
-        from ..rules.dtypes import parse_dtype
-
-        ac_dtype = parse_dtype(autocast, call=f"diagnose(autocast={autocast!r})")
-        _refuse_deepspeed_autocast(model, autocast)
-    device_type = next((p.device.type for p in root.parameters()), "cpu")
+    ac_dtype = _autocast_dtype(model, autocast)
     phases = (["forward"] + (["backward"] if backward else []) if forward else []) + (
         ["generate"] if generate else []
     )
@@ -328,27 +322,9 @@ def diagnose(
     gen["max_new_tokens"] = max_new_tokens
     if hasattr(root, "generation_config"):  # transformers' GenerationMixin
         gen["do_sample"] = False
-    failure: RuntimeError | None = None
     rec.install()
     try:
-        out: Any = None
-        for phase in phases:
-            rec.phase, rec.stack, rec.last_done = phase, [], None
-            ctx = (
-                torch.autocast(device_type, dtype=ac_dtype)
-                if ac_dtype is not None and phase != "backward"
-                else contextlib.nullcontext()
-            )
-            try:
-                with ctx:
-                    out, diag.passes[phase] = _run_phase(phase, model, batch, out, backward, gen)
-            except RuntimeError as err:
-                if not is_mismatch_error(err):
-                    raise
-                diag.passes[phase] = "failed"
-                failure = err
-                _explain(diag, rec, pol, err, phase)
-                break
+        failure = _run_phases(model, batch, phases, rec, diag, pol, ac_dtype, backward, gen)
     finally:
         rec.remove()
         _restore_grads(root, saved)
@@ -359,6 +335,52 @@ def diagnose(
         exc.diagnosis = diag  # type: ignore[attr-defined]
         raise exc from failure
     return diag
+
+
+def _autocast_dtype(model: nn.Module, autocast: torch.dtype | str | None) -> torch.dtype | None:
+    """The dtype ``diagnose(autocast=...)`` runs the forward in (refused under DeepSpeed)."""
+    if autocast is None:
+        return None
+    from ..rules.dtypes import parse_dtype
+
+    ac_dtype = parse_dtype(autocast, call=f"diagnose(autocast={autocast!r})")
+    _refuse_deepspeed_autocast(model, autocast)
+    return ac_dtype
+
+
+def _run_phases(
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    phases: list[str],
+    rec: _Recorder,
+    diag: Diagnosis,
+    pol: PrecisionPolicy,
+    ac_dtype: torch.dtype | None,
+    backward: bool,
+    gen: dict[str, Any],
+) -> RuntimeError | None:
+    """Each phase in turn, recorded; the first dtype/device error is explained in ``diag`` and
+    returned (any other error propagates)."""
+    root = rec.root
+    device_type = next((p.device.type for p in root.parameters()), "cpu")
+    out: Any = None
+    for phase in phases:
+        rec.phase, rec.stack, rec.last_done = phase, [], None
+        ctx = (
+            torch.autocast(device_type, dtype=ac_dtype)
+            if ac_dtype is not None and phase != "backward"
+            else contextlib.nullcontext()
+        )
+        try:
+            with ctx:
+                out, diag.passes[phase] = _run_phase(phase, model, batch, out, backward, gen)
+        except RuntimeError as err:
+            if not is_mismatch_error(err):
+                raise
+            diag.passes[phase] = "failed"
+            _explain(diag, rec, pol, err, phase)
+            return err
+    return None
 
 
 def _run_phase(

@@ -33,8 +33,31 @@ def _is_vision(config: Any) -> bool:
 
 def _doctor_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str | None]:
     """The model, its synthetic batch, and how it was loaded (``None`` for a tiny build)."""
-    from ..tiny import REMOTE_LAYOUTS, TINY_CONFIGS, build_tiny, tiny_batch
+    from ..tiny import REMOTE_LAYOUTS, TINY_CONFIGS, build_tiny
 
+    kind, where = _doctor_source(args)
+    model: Any
+    loaded = None
+    if kind == "type":
+        if where in REMOTE_LAYOUTS:
+            model = REMOTE_LAYOUTS[where]()
+            return model, model.batch(), None
+        try:
+            model = build_tiny(where)
+        except KeyError:
+            allowed = sorted(set(TINY_CONFIGS) | set(REMOTE_LAYOUTS))
+            checkpoint.fail(
+                f"doctor: no tiny model for model type {where!r}; allowed: "
+                f"{', '.join(allowed)} (or a local checkpoint folder / config.json)"
+            )
+    else:
+        model, loaded = _load_checkpoint(args, where)
+    return model, _doctor_batch(args, model, kind), loaded
+
+
+def _doctor_source(args: argparse.Namespace) -> tuple[str, Any]:
+    """What ``args.source`` is (a model type, a local folder or config; a Hub id only through
+    its downloaded weights) and where; adapter and diffusers folders are refused."""
     kind, where = checkpoint.resolve_source(args.source)
     if kind == "hub":
         repo = where
@@ -53,35 +76,23 @@ def _doctor_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str | 
             f"(a checkpoint folder, a config.json or a model type). 'hf-precision audit "
             f"{args.source}' reads its dtypes."
         )
-    model: Any
-    loaded = None
-    if kind == "type":
-        if where in REMOTE_LAYOUTS:
-            model = REMOTE_LAYOUTS[where]()
-            return model, model.batch(), None
-        try:
-            model = build_tiny(where)
-        except KeyError:
-            allowed = sorted(set(TINY_CONFIGS) | set(REMOTE_LAYOUTS))
-            checkpoint.fail(
-                f"doctor: no tiny model for model type {where!r}; allowed: "
-                f"{', '.join(allowed)} (or a local checkpoint folder / config.json)"
-            )
-    else:
-        model, loaded = _load_checkpoint(args, where)
+    return kind, where
+
+
+def _doctor_batch(args: argparse.Namespace, model: Any, kind: str) -> dict[str, Any]:
+    """The synthetic batch the doctor runs: image+text for a tiny build or a vision model,
+    text for a text model."""
+    from ..tiny import tiny_batch
+
     try:
         if kind == "type" or _is_vision(model.config):
-            return (
+            return tiny_batch(
                 model,
-                tiny_batch(
-                    model,
-                    image_size=args.image_size,
-                    text_len=args.text_len,
-                    image_token_id=args.image_token_id,
-                ),
-                loaded,
+                image_size=args.image_size,
+                text_len=args.text_len,
+                image_token_id=args.image_token_id,
             )
-        return model, text_batch(model, text_len=args.text_len), loaded
+        return text_batch(model, text_len=args.text_len)
     except KeyError:  # no recipe: no flag would help
         from ..tiny.vlm import BATCH_TYPES
 
@@ -206,24 +217,49 @@ def doctor(args: argparse.Namespace) -> int:
     silent = _silent_checks(args, model, batch, policy, report)
     ok = all(d.ok for d in results.values()) and "nonfinite" not in silent
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "source": args.source,
-                    "model_class": type(model).__name__,
-                    "policy": policy.to_dict(),
-                    "ok": ok,
-                    "steps": steps,
-                    "batch": args.batch,
-                    "trainable": args.trainable,
-                    "diagnosis": {k: d.to_dict() for k, d in results.items()},
-                    **{k: v.to_dict() for k, v in silent.items() if k != "clean"},
-                },
-                indent=1,
-                default=str,
-            )
+        _print_json(args, model, policy, ok, steps, results, silent)
+    else:
+        _print_text(args, model, policy, ok, steps, results, silent)
+    return 0 if ok else 1
+
+
+def _print_json(
+    args: argparse.Namespace,
+    model: Any,
+    policy: Any,
+    ok: bool,
+    steps: dict[str, str],
+    results: dict[str, Any],
+    silent: dict[str, Any],
+) -> None:
+    print(
+        json.dumps(
+            {
+                "source": args.source,
+                "model_class": type(model).__name__,
+                "policy": policy.to_dict(),
+                "ok": ok,
+                "steps": steps,
+                "batch": args.batch,
+                "trainable": args.trainable,
+                "diagnosis": {k: d.to_dict() for k, d in results.items()},
+                **{k: v.to_dict() for k, v in silent.items() if k != "clean"},
+            },
+            indent=1,
+            default=str,
         )
-        return 0 if ok else 1
+    )
+
+
+def _print_text(
+    args: argparse.Namespace,
+    model: Any,
+    policy: Any,
+    ok: bool,
+    steps: dict[str, str],
+    results: dict[str, Any],
+    silent: dict[str, Any],
+) -> None:
     print(
         f"hf-precision doctor: {type(model).__name__} from {args.source}, policy "
         f"{policy.describe()}, trainable {args.trainable}, batch {args.batch}"
@@ -246,7 +282,6 @@ def doctor(args: argparse.Namespace) -> int:
             "PrecisionGuardCallback runs mode 'fix' (the doctor's default): drop --mode raise "
             "to see what a training run meets"
         )
-    return 0 if ok else 1
 
 
 def _casts(report: Any) -> str:

@@ -151,3 +151,29 @@ def test_read_rules_reads_a_former_group_name() -> None:
         register_group_rule(bad)
     with pytest.raises(PrecisionError, match="renamed must be a table"):
         read_rules('[[rule]]\nname = "z"\nrenamed = "projector"\n')
+
+
+def test_the_built_in_rules_load_on_first_use_whatever_came_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No import fills the registry: the first question does, and a rule registered first
+    (``first=True``) before anyone asked still goes ahead of the built-in ones."""
+    from hf_precision.rules import group_rules as registry
+    from hf_precision.rules.groups import GroupRule, register_group_rule
+    from hf_precision.tiny import tiny_llava
+
+    monkeypatch.setattr(registry, "_RULES", [])
+    monkeypatch.setattr(registry, "_loaded", False)  # as in a process that asked nothing yet
+    mine = GroupRule(
+        "my_llava", model_types=("llava",), paths={"language_model": "model.language_model"}
+    )
+    register_group_rule(mine, first=True)
+    rules = group_rules()
+    assert rules[0] is mine and rules[1].name == "llava"
+    assert [r.name for r in rules[1:]] == [r.name for r in read_rules(_toml(), RULES_FILE)]
+    assert find_module_groups(tiny_llava()).rule == "my_llava"
+
+
+def _toml() -> str:
+    package = "hf_precision.rules"
+    return resources.files(package).joinpath(RULES_FILE).read_text(encoding="utf-8")

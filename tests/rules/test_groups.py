@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from hf_precision import PrecisionError, PrecisionWarning, find_module_groups, tiny
+from hf_precision.rules import group_rules as GR
+from hf_precision.rules import group_spec as GS
 from hf_precision.rules import groups as G
 from hf_precision.rules.groups import OTHER, GroupRule, register_group, register_group_rule
 
@@ -399,10 +401,11 @@ def test_module_groups_api(llava: Any) -> None:
 
 
 @pytest.fixture
-def clean_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+def clean_registry() -> Iterator[None]:
     """Rules and group names registered by a test vanish after it."""
-    monkeypatch.setattr(G, "_RULES", list(G._RULES))
-    monkeypatch.setattr(G, "_GROUP_NAMES", list(G._GROUP_NAMES))
+    rules, names = list(G.group_rules()), list(GS.GROUP_NAMES)
+    yield
+    GR._RULES[:], GS.GROUP_NAMES[:] = rules, names
 
 
 @pytest.mark.parametrize(
