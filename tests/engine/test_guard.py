@@ -96,7 +96,7 @@ def test_the_counter_sees_subtree_and_stack_walks() -> None:
         install_guards(model, "bf16-true")  # no view: builds one (a walk, an unwrap, a check)
         dtype_map(model)  # no view: its own stack walk over _modules
         model.model.vision_tower.parameters()  # the test's own walks are not counted
-    assert seen.walks == ["view.py:walk_modules", "dtype_maps.py:_stack_walk"]
+    assert seen.walks == ["view.py:walk_modules", "module_records.py:walk"]
     assert seen.unwraps[0] == "view.py:reuse" and "dtype_maps.py:_dtype_map" in seen.unwraps
     assert seen.checks[0] == "view.py:reuse" and "dtype_maps.py:dtype_map" in seen.checks
     with counting_walks(model) as seen:
