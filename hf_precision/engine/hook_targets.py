@@ -230,22 +230,23 @@ def trainable_handovers(
     a keep rule holds, layers inside a PEFT adapter (PEFT casts its adapters' outputs itself)
     and the LM head keep their outputs."""
     names = {name.rpartition(".")[0] for name, *_ in kept}
-    recv = view.receiving_dtypes()
+    recv: dict[str, torch.dtype] | None = None  # read at the first candidate
     refs: dict[str, torch.Tensor | None] = {}
     out: list[tuple[str, nn.Module, torch.Tensor]] = []
-    adapters: list[str] = []  # paths of PEFT tuner layers seen so far (parents come first)
+    adapters: set[str] = set()  # paths of PEFT tuner layers seen so far (parents come first)
     for path, group, mod in view.modules:
         if hasattr(mod, "adapter_layer_names"):  # peft's BaseTunerLayer
-            adapters.append(path + ".")
+            adapters.add(path)
         if not isinstance(mod, _AUTOCAST_LAYERS) or group in _FINAL_GROUPS or path in names:
             continue
         weight = mod._parameters.get("weight")
         if weight is None or weight.dtype != torch.float32 or not weight.requires_grad:
             continue
+        recv = view.receiving_dtypes() if recv is None else recv
         half = recv.get(group)
         if half not in (torch.bfloat16, torch.float16):
             continue
-        if any(path.startswith(a) for a in adapters):
+        if adapters and _inside(path, adapters):
             continue
         if group not in refs:
             roots = view.groups.modules(group)
@@ -255,3 +256,13 @@ def trainable_handovers(
         if ref is not None and not ref.requires_grad:
             out.append((path, mod, ref))
     return out
+
+
+def _inside(path: str, ancestors: set[str]) -> bool:
+    """Whether a module path lies under one of ``ancestors`` (its prefixes, one per depth)."""
+    end = path.rfind(".")
+    while end > 0:
+        if path[:end] in ancestors:
+            return True
+        end = path.rfind(".", 0, end)
+    return False
