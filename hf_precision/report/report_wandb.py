@@ -97,6 +97,10 @@ def wandb_disabled_reason() -> str | None:
     return None
 
 
+#: :meth:`WandbSink._reach_run`'s answer when asking for the run raised
+_UNREACHABLE = object()
+
+
 def _active_run() -> Any:
     import wandb
 
@@ -129,15 +133,22 @@ class WandbSink:
         self.enabled = False
         self.pending.clear()
 
+    def _reach_run(self) -> Any:
+        """The run (``None``: none active yet), or :data:`_UNREACHABLE` once asking for it
+        raised (said once; W&B reporting is then off)."""
+        try:
+            return self.find_run()
+        except Exception as err:
+            self._disable(f"could not reach wandb ({type(err).__name__}: {err}).")
+            return _UNREACHABLE
+
     # ------------------------------------------------------------------ API
     def submit(self, payload: WandbPayload, *, first_event: bool) -> None:
         """Log now when a run exists, otherwise keep the payload for later."""
         if not self.enabled:
             return
-        try:
-            run = self.find_run()
-        except Exception as err:
-            self._disable(f"could not reach wandb ({type(err).__name__}: {err}).")
+        run = self._reach_run()
+        if run is _UNREACHABLE:
             return
         if run is None:
             self.pending.append(payload)
@@ -162,12 +173,8 @@ class WandbSink:
         """Log the events that waited for a run, if one exists now (silent otherwise)."""
         if not self.enabled or not self.pending:
             return
-        try:
-            run = self.find_run()
-        except Exception as err:
-            self._disable(f"could not reach wandb ({type(err).__name__}: {err}).")
-            return
-        if run is not None:
+        run = self._reach_run()
+        if run is not None and run is not _UNREACHABLE:
             self._log_pending(run)
 
     def _log_pending(self, run: Any) -> None:
