@@ -127,3 +127,29 @@ def make_trainer(tiny_args: Callable[..., Any]) -> Callable[..., Any]:
         )
 
     return factory
+
+
+@pytest.fixture
+def hub_404() -> Any:
+    """A Hub endpoint that answers, and knows no repository (as huggingface.co answers an
+    unknown id): a local HTTP server on a free port."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class NotFound(BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            self.send_response(404)
+            self.send_header("X-Error-Code", "RepoNotFound")
+            self.send_header("X-Error-Message", "Repository not found")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_HEAD = _answer
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
