@@ -116,7 +116,7 @@ class TraceResult:
         """This trace for :func:`~hf_precision.engine.finding.emit` (said at INFO: a change of
         the stream's dtype is often chosen; the reporter writes ``<step>-trace.json``)."""
         first = self.first_change
-        numbers = {"modules": len(self.records), "changes": len(self.changes)}
+        numbers: dict[str, Any] = {"modules": len(self.records), "changes": len(self.changes)}
         if first is not None:
             numbers["first_change"] = first.line()
         return Finding("trace", "info", self.line(), numbers=numbers, detail=self)

@@ -326,15 +326,14 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
 
     # ------------------------------------------------------------------ findings
     def log_finding(self, finding: Any, *, step: int) -> Path | None:
-        """A watcher's :class:`~hf_precision.engine.finding.Finding` (from
-        :func:`~hf_precision.engine.finding.emit`; the console is the speaker's): its files
-        (:meth:`ReportFiles.write_finding`), the trackers, the ``findings`` of every later
-        event JSON. The blame and the trace keep their own files (:meth:`log_nonfinite`,
-        :meth:`log_trace`)."""
+        """A watcher's :class:`~hf_precision.engine.finding.Finding` (from ``emit``): its files
+        (``ReportFiles.write_finding``), the trackers, the ``findings`` of later event JSONs;
+        the blame and the trace keep their own files."""
         self.findings.append({**finding.to_dict(), "step": step})
-        own = {"nonfinite": self.log_nonfinite, "trace": self.log_trace}.get(finding.source)
-        if own is not None and finding.detail is not None:
-            return own(finding.detail, step=step)
+        if finding.detail is not None and finding.source == "nonfinite":
+            return self.log_nonfinite(finding.detail, step=step)
+        if finding.detail is not None and finding.source == "trace":
+            return self.log_trace(finding.detail, step=step)
         if not self.is_main_process:
             return None
         png = self._picture.finding(finding, step)
