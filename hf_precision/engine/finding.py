@@ -83,7 +83,7 @@ class Finding:
         if not self.message.strip() or "\n" in self.message:
             raise PrecisionError(
                 f"Finding({self.source!r}): the message is one non-empty line; put the rest "
-                "in numbers= (got {self.message!r})."
+                f"in numbers= (got {self.message!r})."
             )
 
     @property

@@ -178,9 +178,8 @@ class LostUpdateResult:
             dtypes = "/".join(sorted({w.dtype for w in self.weights if w.counted})) or "none"
             said = (
                 f"hf-precision: update check passed: over the first {self.steps} optimizer "
-                f"step(s), "
-                f"{self.unchanged}/{self.counted} sampled trainable elements with a gradient "
-                f"({dtypes}) came out of the step unchanged"
+                f"step(s), {self.unchanged}/{self.counted} sampled trainable elements with a "
+                f"gradient ({dtypes}) came out of the step unchanged"
             )
         severity: Severity = "warning" if self.lossy else "info"
         return Finding(

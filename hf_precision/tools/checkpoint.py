@@ -15,7 +15,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ..base.names import unknown_groups
 from ..errors import did_you_mean
@@ -186,7 +186,7 @@ def _hub_unreachable(endpoint: str) -> str | None:
     from huggingface_hub.utils import get_session
 
     try:
-        get_session().head(f"{endpoint.rstrip('/')}/api/models", timeout=HUB_PROBE_TIMEOUT)
+        get_session().head(f"{endpoint.rstrip('/')}/", timeout=HUB_PROBE_TIMEOUT)
     except Exception as err:  # connection refused, DNS, timeout, proxy, TLS
         detail = str(err).splitlines()[0][:120] if str(err) else ""
         return (
@@ -197,7 +197,7 @@ def _hub_unreachable(endpoint: str) -> str | None:
     return None
 
 
-def _fail_unreachable(repo_id: str, why: str) -> None:
+def _fail_unreachable(repo_id: str, why: str) -> NoReturn:
     fail(
         f"no folder {repo_id} here (in {Path.cwd()}), and the Hub could not be reached to look it "
         f"up as a Hub id ({why}). Fix: pass an existing checkpoint folder; for a Hub id, run "
