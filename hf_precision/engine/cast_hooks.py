@@ -21,6 +21,7 @@ from ..rules.batch_keys import batch_key_kind, is_metadata_key, notice_unknown
 from ..rules.dtypes import dtype_name, is_castable
 from ..rules.policy import Mode
 from .batch import cast_batch, cast_tensor, eager_when_compiled_alone
+from .range_check import Site
 
 #: Where a guard sits: the model (batch), a group root (boundary), the first weighted leaf of a
 #: group (entry), any weighted leaf of a mixed group (leaf).
@@ -67,6 +68,8 @@ class GuardState:
     follow_dtype: bool = True
     follow_device: bool = False
     notice: Notice | None = None  # told of the first cast of each kind (shared by all guards)
+    # its casts to a narrower dtype, range-checked on the device (engine/range_check.py)
+    ranges: dict[str, Site] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -118,7 +121,9 @@ def _cast_value(st: GuardState, module: nn.Module, value: Any, key: str) -> Any:
         if wrong_dtype:
             if st.notice is not None and not torch.compiler.is_compiling():
                 st.notice.first(st.kind, st.path, key, value.dtype, st.dtype)
-            return cast_tensor(value, st.dtype, st.device, key=key, where=st.path)
+            return cast_tensor(
+                value, st.dtype, st.device, key=key, where=st.path or "batch", ranges=st.ranges
+            )
         return value.to(st.device)  # ids and masks follow the receiver's device too
     if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
         items = [_cast_value(st, module, v, key) for v in value]
@@ -148,6 +153,7 @@ def _cast_arg(st: GuardState, module: nn.Module, i: int, value: Any) -> Any:
             device=st.device,
             mode=st.mode,
             where=f"batch -> {type(module).__name__}",
+            ranges=st.ranges,
             _key=key,
         )
     return _cast_value(st, module, value, key or f"input {i}")
@@ -186,6 +192,7 @@ def _batch_call(
         device=st.device,
         mode=st.mode,
         where=f"batch -> {type(module).__name__}",
+        ranges=st.ranges,
     )
     new_args = tuple(_cast_arg(st, module, i, a) for i, a in enumerate(args))
     if new_kwargs is kwargs and all(a is b for a, b in zip(new_args, args, strict=True)):
