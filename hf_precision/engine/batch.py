@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import copy
 import functools
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..errors import PrecisionError, PrecisionWarning, check_model
+from ..errors import PrecisionError, check_model
 from ..rules.batch_keys import batch_key_kind, notice_unknown
 from ..rules.dtypes import dtype_name, is_castable, narrows_range
 from ..rules.policy import Mode, PrecisionPolicy
@@ -133,9 +132,7 @@ def cast_batch(
         target = (key_dtypes or {}).get(_key)
         if target is None:
             target = dtype if _is_activation(batch, _key, dtype, where) else batch.dtype
-        return cast_tensor(
-            batch, target, device, key=_key, mode=mode, where=where, ranges=ranges
-        )
+        return cast_tensor(batch, target, device, key=_key, mode=mode, where=where, ranges=ranges)
     if not isinstance(batch, (Mapping, list, tuple)):
         return batch
     again = functools.partial(

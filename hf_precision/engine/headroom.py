@@ -75,7 +75,9 @@ class ModuleHeadroom:
             "path": self.path,
             "kind": self.kind,
             "max_abs": self.amax,
-            "headroom": {k: round(v / self.amax, 4) if self.amax else None for k, v in RANGES.items()},
+            "headroom": {
+                k: round(v / self.amax, 4) if self.amax else None for k, v in RANGES.items()
+            },
             "beyond": self.beyond(),
             **({"fp8_vs_bf16_error": self.fp8_error} if self.fp8_error is not None else {}),
         }
@@ -85,7 +87,9 @@ class ModuleHeadroom:
 class HeadroomResult:
     """What the probe saw; :meth:`worst` names the modules nearest to or beyond the ranges."""
 
-    modules: list[ModuleHeadroom] = field(default_factory=list)
+    modules: list[ModuleHeadroom] = field(
+        default_factory=list
+    )  # in the order the forward made them
     copied: bool = False  # a float32 copy ran (the model held half-precision weights)
 
     def worst(self, n: int = 5) -> list[ModuleHeadroom]:
@@ -103,8 +107,9 @@ class HeadroomResult:
         return out
 
     def beyond(self, fmt: str) -> list[ModuleHeadroom]:
-        """The modules (children before their parents' echo) whose activations leave ``fmt``."""
-        return [m for m in self.worst(len(self.modules)) if m.amax > RANGES[fmt]]
+        """The modules whose activations leave ``fmt``, in the order the forward finished them:
+        the first is where the values first left the range (what follows inherits them)."""
+        return [m for m in self.modules if m.amax > RANGES[fmt]]
 
     def fp8(self) -> list[ModuleHeadroom]:
         """The fp8 layers, largest error first."""
@@ -117,7 +122,7 @@ class HeadroomResult:
         parts = [
             f"headroom (one float32 forward, {len(self.modules)} modules): "
             + (
-                f"{len(fp16)} module(s) beyond float16 (±65504): "
+                f"{len(fp16)} module(s) beyond float16 (±65504), first "
                 + ", ".join(f"{m.path} {m.amax:,.0f}" for m in fp16[:3])
                 if fp16
                 else "every activation within float16"
@@ -155,8 +160,7 @@ def probe_headroom(model: nn.Module, batch: Any) -> HeadroomResult:
     ones) in float32, recording each module's largest ``|output|`` (see the module docstring)."""
     root, _ = unwrap_model(model)
     half = any(
-        is_castable(t) and t.dtype != torch.float32
-        for t in (*root.parameters(), *root.buffers())
+        is_castable(t) and t.dtype != torch.float32 for t in (*root.parameters(), *root.buffers())
     )
     net = _float32_copy(root) if half else root
     modes = {m: m.training for m in net.modules()}
@@ -211,7 +215,7 @@ def _float32_copy(root: nn.Module) -> nn.Module:
     for m in net.modules():
         m.__dict__.pop(GUARD_ATTR, None)  # the hook functions stay, with no state: no-ops
         m.__dict__.pop(EXIT_ATTR, None)
-        for name, t in [*m._parameters.items(), *m._buffers.items()]:
+        for t in [*m._parameters.values(), *m._buffers.values()]:
             if t is not None and is_castable(t) and t.dtype != torch.float32:
                 t.data = t.data.float()
     return net
@@ -237,7 +241,9 @@ def _floating(out: Any) -> list[torch.Tensor]:
     return []
 
 
-def _recorder(path: str, seen: dict[str, list[torch.Tensor]], errors: dict[str, torch.Tensor] | None) -> Any:
+def _recorder(
+    path: str, seen: dict[str, list[torch.Tensor]], errors: dict[str, torch.Tensor] | None
+) -> Any:
     def record(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if errors is not None and args and isinstance(args[0], torch.Tensor):
             output = _fp8_compare(path, module, args[0], output, errors)
@@ -249,7 +255,11 @@ def _recorder(path: str, seen: dict[str, list[torch.Tensor]], errors: dict[str, 
 
 
 def _fp8_compare(
-    path: str, module: nn.Module, x: torch.Tensor, out_fp8: torch.Tensor, errors: dict[str, torch.Tensor]
+    path: str,
+    module: nn.Module,
+    x: torch.Tensor,
+    out_fp8: torch.Tensor,
+    errors: dict[str, torch.Tensor],
 ) -> torch.Tensor:
     """An fp8 layer: its output against the same layer in bf16 (the error recorded), and the
     float32 layer's output handed on, so the layers after it see the float32 forward."""

@@ -80,6 +80,7 @@ from .hook_targets import (
     HIDDEN_ATTR,
     SKIP_LEAVES,
     batch_state,
+    device_ref,
     embedding_weight,
     group_roots,
     handover_roots,
@@ -87,7 +88,6 @@ from .hook_targets import (
     leaf_state,
     norm_held_fp32,
     own_weight,
-    device_ref,
     ref_param,
     trainable_handovers,
     weight_of,
@@ -261,7 +261,13 @@ class _Installer:
                     ref = ref_param((m for _, _, m in view.within(mod)), dtype, compute)
                     dev = device if self.move else None
                     st = GuardState(
-                        "boundary", path, dtype, dev, policy.mode, weight=ref, follow_device=self.move
+                        "boundary",
+                        path,
+                        dtype,
+                        dev,
+                        policy.mode,
+                        weight=ref,
+                        follow_device=self.move,
                     )
                     self(mod, st, "boundary")
             self.entry(mod)

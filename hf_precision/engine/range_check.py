@@ -50,7 +50,7 @@ class Site:
     """One cast site of one guard: the largest ``|value|`` that overflowed since the last read
     (a device scalar, 0 when none), and how many casts it has seen."""
 
-    __slots__ = ("where", "key", "dtype", "peak", "casts")
+    __slots__ = ("casts", "dtype", "key", "peak", "where")
 
     def __init__(self, where: str, key: str, dtype: torch.dtype) -> None:
         self.where, self.key, self.dtype = where, key, dtype
