@@ -123,11 +123,10 @@ def cast_batch(
     _key: str = "",
 ) -> Any:
     """Cast every floating tensor in a (nested) batch; containers keep their types.
-
-    ``key_dtypes`` gives per-key dtypes (e.g. ``pixel_values`` -> the vision encoder's dtype);
-    keys in ``skip_keys`` (labels) are returned unchanged; metadata keys (``second_per_grid_ts``,
-    timesteps, fps …: :mod:`hf_precision.rules.batch_keys`) keep their dtype and follow ``device``.
-    """
+    ``key_dtypes`` gives per-key dtypes (``pixel_values`` -> the vision encoder's dtype); keys in
+    ``skip_keys`` (labels) are returned unchanged; metadata keys (``second_per_grid_ts``, fps …:
+    :mod:`hf_precision.rules.batch_keys`) keep their dtype and follow ``device``; ``ranges``: as
+    in :func:`cast_tensor`."""
     if isinstance(batch, torch.Tensor):
         target = (key_dtypes or {}).get(_key)
         if target is None:

@@ -22,7 +22,7 @@ next event (precision.log, the event JSON, W&B/TensorBoard).
 ...     _ = net[0].weight.fill_(100.0)
 >>> result = probe_headroom(net, (torch.full((1, 4), 200.0),))
 >>> result.worst()[0].path, result.worst()[0].beyond()
-('0', ['float16', 'float8_e4m3fn'])
+('0', ['float16', 'float8_e4m3fn', 'float8_e5m2'])
 """
 
 from __future__ import annotations
