@@ -122,11 +122,10 @@ def cast_batch(
     ranges: dict[str, Site] | None = None,
     _key: str = "",
 ) -> Any:
-    """Cast every floating tensor in a (nested) batch; containers keep their types.
-    ``key_dtypes`` gives per-key dtypes (``pixel_values`` -> the vision encoder's dtype); keys in
-    ``skip_keys`` (labels) are returned unchanged; metadata keys (``second_per_grid_ts``, fps …:
-    :mod:`hf_precision.rules.batch_keys`) keep their dtype and follow ``device``; ``ranges``: as
-    in :func:`cast_tensor`."""
+    """Cast every floating tensor in a (nested) batch; containers keep their types. Per-key
+    dtypes: ``key_dtypes`` (``pixel_values`` -> the vision encoder's); ``skip_keys`` (labels)
+    unchanged; metadata (``second_per_grid_ts``, fps …: :mod:`hf_precision.rules.batch_keys`)
+    keeps its dtype, follows ``device``; ``ranges``: as in :func:`cast_tensor`."""
     if isinstance(batch, torch.Tensor):
         target = (key_dtypes or {}).get(_key)
         if target is None:
