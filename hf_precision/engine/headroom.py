@@ -263,7 +263,7 @@ def _fp8_compare(
 ) -> torch.Tensor:
     """An fp8 layer: its output against the same layer in bf16 (the error recorded), and the
     float32 layer's output handed on, so the layers after it see the float32 forward."""
-    w = module.weight
+    w: torch.Tensor = module.weight  # type: ignore[assignment]
     b = getattr(module, "bias", None)
     ref = F.linear(x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16()).float()
     err = torch.linalg.vector_norm(out_fp8.float() - ref) / torch.linalg.vector_norm(ref).clamp(

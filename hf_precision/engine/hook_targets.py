@@ -279,7 +279,8 @@ def trainable_handovers(
             subtree = [m for r in roots for _, _, m in view.within(r)]
             refs[group] = ref_param(subtree, half, view.compute)
         ref = refs[group]
-        if ref is not None and not ref.owner._parameters[ref.name].requires_grad:
+        held = ref.current() if ref is not None else None
+        if ref is not None and held is not None and not held.requires_grad:
             out.append((path, mod, ref))
     return out
 
