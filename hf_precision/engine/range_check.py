@@ -83,7 +83,8 @@ def clamp_on_device(
     lo, hi = torch.aminmax(t.detach())  # one reduction (vector_norm(inf) is 15x slower on CPU)
     peak = torch.maximum(hi, lo.neg())  # max |t|; NaN when t holds one
     if peak.device != out.device:
-        peak = peak.to(out.device, non_blocking=True)
+        _host_source(peak, out, key=key, where=where)
+        return
     bound = torch.where(peak.isinf(), math.inf, float(info.max))
     # inputs already inf stay inf, as without the guard; two one-sided clamps with a 0-d bound
     # (clamp_(min=tensor, max=tensor) takes a slow broadcasting path on the CPU)
@@ -104,6 +105,18 @@ def clamp_on_device(
     site.casts += 1
     if site.casts == 1 or site.casts % EVERY == 0:
         _read(site)
+
+
+def _host_source(peak: torch.Tensor, out: torch.Tensor, *, key: str, where: str) -> None:
+    """The source was on the host (a CPU batch the guard moves to the GPU): its largest value
+    is read there, which waits for no device, and a copy of it to the device would."""
+    amax = float(peak)
+    if math.isinf(amax):
+        return  # inf already in the input: left as it was
+    info = torch.finfo(out.dtype)
+    out.clamp_(min=info.min, max=info.max)
+    if amax >= _overflow_threshold(out.dtype):
+        say_clamped(where, key, amax, out.dtype, late=False, stacklevel=5)
 
 
 def _read(site: Site) -> None:

@@ -107,6 +107,18 @@ def test_inf_and_nan_already_there_stay_and_are_not_blamed_on_the_cast():
     assert out[0].isnan() and out[1].item() == torch.finfo(torch.float16).max
 
 
+def test_a_host_source_moved_to_another_device_is_read_on_the_host():
+    # a CPU batch the guard sends to the model's device: its values are read where they are
+    # (no device waits for that), never copied over for the check
+    sites: dict[str, range_check.Site] = {}
+    big = torch.tensor([1.0, 7e4])
+    with pytest.warns(PrecisionWarning, match="up to 70000"):
+        out = cast_tensor(
+            big, torch.float16, torch.device("meta"), key="k", where="w", ranges=sites
+        )
+    assert out.device.type == "meta" and out.dtype == torch.float16 and not sites
+
+
 @pytest.mark.gpu
 def test_on_cuda_guarded_fp16_forwards_read_nothing_and_clamp_on_the_device():
     model, batch = _guarded_fp16()
