@@ -108,8 +108,9 @@ def clamp_on_device(
 
 
 def _host_source(peak: torch.Tensor, out: torch.Tensor, *, key: str, where: str) -> None:
-    """The source was on the host (a CPU batch the guard moves to the GPU): its largest value
-    is read there, which waits for no device, and a copy of it to the device would."""
+    """The source is on another device than the cast: a CPU batch the guard sends to the GPU
+    (its largest value is read on the host, which waits for no device, where a copy of it to
+    the GPU would), or a GPU tensor sent to the CPU (that copy waited for the GPU already)."""
     amax = float(peak)
     if math.isinf(amax):
         return  # inf already in the input: left as it was
