@@ -85,6 +85,8 @@ def clamp_on_device(
     if peak.device != out.device:
         _host_source(peak, out, key=key, where=where)
         return
+    if peak.device.type == "meta":
+        return  # no values to check (a model built or offloaded on meta)
     bound = torch.where(peak.isinf(), math.inf, float(info.max))
     # inputs already inf stay inf, as without the guard; two one-sided clamps with a 0-d bound
     # (clamp_(min=tensor, max=tensor) takes a slow broadcasting path on the CPU)
@@ -94,6 +96,8 @@ def clamp_on_device(
     site = sites.get(key)
     if site is None:
         site = sites[key] = Site(where, key, dtype)
+    if site.peak is not None and site.peak.device != over.device:
+        _read(site)  # the module moved (offloading): say what the old device saw, start anew
     if site.peak is None:
         site.peak = over
         _UNREAD.append(site)

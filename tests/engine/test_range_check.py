@@ -117,6 +117,20 @@ def test_a_host_source_moved_to_another_device_is_read_on_the_host():
             big, torch.float16, torch.device("meta"), key="k", where="w", ranges=sites
         )
     assert out.device.type == "meta" and out.dtype == torch.float16 and not sites
+    # on meta itself there are no values: nothing checked, nothing recorded to read later
+    cast_tensor(big.to("meta"), torch.float16, key="k", where="w", ranges=sites)
+    assert not sites
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_site_follows_its_module_between_devices():
+    sites: dict[str, range_check.Site] = {}
+    big = torch.tensor([1.0, 7e4])
+    cast_tensor(torch.ones(2), torch.float16, key="k", where="w", ranges=sites)  # read at once
+    cast_tensor(big, torch.float16, key="k", where="w", ranges=sites)  # recorded on the CPU
+    with pytest.warns(PrecisionWarning, match="up to 70000"):  # moved: the CPU record is read
+        out = cast_tensor(big.cuda(), torch.float16, key="k", where="w", ranges=sites)
+    assert out.device.type == "cuda" and torch.isfinite(out).all()
 
 
 @pytest.mark.gpu
