@@ -160,3 +160,11 @@ def test_silent_cost_quick_idle_blame_installs_nothing() -> None:
     assert off["hooks"] == auto["hooks"] < trace["hooks"] < armed["hooks"]
     assert trace["hooks"] - auto["hooks"] == trace["modules"]
     assert all(f.value is not None and f.value > 0 for f in figs.values())
+
+
+def test_fp16_range_quick_times_the_guarded_fp16_step_and_the_probe() -> None:
+    from benchmarks import fp16_range
+
+    figs = _by_id(fp16_range.run(quick=True, reps=1))
+    assert figs["fp16_step_guard"].value is not None
+    assert figs["headroom_probe"].detail["modules"] > 20

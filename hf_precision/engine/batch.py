@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import copy
 import functools
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..errors import PrecisionError, PrecisionWarning, check_model
+from ..errors import PrecisionError, check_model
 from ..rules.batch_keys import batch_key_kind, notice_unknown
 from ..rules.dtypes import dtype_name, is_castable, narrows_range
 from ..rules.policy import Mode, PrecisionPolicy
+from .range_check import Site, clamp_on_device, say_clamped
 
 _MASK_HINTS = ("mask", "bias")
 
@@ -50,11 +50,15 @@ def cast_tensor(
     key: str = "",
     mode: Mode = "fix",
     where: str = "batch",
+    ranges: dict[str, Site] | None = None,
 ) -> torch.Tensor:
     """Cast one floating tensor without creating ``inf``.
 
     Mask sentinels (``finfo(src).min``, ``-inf``) become ``finfo(dst).min``; other values
-    beyond the target range raise in ``raise`` mode, or are clamped with a warning.
+    beyond the target range raise in ``raise`` mode, or are clamped with a warning. With
+    ``ranges`` (a guard's cast sites: the hooks pass theirs) the check runs on the device and
+    its warning can come at the guard's next read, with no host sync per cast
+    (:mod:`hf_precision.engine.range_check`); without, it is read at once.
     """
     if not is_castable(t):
         # ids and bool masks keep their dtype but follow the device, like the floats beside them
@@ -85,15 +89,11 @@ def cast_tensor(
             # the cast made inf (not what was inf already), branch-free and without a warning.
             made_inf = out.isinf() & ~t.isinf()
             out = torch.where(made_inf, out.clamp(min=info.min, max=info.max), out)
+        elif ranges is not None:  # a guard's hook: checked on the device, read later
+            clamp_on_device(t, out, ranges, key=key, where=where)
         elif not _all_finite(out) and bool(out.isinf().any()) and not bool(t.isinf().any()):
             amax = float(t.detach().abs().amax())
-            warnings.warn(
-                f"{where}: {key or 'tensor'} has values up to {amax:g}, beyond the "
-                f"{dtype_name(dtype)} range (±{info.max:g}); clamped instead of becoming inf. "
-                "Fix: normalise the data, or use bf16.",
-                PrecisionWarning,
-                stacklevel=3,
-            )
+            say_clamped(where, key, amax, dtype, late=False, stacklevel=4)
             out.clamp_(min=info.min, max=info.max)
     return out
 
@@ -119,19 +119,18 @@ def cast_batch(
     device: torch.device | None = None,
     mode: Mode = "fix",
     where: str = "batch",
+    ranges: dict[str, Site] | None = None,
     _key: str = "",
 ) -> Any:
-    """Cast every floating tensor in a (nested) batch; containers keep their types.
-
-    ``key_dtypes`` gives per-key dtypes (e.g. ``pixel_values`` -> the vision encoder's dtype);
-    keys in ``skip_keys`` (labels) are returned unchanged; metadata keys (``second_per_grid_ts``,
-    timesteps, fps …: :mod:`hf_precision.rules.batch_keys`) keep their dtype and follow ``device``.
-    """
+    """Cast every floating tensor in a (nested) batch; containers keep their types. Per-key
+    dtypes: ``key_dtypes`` (``pixel_values`` -> the vision encoder's); ``skip_keys`` (labels)
+    unchanged; metadata (``second_per_grid_ts``, fps …: :mod:`hf_precision.rules.batch_keys`)
+    keeps its dtype, follows ``device``; ``ranges``: as in :func:`cast_tensor`."""
     if isinstance(batch, torch.Tensor):
         target = (key_dtypes or {}).get(_key)
         if target is None:
             target = dtype if _is_activation(batch, _key, dtype, where) else batch.dtype
-        return cast_tensor(batch, target, device, key=_key, mode=mode, where=where)
+        return cast_tensor(batch, target, device, key=_key, mode=mode, where=where, ranges=ranges)
     if not isinstance(batch, (Mapping, list, tuple)):
         return batch
     again = functools.partial(
@@ -142,6 +141,7 @@ def cast_batch(
         device=device,
         mode=mode,
         where=where,
+        ranges=ranges,
     )
     if isinstance(batch, Mapping):
         changed = {}
@@ -197,6 +197,7 @@ def eager_when_compiled_alone(*fns: Callable[..., Any]) -> None:
         is_mask_key,
         is_castable,
         narrows_range,
+        clamp_on_device,
         *fns,
     ):
         skip_code(fn.__code__)

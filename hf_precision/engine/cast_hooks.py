@@ -11,7 +11,7 @@ and are traced inline inside a compiled caller: no graph break (``tests/engine/t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -21,6 +21,7 @@ from ..rules.batch_keys import batch_key_kind, is_metadata_key, notice_unknown
 from ..rules.dtypes import dtype_name, is_castable
 from ..rules.policy import Mode
 from .batch import cast_batch, cast_tensor, eager_when_compiled_alone
+from .range_check import Site
 
 #: Where a guard sits: the model (batch), a group root (boundary), the first weighted leaf of a
 #: group (entry), any weighted leaf of a mixed group (leaf).
@@ -30,6 +31,20 @@ GUARD_ATTR = "_hf_precision_guard"
 EXIT_ATTR = "_hf_precision_exit"
 #: Modules whose whole forward is one op autocast runs in its own dtype (F.linear, F.conv*).
 _AUTOCAST_OPS: frozenset[type[nn.Module]] = frozenset((nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
+
+
+class Weight(NamedTuple):
+    """A weight of the receiving module, named by the module that holds it and its attribute:
+    read at call time, so a guard follows the weight the module holds *now*. ``module.to()``
+    between CPU and CUDA keeps the ``Parameter`` objects, but a move to or from ``meta`` and
+    ``to_empty`` put new ones in their place: a tensor kept from install time would stay behind
+    on the old device."""
+
+    owner: nn.Module
+    name: str
+
+    def current(self) -> torch.Tensor | None:
+        return self.owner._parameters.get(self.name)
 
 
 @dataclass(slots=True)
@@ -44,10 +59,17 @@ class GuardState:
     key_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     skip_keys: tuple[str, ...] = ()
     arg_names: tuple[str, ...] = ()  # forward's positional parameter names
-    # A weight of the receiving module: when someone casts the module after install (Trainer's
-    # *_full_eval does model.to(bf16) in place), the target follows it instead of fighting it.
-    ref: torch.Tensor | None = None
+    # A weight of the receiving module, read at every call: when someone casts the module after
+    # install (Trainer's *_full_eval does model.to(bf16) in place) the target dtype follows it
+    # instead of fighting it (``follow_dtype``; not the batch guard's, which follows the policy),
+    # and when someone moves it (offloading between CPU and GPU, ``to_empty`` after a build on
+    # ``meta``) inputs go where it is now (``follow_device``: off where the guard moves nothing).
+    weight: Weight | None = None
+    follow_dtype: bool = True
+    follow_device: bool = False
     notice: Notice | None = None  # told of the first cast of each kind (shared by all guards)
+    # its casts to a narrower dtype, range-checked on the device (engine/range_check.py)
+    ranges: dict[str, Site] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -99,7 +121,9 @@ def _cast_value(st: GuardState, module: nn.Module, value: Any, key: str) -> Any:
         if wrong_dtype:
             if st.notice is not None and not torch.compiler.is_compiling():
                 st.notice.first(st.kind, st.path, key, value.dtype, st.dtype)
-            return cast_tensor(value, st.dtype, st.device, key=key, where=st.path)
+            return cast_tensor(
+                value, st.dtype, st.device, key=key, where=st.path or "batch", ranges=st.ranges
+            )
         return value.to(st.device)  # ids and masks follow the receiver's device too
     if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
         items = [_cast_value(st, module, v, key) for v in value]
@@ -129,6 +153,7 @@ def _cast_arg(st: GuardState, module: nn.Module, i: int, value: Any) -> Any:
             device=st.device,
             mode=st.mode,
             where=f"batch -> {type(module).__name__}",
+            ranges=st.ranges,
             _key=key,
         )
     return _cast_value(st, module, value, key or f"input {i}")
@@ -167,6 +192,7 @@ def _batch_call(
         device=st.device,
         mode=st.mode,
         where=f"batch -> {type(module).__name__}",
+        ranges=st.ranges,
     )
     new_args = tuple(_cast_arg(st, module, i, a) for i, a in enumerate(args))
     if new_kwargs is kwargs and all(a is b for a, b in zip(new_args, args, strict=True)):
@@ -209,14 +235,10 @@ def guard_hook(
     st: GuardState | None = module.__dict__.get(GUARD_ATTR)
     if st is None:
         return None
+    if st.weight is not None:
+        _follow(st, st.weight.owner._parameters.get(st.weight.name))
     if st.kind == "batch":
         return _batch_call(st, module, args, kwargs)
-    ref = st.ref
-    if ref is not None:
-        if ref.dtype != st.dtype:
-            st.dtype = ref.dtype
-        if st.device is not None and ref.device != st.device:
-            st.device = ref.device
     if st.mode == "audit" or not _off_target(args, kwargs, st.dtype, st.device):
         return None
     new_args = tuple(_cast_value(st, module, a, f"input {i}") for i, a in enumerate(args))
@@ -225,6 +247,19 @@ def guard_hook(
         for k, v in kwargs.items()
     }
     return new_args, new_kwargs
+
+
+def _follow(st: GuardState, ref: torch.Tensor | None) -> None:
+    """The target follows the module's weight as it is now: its dtype (unless the guard follows
+    the policy) and its device (``None`` while it sits on ``meta``: nothing to send inputs to)."""
+    if ref is None:
+        return
+    if st.follow_dtype and ref.dtype != st.dtype:
+        st.dtype = ref.dtype
+    if st.follow_device:
+        dev = ref.device
+        if dev != st.device:
+            st.device = None if dev.type == "meta" else dev
 
 
 def _follow_device(st: GuardState, value: Any) -> Any:
@@ -237,11 +272,11 @@ def _follow_device(st: GuardState, value: Any) -> Any:
 
 @dataclass(slots=True)
 class ExitState:
-    """An exit guard: outputs follow ``ref``'s dtype (the language model's input embeddings,
-    read at call time so a later cast of the embeddings moves the target with it)."""
+    """An exit guard: outputs follow the dtype of ``weight`` (the language model's input
+    embeddings, read at call time so a later cast of the embeddings moves the target with it)."""
 
     path: str
-    ref: torch.Tensor
+    weight: Weight
     handle: Any = None
     notice: Notice | None = None  # told of the first hand-over it casts
 
@@ -270,11 +305,14 @@ def exit_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
     st: ExitState | None = module.__dict__.get(EXIT_ATTR)
     if st is None:
         return None
-    out = _cast_out(output, st.ref.dtype)
+    ref = st.weight.owner._parameters.get(st.weight.name)
+    if ref is None:
+        return None
+    out = _cast_out(output, ref.dtype)
     if out is output:
         return None
     if st.notice is not None and "exit" not in st.notice.seen and not torch.compiler.is_compiling():
-        st.notice.first("exit", st.path, "its output", _first_dtype(output), st.ref.dtype)
+        st.notice.first("exit", st.path, "its output", _first_dtype(output), ref.dtype)
     return out
 
 
@@ -330,7 +368,7 @@ def eager_hooks() -> None:
     if not _EAGER_ALONE:
         _EAGER_ALONE.append(True)
         eager_when_compiled_alone(
-            guard_hook, _batch_call, _off_target, _cast_value, _cast_arg, _follow_device
+            guard_hook, _batch_call, _off_target, _cast_value, _cast_arg, _follow, _follow_device
         )
 
 

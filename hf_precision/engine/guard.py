@@ -69,6 +69,7 @@ from .hooks import (
 from .memory_account import account_line, memory_account
 from .outside_reads import find_outside_reads, install_fused_head_check
 from .plan import plan_policy
+from .range_check import read_deferred
 from .speaker import Speaker, report_dir_of
 from .stash import stash_tensors
 from .wrapper_step import WrapperStep
@@ -195,6 +196,7 @@ class PrecisionGuard:
             self.model = model
         model, policy, where = self.model, self._renamed(self.policy), f"{self.name}.{event}"
         first = not self.events
+        read_deferred()  # overflows the guards' casts clamped since the last event, said now
         view = self._view(model)  # the event's one check, unwrap and walk: every step reads it
         check_zero3_split(view, where, policy.mode)
         if wrapper == "auto":

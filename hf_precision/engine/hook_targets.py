@@ -16,7 +16,7 @@ from torch import nn
 from ..rules.dtypes import is_castable, quantized_compute_dtype
 from ..rules.groups import LEAF_GUARDED_GROUPS, OTHER, ModuleGroups, hidden_module
 from ..rules.policy import PrecisionPolicy, is_norm_module
-from .cast_hooks import GuardKind, GuardState
+from .cast_hooks import GuardKind, GuardState, Weight
 
 #: The attribute of the model's root listing the guarded modules held outside its module tree
 #: (see :func:`group_roots`), so that removing the guards reaches them.
@@ -84,32 +84,57 @@ def group_roots(root: nn.Module, groups: ModuleGroups) -> list[tuple[str, nn.Mod
     return out
 
 
+def weight_of(modules: Iterable[nn.Module], tensor: torch.Tensor | None) -> Weight | None:
+    """``tensor`` as a :class:`~hf_precision.engine.cast_hooks.Weight`: the first of
+    ``modules`` holding it, and its attribute name there."""
+    if tensor is None:
+        return None
+    for mod in modules:
+        for name, p in mod._parameters.items():
+            if p is tensor:
+                return Weight(mod, name)
+    return None
+
+
 def ref_param(
-    params: Iterable[torch.Tensor], dtype: torch.dtype, compute: Mapping[int, torch.dtype]
-) -> torch.Tensor | None:
-    """A frozen weight among a module's ``params`` in its receiving dtype (None under FSDP mixed
-    precision, where the storage dtype is not the compute dtype)."""
+    modules: Iterable[nn.Module], dtype: torch.dtype, compute: Mapping[int, torch.dtype]
+) -> Weight | None:
+    """A frozen weight of ``modules`` (a module's subtree) in its receiving dtype (None under
+    FSDP mixed precision, where the storage dtype is not the compute dtype)."""
     if compute:
         return None
     fallback = None
-    for p in params:
-        if p.dtype == dtype and is_castable(p):
-            if not p.requires_grad:
-                return p
-            fallback = fallback if fallback is not None else p
+    for mod in modules:
+        for name, p in mod._parameters.items():
+            if p is not None and p.dtype == dtype and is_castable(p):
+                if not p.requires_grad:
+                    return Weight(mod, name)
+                fallback = fallback if fallback is not None else Weight(mod, name)
     return fallback
+
+
+def device_ref(modules: Iterable[nn.Module], device: torch.device | None) -> Weight | None:
+    """A weight of ``modules`` on ``device`` (any castable one when ``device`` is ``None``): the
+    batch guard's inputs go where it is at each call."""
+    for mod in modules:
+        for name, p in mod._parameters.items():
+            if p is not None and is_castable(p) and (device is None or p.device == device):
+                return Weight(mod, name)
+    return None
 
 
 def leaf_state(
     kind: GuardKind,
     path: str,
+    mod: nn.Module,
     own: tuple[torch.dtype, torch.Tensor | None],
     policy: PrecisionPolicy,
     compute: Mapping[int, torch.dtype],
     move: bool,
 ) -> GuardState:
-    """The guard of one weighted leaf (``entry`` or ``leaf``): its inputs in the dtype the leaf
-    computes in (FSDP mixed precision's param_dtype where that casts the weight)."""
+    """The guard of one weighted leaf ``mod`` (``entry`` or ``leaf``): its inputs in the dtype
+    the leaf computes in (FSDP mixed precision's param_dtype where that casts the weight), on
+    the device its weight is on at each call."""
     dtype, w = own
     wrapped = w is not None and id(w) in compute
     dev = w.device if w is not None and move and w.device.type != "meta" else None
@@ -119,11 +144,12 @@ def leaf_state(
         compute[id(w)] if w is not None and wrapped else dtype,
         dev,
         policy.mode,
-        ref=None if wrapped else w,
+        weight=None if wrapped else weight_of((mod,), w),
+        follow_device=move,
     )
 
 
-def embedding_weight(root: nn.Module, groups: ModuleGroups) -> torch.Tensor | None:
+def embedding_weight(root: nn.Module, groups: ModuleGroups) -> Weight | None:
     """The weight of the language model's input embeddings (what image features are written
     into), or ``None`` when the model has none that a cast could follow (quantized, absent)."""
     owners = [root, *groups.modules("language_model")]
@@ -137,7 +163,7 @@ def embedding_weight(root: nn.Module, groups: ModuleGroups) -> torch.Tensor | No
             continue
         w = getattr(emb, "weight", None)
         if isinstance(w, torch.Tensor) and w.is_floating_point() and is_castable(w):
-            return w
+            return weight_of((emb,), w)
     return None
 
 
@@ -221,7 +247,7 @@ _FINAL_GROUPS = ("lm_head",)
 
 def trainable_handovers(
     view: Any, kept: Iterable[tuple[str, str, str, str]]
-) -> list[tuple[str, nn.Module, torch.Tensor]]:
+) -> list[tuple[str, nn.Module, Weight]]:
     """``(path, module, ref)`` of every trainable float32 linear/conv layer inside a group held
     in half precision (``ref``: a frozen weight of that group, read at call time): the policy
     keeps its weight in float32 for the optimizer, and outside autocast its float32 output
@@ -231,8 +257,8 @@ def trainable_handovers(
     and the LM head keep their outputs."""
     names = {name.rpartition(".")[0] for name, *_ in kept}
     recv: dict[str, torch.dtype] | None = None  # read at the first candidate
-    refs: dict[str, torch.Tensor | None] = {}
-    out: list[tuple[str, nn.Module, torch.Tensor]] = []
+    refs: dict[str, Weight | None] = {}
+    out: list[tuple[str, nn.Module, Weight]] = []
     adapters: set[str] = set()  # paths of PEFT tuner layers seen so far (parents come first)
     for path, group, mod in view.modules:
         if hasattr(mod, "adapter_layer_names"):  # peft's BaseTunerLayer
@@ -250,10 +276,11 @@ def trainable_handovers(
             continue
         if group not in refs:
             roots = view.groups.modules(group)
-            params = [p for r in roots for p in view.parameters_of(r)]
-            refs[group] = ref_param(params, half, view.compute)
+            subtree = [m for r in roots for _, _, m in view.within(r)]
+            refs[group] = ref_param(subtree, half, view.compute)
         ref = refs[group]
-        if ref is not None and not ref.requires_grad:
+        held = ref.current() if ref is not None else None
+        if ref is not None and held is not None and not held.requires_grad:
             out.append((path, mod, ref))
     return out
 

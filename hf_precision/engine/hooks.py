@@ -80,6 +80,7 @@ from .hook_targets import (
     HIDDEN_ATTR,
     SKIP_LEAVES,
     batch_state,
+    device_ref,
     embedding_weight,
     group_roots,
     handover_roots,
@@ -89,6 +90,7 @@ from .hook_targets import (
     own_weight,
     ref_param,
     trainable_handovers,
+    weight_of,
 )
 
 __all__ = [
@@ -204,7 +206,11 @@ def guards_on(
         recv = view.receiving_dtypes()
         _, root_device = view.receiving_of(root)
         device = root_device if put.move else None
-        put(root, batch_state(root, policy, key_dtypes_for(policy, recv), device), "batch")
+        st = batch_state(root, policy, key_dtypes_for(policy, recv), device)
+        if put.move:  # the batch goes where the model is at each call (offloading moves it)
+            st.weight = device_ref((m for _, _, m in view.modules), root_device)
+            st.follow_dtype, st.follow_device = False, True
+        put(root, st, "batch")
     if policy.boundary_guards:
         put.boundaries()
     exits = _put_exits(put, report)
@@ -218,7 +224,8 @@ def guards_on(
                 continue
             own = own_weight(mod) if path not in strict else None
             if own is not None and not norm_held_fp32(mod, own):
-                put(mod, leaf_state("leaf", path, own, policy, view.compute, put.move), "leaf")
+                st = leaf_state("leaf", path, mod, own, policy, view.compute, put.move)
+                put(mod, st, "leaf")
     _drop_unwanted(view, put.wanted, exits)
     return put.handle
 
@@ -251,9 +258,16 @@ class _Installer:
             if mod is not view.root:  # the root's own inputs are the batch guard's
                 dtype, device = view.receiving_of(mod)
                 if dtype is not None:
-                    ref = ref_param(view.parameters_of(mod), dtype, compute)
+                    ref = ref_param((m for _, _, m in view.within(mod)), dtype, compute)
+                    dev = device if self.move else None
                     st = GuardState(
-                        "boundary", path, dtype, device if self.move else None, policy.mode, ref=ref
+                        "boundary",
+                        path,
+                        dtype,
+                        dev,
+                        policy.mode,
+                        weight=ref,
+                        follow_device=self.move,
                     )
                     self(mod, st, "boundary")
             self.entry(mod)
@@ -268,7 +282,7 @@ class _Installer:
             own = own_weight(sub)
             if own is None or norm_held_fp32(sub, own):
                 continue
-            st = leaf_state("entry", sub_path, own, self.policy, self.view.compute, self.move)
+            st = leaf_state("entry", sub_path, sub, own, self.policy, self.view.compute, self.move)
             self(sub, st, "boundary")
             return
 
@@ -297,9 +311,10 @@ def _put_exits(put: _Installer, report: Any) -> set[int]:
     if first is not None and after is not None and after[1].dtype.itemsize < 4:
         # model.dtype reads an fp32 kept parameter: its module hands over in the next layer's dtype
         path, mod = first[0].rpartition(".")[0], first[2]
-        if policy.boundary_guards and id(mod) not in exits:
+        ref = weight_of((m for _, _, m in view.modules), after[1])
+        if policy.boundary_guards and id(mod) not in exits and ref is not None:
             exits.add(id(mod))
-            put.exit(mod, ExitState(path, after[1], notice=put.notice))
+            put.exit(mod, ExitState(path, ref, notice=put.notice))
     if policy.mode == "fix" and policy.boundary_guards and report is not None:
         # a trainable fp32 layer in a half group hands its output on in the group's dtype
         for path, mod, ref in trainable_handovers(view, report.kept):

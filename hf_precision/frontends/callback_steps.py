@@ -13,6 +13,7 @@ from ..engine.blame import NonFiniteBlame
 from ..engine.finding import Finding, emit
 from ..engine.frontend import PrecisionGuard
 from ..engine.lost_updates import LostUpdateCheck, LostUpdates, watch
+from ..engine.range_check import read_deferred
 
 logger = logging.getLogger("hf_precision")
 
@@ -71,6 +72,7 @@ class CallbackSteps:
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         if self.blame is not None:  # auto: a non-finite loss/grad_norm arms the next step
             self.blame.observe(logs, step=int(getattr(state, "global_step", 0) or 0))
+        read_deferred()  # the guards' clamped overflows, read where the Trainer reads the loss
         # events that waited for a tracker's writer (TensorBoard)
         flush = getattr(self.reporter, "flush_trackers", None)
         if flush is not None:

@@ -117,8 +117,9 @@ def guard_diffusion(
 ) -> DiffusionGuard:
     """Enforce ``policy`` on every model of a pipeline, dict of components or single model,
     and install the guards, each component as its own root (so the denoiser's guard is the
-    key-aware batch guard). The diffusion batch rules are added to ``policy``. Move the models
-    to their device first: the guards send inputs to the device the weights were on.
+    key-aware batch guard). The diffusion batch rules are added to ``policy``. The guards send
+    inputs to the device each model's weights are on at the call, so offloading (moving a
+    model between CPU and GPU between steps) needs no new call.
 
     When the policy puts the VAE in fp16 and its weights (or, given ``vae_images``, its
     activations) exceed the fp16 range, the VAE is kept in fp32 with a

@@ -147,6 +147,13 @@ def _doctor_options(s: argparse.ArgumentParser) -> None:
         "activation dtype changes first, and what did it",
     )
     s.add_argument(
+        "--headroom",
+        action="store_true",
+        help="one float32 forward: each module's largest |activation| against the float16 "
+        "(65504) and fp8 e4m3 (448) / e5m2 (57344) ranges, the fp8 layers' error against bf16, "
+        "the worst modules named (a float16 policy fails when one leaves float16)",
+    )
+    s.add_argument(
         "--report-dir",
         default=None,
         help="write the trace's picture and JSON there (doctor-trace.png/.json)",

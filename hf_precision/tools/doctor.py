@@ -215,7 +215,12 @@ def doctor(args: argparse.Namespace) -> int:
         )
     results = _diagnose_steps(args, model, batch, policy, report, steps)
     silent = _silent_checks(args, model, batch, policy, report)
+    if getattr(args, "headroom", False):
+        from ..engine.headroom import probe_headroom
+
+        silent["headroom"] = probe_headroom(model, batch)
     ok = all(d.ok for d in results.values()) and "nonfinite" not in silent
+    ok = ok and not _fp16_overflow(policy, silent.get("headroom"))
     if args.json:
         _print_json(args, model, policy, ok, steps, results, silent)
     else:
@@ -275,6 +280,11 @@ def _print_text(
         f"\n{'OK' if ok else 'FAILED'}: "
         + ", ".join(_summary(k, d) for k, d in results.items())
         + (f"; {bad.module} made {bad.kind} values ({bad.role})" if bad is not None else "")
+        + (
+            f"; {len(silent['headroom'].beyond('float16'))} module(s) leave float16 (headroom)"
+            if _fp16_overflow(policy, silent.get("headroom"))
+            else ""
+        )
     )
     if not ok and args.mode == "raise":
         print(
@@ -282,6 +292,18 @@ def _print_text(
             "PrecisionGuardCallback runs mode 'fix' (the doctor's default): drop --mode raise "
             "to see what a training run meets"
         )
+
+
+def _fp16_overflow(policy: Any, headroom: Any) -> bool:
+    """A float16 policy whose activations leave the float16 range (``--headroom``): the run
+    would meet inf where the probe saw these values."""
+    import torch
+
+    return (
+        headroom is not None
+        and policy.compute_dtype == torch.float16
+        and bool(headroom.beyond("float16"))
+    )
 
 
 def _casts(report: Any) -> str:

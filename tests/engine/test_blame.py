@@ -315,4 +315,4 @@ def test_the_silent_losses_page_runs(index: int, tmp_path: Path, monkeypatch: An
 def test_the_silent_losses_page_shows_both() -> None:
     text = DOC.read_text()
     assert "## Who made the NaN" in text and "## Where the activation dtype changed" in text
-    assert len(_doc_blocks()) == 2
+    assert len(_doc_blocks()) >= 2  # and the headroom probe's

@@ -104,3 +104,17 @@ def test_on_cuda_a_group_left_on_cpu_is_moved():
     cpu_batch = tiny_batch(model)  # inputs left on CPU follow the receiving group to CUDA
     assert model(**cpu_batch).logits.device.type == "cuda"
     assert {p.device.type for p in model.parameters()} == {"cuda"}
+
+
+@pytest.mark.gpu
+def test_on_cuda_guards_follow_the_model_between_cpu_and_cuda():
+    # OneTrainer's offloading: the guard installed on one device, the model moved after it. The
+    # inputs go where the model is at each call, never where it was at install.
+    model: Any = tiny_llava(torch.float16)
+    install_guards(model, "fp16-true", enforce_policy(model, "fp16-true"))
+    model.to("cuda")
+    assert model(**tiny_batch(model)).logits.device.type == "cuda"  # CPU batch, CUDA model
+    model.to("cpu")
+    cuda_batch = {k: v.cuda() for k, v in tiny_batch(model).items()}
+    assert model(**cuda_batch).logits.device.type == "cpu"
+    assert {st.device for st in _guard_states(model).values()} == {torch.device("cpu")}

@@ -298,3 +298,24 @@ def test_the_demo_setup_passes_doctor_as_the_callback_runs_it(
     assert "mode='fix'" in data["diagnosis"]["generate"]["fix"]
     assert main(argv) == 1
     assert "note: --mode raise makes every cast" in capsys.readouterr().out
+
+
+def test_doctor_headroom_names_an_activation_beyond_float16(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # every weight passes the range check (50 << 65504); the projector's output does not
+    model = tiny_llava()
+    with torch.no_grad():
+        model.model.multi_modal_projector.linear_1.weight.fill_(50.0)
+        model.model.multi_modal_projector.linear_2.weight.fill_(50.0)
+    model.save_pretrained(tmp_path / "ckpt")
+    argv = ["doctor", str(tmp_path / "ckpt"), "--no-generate", "--blame", "off", "--headroom"]
+    assert main([*argv, "--policy", "fp16-true", "--json"]) == 1  # float16 would hold inf
+    text = capsys.readouterr().out
+    data = json.loads(text[text.index("\n{") + 1 :] if not text.startswith("{") else text)
+    assert data["headroom"]["beyond_float16"][0] == "model.multi_modal_projector.linear_2"
+    assert data["headroom"]["worst"][0]["max_abs"] > 65504
+    assert main([*argv, "--policy", "bf16-true"]) == 0  # bf16 holds it: said, not failed
+    out = capsys.readouterr().out
+    assert "[headroom] headroom (one float32 forward" in out
+    assert "model.multi_modal_projector.linear_2" in out
