@@ -95,10 +95,6 @@ class PrecisionGuard:
         origin: where the policy came from, for the console line (``"from bf16: true"``).
     """
 
-    #: engines built in this process (the launcher's exit line reads it: a process that trained
-    #: with none reached nothing)
-    made = 0
-
     def __init__(
         self,
         model: nn.Module,
@@ -114,7 +110,6 @@ class PrecisionGuard:
         claim: bool = True,
         origin: str | None = None,
     ) -> None:
-        PrecisionGuard.made += 1
         self.model = model
         self.root, _ = unwrap_model(model)
         self.policy = policy

@@ -155,8 +155,8 @@ def activate() -> bool:
 # ----------------------------------------------------------------------- reached nothing
 _stepped: list[bool] = []  # one entry once this process stepped an optimizer
 _AT_EXIT: list[bool] = []
-#: the engine every front end builds per guarded model, and its count of them
-ENGINE = ("hf_precision.engine.guard", "PrecisionGuard")
+#: what every front end (and install_guards by hand) builds per guarded model, with its count
+ENGINE = ("hf_precision.engine.hooks", "GuardHandle")
 UNREACHED = (
     "hf-precision: {env} is set, but the guard reached no model in this process ({prog}): it "
     "stepped an optimizer, yet built no transformers Trainer, passed no model to "
