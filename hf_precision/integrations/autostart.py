@@ -12,7 +12,13 @@ loader execute it, then hands the module to
 :func:`hf_precision.integrations.launcher.patch_trainer_module`, which wraps ``Trainer.__init__``;
 ``accelerate.accelerator`` goes to
 :func:`hf_precision.integrations.accelerate_hook.patch_accelerator_module` (plain accelerate
-loops: diffusers' training scripts, kohya-style scripts).
+loops: diffusers' training scripts, kohya-style scripts); ``modules.trainer.GenericTrainer`` to
+:func:`hf_precision.integrations.onetrainer.patch_generic_trainer_module` (OneTrainer's loop).
+
+A process the guard reached nothing in is never silent: a global step hook on
+``torch.optim.optimizer`` notes the first optimizer step, and at exit, with no
+``GuardHandle`` made in the process, :func:`say_if_unreached` prints one line with why and the
+fix (the launched process's copy of this file registers it).
 """
 
 from __future__ import annotations
