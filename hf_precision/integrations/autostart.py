@@ -49,8 +49,11 @@ HOOKS = {
 }
 #: the class each hooked module defines once executed (a module in sys.modules without it is
 #: still being imported)
-READY = {TARGET: "Trainer", "accelerate.accelerator": "Accelerator"}
-READY["modules.trainer.GenericTrainer"] = "GenericTrainer"
+READY = {
+    TARGET: "Trainer",
+    "accelerate.accelerator": "Accelerator",
+    "modules.trainer.GenericTrainer": "GenericTrainer",
+}
 #: torch's optimizer module: a global step hook there tells a process that trained
 STEPS = "torch.optim.optimizer"
 

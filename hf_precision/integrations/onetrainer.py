@@ -229,9 +229,9 @@ def guard_trainer(trainer: Any) -> Any:
     guard = guard_diffusion(
         parts,
         policy,
-        mode=config.mode,
+        mode=config.mode,  # type: ignore[arg-type]  # checked by LaunchConfig
         optimizer=optimizer,
-        reporter=reporter,  # type: ignore[arg-type]
+        reporter=reporter,
     )
     setattr(trainer, GUARD_ATTR, guard)
     lead = next((g for g in ("unet", "transformer") if g in guard.guards), None)
@@ -259,7 +259,7 @@ def _wrap_loss(trainer: Any, blames: list[Any], reporter: Any) -> None:
     """``model_setup.calculate_loss``: an armed blame reports the forward that just ran; a
     non-finite loss arms ``auto`` for the next step (one read of the loss, which OneTrainer
     reads itself right after)."""
-    setup = getattr(trainer, "model_setup", None)
+    setup: Any = getattr(trainer, "model_setup", None)
     calc = getattr(setup, "calculate_loss", None)
     if calc is None:
         return
@@ -284,7 +284,7 @@ def _wrap_loss(trainer: Any, blames: list[Any], reporter: Any) -> None:
 
 
 def _wrap_sampler(trainer: Any, known: Any) -> None:
-    sampler = getattr(trainer, "model_sampler", None)
+    sampler: Any = getattr(trainer, "model_sampler", None)
     sample = getattr(sampler, "sample", None)
     if sample is None:
         return
