@@ -7,7 +7,7 @@ export WANDB_SILENT ?= true
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo demo-setup test test-fast test-tf4 test-frameworks frameworks-setup test-diffusers lint typecheck bench gpu-test nightly clean notebooks
+.PHONY: setup demo demo-setup test test-fast test-tf4 test-frameworks frameworks-setup test-diffusers test-onetrainer onetrainer-setup lint typecheck bench gpu-test nightly clean notebooks
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -54,7 +54,7 @@ demo: demo-setup
 		--report_to wandb
 
 test: setup
-	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -m "not frameworks and not diffusers"
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -m "not frameworks and not diffusers and not onetrainer"
 
 # The transformers 4.x leg: its own venv (.venv-tf4) with the 4.57 line and the peft that goes
 # with it; the core, scenario and seed-layout tests run there (see the README's compatibility
@@ -79,7 +79,7 @@ test-tf4: $(TF4_VENV)/.installed
 	$(TF4_VENV)/bin/python -m pytest -n 2 --dist loadgroup -q $(TF4_TESTS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -x -m "not slow and not multiprocess and not frameworks and not diffusers"
+	$(BIN)/python -m pytest -q -x -m "not slow and not multiprocess and not frameworks and not diffusers and not onetrainer"
 
 # The framework leg: each framework's real command line on a tiny VLM LoRA job, in its own venv
 # (a framework pins its own transformers/peft/trl). torch is the CPU wheel, pinned on every pip
@@ -165,6 +165,48 @@ test-diffusers: setup $(DIFFUSERS_SITE)/.installed
 	HF_PRECISION_DIFFUSERS_SITE=$(abspath $(DIFFUSERS_SITE)) \
 		$(BIN)/python -m pytest -n 2 --dist loadgroup -q -m diffusers tests/integrations
 
+# The OneTrainer leg: OneTrainer's own scripts/train.py (and mgds) from their snapshots
+# (`git archive` tarballs in $(UPSTREAM), unpacked by the tests; AGPL: run, never copied here) on
+# a tiny SD 1.5 inpainting model, unguarded and under `hf-precision run`. Two venvs, as
+# OneTrainer's requirements of each date pin them: the 2024 code (July 2024, the fp16 failure
+# reports) runs on the transformers 4.57 / diffusers 0.30 line, today's on transformers 5.5 /
+# diffusers 0.42. open-clip-torch pulls torchvision, whose PyPI wheel is a CUDA build: its
+# compiled ops go, as in test-diffusers. xformers, bitsandbytes and the UI are not imported on
+# the training path. The tests put this checkout on PYTHONPATH (hf_precision is not installed).
+UPSTREAM ?= $(abspath ../shared/upstream)
+OT2024_VENV ?= .venv-onetrainer2024
+OT2024_PINS ?= "transformers==4.57.6" "accelerate==1.10.1" "diffusers==0.30.3" \
+	"huggingface-hub<1.0" "open-clip-torch==2.24.0" pooch
+OT_VENV ?= .venv-onetrainer
+OT_PINS ?= "transformers==5.5.4" "accelerate==1.12.0" "diffusers==0.42.1" \
+	"open-clip-torch==2.32.0" pooch parse gguf av
+OT_COMMON ?= "numpy<2.3" opencv-python-headless pillow tqdm pyyaml safetensors scipy omegaconf \
+	tensorboard
+
+define ot_venv
+	$(PY) -m venv $(1)
+	$(1)/bin/python -m pip install -q "torch==2.13.0"
+	$(1)/bin/python -m pip install -q "torch==2.13.0" $(OT_COMMON) $(2)
+	rm -f $(1)/lib/python*/site-packages/torchvision/*.so
+	sed -i 's/^@torch\.library\.register_fake(/@(torch.library.register_fake if torchvision.extension._has_ops() else (lambda *a, **k: (lambda f: f)))(/' \
+		$(1)/lib/python*/site-packages/torchvision/_meta_registrations.py
+	$(1)/bin/python -c "from torchvision import transforms; import diffusers, cv2, open_clip"
+	touch $(1)/.installed
+endef
+
+$(OT2024_VENV)/.installed:
+	$(call ot_venv,$(OT2024_VENV),$(OT2024_PINS))
+
+$(OT_VENV)/.installed:
+	$(call ot_venv,$(OT_VENV),$(OT_PINS))
+
+onetrainer-setup: $(OT2024_VENV)/.installed $(OT_VENV)/.installed
+
+test-onetrainer: setup onetrainer-setup
+	HF_PRECISION_UPSTREAM=$(UPSTREAM) HF_PRECISION_ONETRAINER2024_VENV=$(abspath $(OT2024_VENV)) \
+	HF_PRECISION_ONETRAINER_VENV=$(abspath $(OT_VENV)) \
+		$(BIN)/python -m pytest -q -m onetrainer tests/integrations/test_onetrainer.py
+
 lint: setup
 	$(BIN)/ruff check hf_precision tests recipes benchmarks
 	$(BIN)/ruff format --check hf_precision tests recipes benchmarks
@@ -182,4 +224,4 @@ nightly: setup
 	HF_PRECISION_PROPERTY_EXAMPLES=1000 $(BIN)/python -m pytest -q -m slow
 
 clean:
-	rm -rf $(VENV) $(DEMO_VENV) $(TF4_VENV) $(LF_VENV) $(SWIFT_VENV) $(AXOLOTL_VENV) .venv-diffusers .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) $(DEMO_VENV) $(TF4_VENV) $(LF_VENV) $(SWIFT_VENV) $(AXOLOTL_VENV) .venv-diffusers $(OT2024_VENV) $(OT_VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -77,6 +77,7 @@ __all__ = [
     "dtype_map",
     "enforce_policy",
     "find_module_groups",
+    "guard_diffusion",
     "install_guards",
     "register_group",
     "register_group_rule",
@@ -102,6 +103,7 @@ _PUBLIC: dict[str, str] = {
     "dtype_map": ".model.dtype_maps",
     "enforce_policy": ".engine.enforce",
     "find_module_groups": ".rules.groups",
+    "guard_diffusion": ".frontends.diffusion",  # diffusers pipelines, OneTrainer, kohya
     "install_guards": ".engine.hooks",
     "register_group": ".rules.groups",
     "register_group_rule": ".rules.groups",
@@ -116,6 +118,7 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time __getattr__ loads each 
     from .errors import PrecisionError, PrecisionWarning
     from .frontends.accelerate_plugin import PrecisionGuardPlugin
     from .frontends.callback import PrecisionGuardCallback
+    from .frontends.diffusion import guard_diffusion
     from .model.dtype_maps import DtypeMap, dtype_map
     from .rules.batch_keys import register_metadata_key
     from .rules.groups import (

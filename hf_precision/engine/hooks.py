@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -120,6 +120,12 @@ class GuardHandle:
     #: group roots whose outputs leave in the language model's embedding dtype (forward hooks)
     exit: list[str] = field(default_factory=list)
     added: int = 0
+    #: handles made in this process (the launcher's exit line reads it: a process that trained
+    #: with none made reached no model)
+    made: ClassVar[int] = 0
+
+    def __post_init__(self) -> None:
+        GuardHandle.made += 1
 
     @property
     def count(self) -> int:

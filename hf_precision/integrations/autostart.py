@@ -12,7 +12,13 @@ loader execute it, then hands the module to
 :func:`hf_precision.integrations.launcher.patch_trainer_module`, which wraps ``Trainer.__init__``;
 ``accelerate.accelerator`` goes to
 :func:`hf_precision.integrations.accelerate_hook.patch_accelerator_module` (plain accelerate
-loops: diffusers' training scripts, kohya-style scripts).
+loops: diffusers' training scripts, kohya-style scripts); ``modules.trainer.GenericTrainer`` to
+:func:`hf_precision.integrations.onetrainer.patch_generic_trainer_module` (OneTrainer's loop).
+
+A process the guard reached nothing in is never silent: a global step hook on
+``torch.optim.optimizer`` notes the first optimizer step, and at exit, with no
+``GuardHandle`` made in the process, :func:`say_if_unreached` prints one line with why and the
+fix (the launched process's copy of this file registers it).
 """
 
 from __future__ import annotations
@@ -35,8 +41,21 @@ _MARK = "_hf_precision_guard_finder"
 ON_IMPORT = "hf_precision.integrations.launcher:patch_trainer_module"
 #: the other modules the hook waits for, and what runs on each once executed
 HOOKS = {
-    "accelerate.accelerator": "hf_precision.integrations.accelerate_hook:patch_accelerator_module"
+    "accelerate.accelerator": "hf_precision.integrations.accelerate_hook:patch_accelerator_module",
+    # OneTrainer's own loop (scripts/train.py): its models, sampler and loss
+    "modules.trainer.GenericTrainer": (
+        "hf_precision.integrations.onetrainer:patch_generic_trainer_module"
+    ),
 }
+#: the class each hooked module defines once executed (a module in sys.modules without it is
+#: still being imported)
+READY = {
+    TARGET: "Trainer",
+    "accelerate.accelerator": "Accelerator",
+    "modules.trainer.GenericTrainer": "GenericTrainer",
+}
+#: torch's optimizer module: a global step hook there tells a process that trained
+STEPS = "torch.optim.optimizer"
 
 
 def enabled(environ: Any = None) -> bool:
@@ -56,7 +75,10 @@ class _PatchingLoader:
 
     def exec_module(self, module: Any) -> None:
         self._loader.exec_module(module)
-        _patch(module)
+        if module.__name__ == STEPS:
+            _count_steps(module)
+        else:
+            _patch(module)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_code, is_package, ...
         return getattr(self._loader, name)
@@ -69,7 +91,7 @@ class _TrainerFinder:
     _hf_precision_guard_finder = True
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != TARGET and fullname not in HOOKS:
+        if fullname != TARGET and fullname not in HOOKS and fullname != STEPS:
             return None
         for finder in sys.meta_path:
             if finder is self or getattr(finder, _MARK, False):
@@ -118,15 +140,74 @@ def activate() -> bool:
     if not enabled():
         return False
     waiting = False
-    for target, cls in ((TARGET, "Trainer"), *((t, "Accelerator") for t in HOOKS)):
+    for target, cls in READY.items():
         module = sys.modules.get(target)
         if module is not None and hasattr(module, cls):
             _patch(module)
         else:
             waiting = True
+    steps = sys.modules.get(STEPS)
+    if steps is not None and hasattr(steps, "register_optimizer_step_post_hook"):
+        _count_steps(steps)
+    else:
+        waiting = True
     if waiting and not any(getattr(f, _MARK, False) for f in sys.meta_path):
         sys.meta_path.insert(0, _TrainerFinder())
+    if __name__ == LOADED_AS and not _AT_EXIT:  # the launched process's own copy
+        import atexit
+
+        _AT_EXIT.append(True)
+        atexit.register(say_if_unreached)
     return True
+
+
+# ----------------------------------------------------------------------- reached nothing
+_stepped: list[bool] = []  # one entry once this process stepped an optimizer
+_AT_EXIT: list[bool] = []
+#: what every front end (and install_guards by hand) builds per guarded model, with its count
+ENGINE = ("hf_precision.engine.hooks", "GuardHandle")
+UNREACHED = (
+    "hf-precision: {env} is set, but the guard reached no model in this process ({prog}): it "
+    "stepped an optimizer, yet built no transformers Trainer, passed no model to "
+    "Accelerator.prepare and started no OneTrainer GenericTrainer, the loops the launcher "
+    "knows. Nothing was checked or cast and no report was written. Fix: guard the models in "
+    "the script (from hf_precision import guard_diffusion; guard_diffusion({{'unet': unet, "
+    "'vae': vae}}, 'bf16'), or install_guards(model, 'bf16') from hf_precision), or unset {env}."
+)
+
+
+def _count_steps(module: Any) -> None:
+    if getattr(module, _MARK, False):
+        return
+    setattr(module, _MARK, True)
+
+    def stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not _stepped:
+            _stepped.append(True)
+
+    module.register_optimizer_step_post_hook(stepped)
+
+
+def reached_any() -> bool:
+    """Whether any guard engine was built in this process (read without importing it)."""
+    module = sys.modules.get(ENGINE[0])
+    return bool(getattr(getattr(module, ENGINE[1], None), "made", 0))
+
+
+def unreached_line() -> str | None:
+    """The exit line of a process that trained (stepped an optimizer) with the guard asked for
+    and no model reached, else ``None``."""
+    if not enabled() or not _stepped or reached_any():
+        return None
+    prog = " ".join(sys.argv[:1]) or sys.executable
+    return UNREACHED.format(env=ENV_GUARD, prog=os.path.basename(prog))
+
+
+def say_if_unreached() -> None:
+    """At exit: never silent when the launcher guarded nothing in a process that trained."""
+    line = unreached_line()
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
 
 
 #: the name the start-up line and ``hf-precision run``'s ``sitecustomize`` load this file under:

@@ -61,6 +61,63 @@ def save_tiny_sd_pipeline(path: str | Path, seed: int = 0) -> Path:
     return path
 
 
+def save_tiny_sd_inpainting_pipeline(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny SD 1.5 *inpainting* pipeline (fp32) under ``path``, in diffusers' format, as
+    trainers that expect SD 1.5's shapes load it (OneTrainer's ``STABLE_DIFFUSION_15_INPAINTING``):
+    a 9-channel UNet input (latents, mask, masked-image latents), a VAE with SD's four blocks
+    (64×64 RGB <-> 4×8×8 latents: the factor 8 trainers hard-code), a ``DDIMScheduler`` and a
+    one-layer CLIP text encoder with 77 positions (tokenizer padding to SD's length)."""
+    from diffusers import (
+        AutoencoderKL,
+        DDIMScheduler,
+        StableDiffusionInpaintPipeline,
+        UNet2DConditionModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    path = Path(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        _tokenizer(Path(tmp))
+        tokenizer = CLIPTokenizer(
+            str(Path(tmp) / "vocab.json"), str(Path(tmp) / "merges.txt"), model_max_length=77
+        )
+    torch.manual_seed(seed)
+    text = {**fragment_kwargs("clip_text_16"), "vocab_size": 64, "max_position_embeddings": 77}
+    unet = UNet2DConditionModel(
+        sample_size=8,
+        in_channels=9,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(8, 16),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=16,
+        attention_head_dim=4,
+        norm_num_groups=4,
+    )
+    vae = AutoencoderKL(
+        latent_channels=4,
+        block_out_channels=(8, 8, 8, 8),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        norm_num_groups=4,
+        layers_per_block=1,
+        sample_size=64,
+    )
+    pipe: Any = StableDiffusionInpaintPipeline(
+        vae=vae,
+        text_encoder=CLIPTextModel(CLIPTextConfig(**text)),
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=DDIMScheduler(num_train_timesteps=1000, steps_offset=1),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.save_pretrained(path)
+    return path
+
+
 def save_tiny_image_folder(path: str | Path, n: int = 4, size: int = 32, seed: int = 0) -> Path:
     """``n`` random RGB PNGs and a ``metadata.jsonl`` (``file_name``, ``text``): what
     ``datasets``' ``imagefolder`` reads (``--train_data_dir``; DreamBooth's
@@ -79,4 +136,4 @@ def save_tiny_image_folder(path: str | Path, n: int = 4, size: int = 32, seed: i
     return path
 
 
-__all__ = ["save_tiny_image_folder", "save_tiny_sd_pipeline"]
+__all__ = ["save_tiny_image_folder", "save_tiny_sd_inpainting_pipeline", "save_tiny_sd_pipeline"]

@@ -10,11 +10,15 @@ the CPU ones recorded here:
 1. UNet timestep-embedding Linear fed fp32 with fp16 weights (class A: fp32 latents; diffusers
    casts the embedding to ``sample.dtype``): ``mat1 and mat2 must have the same dtype, but got
    Float and Half`` (same text on CPU).
-2. A conv in sampling, fp16 latents into the VAE kept in fp32 (class B). The seed's ``Input type
-   (torch.cuda.HalfTensor) and weight type (torch.cuda.FloatTensor) should be the same`` is the
-   CUDA text for a conv without bias; the VAE's convs have one, and then CPU and CUDA both say
-   ``Input type (c10::Half) and bias type (float) should be the same`` (checked on an H100 with
-   torch 2.11, where the guarded versions of tests 1-3 also ran, inputs moved from CPU too).
+2. A conv in sampling: OneTrainer's inpainting sampler builds an fp32 erode ``nn.Conv2d`` (no
+   bias) *on every call* and feeds it the mask in the train dtype, fp16 (class F: a module made
+   after any guard was installed). CUDA says ``Input type (torch.cuda.HalfTensor) and weight
+   type (torch.cuda.FloatTensor) should be the same`` (the seed's text), the CPU ``expected
+   scalar type Half but found Float``; OneTrainer catches it and trains on with no samples. A
+   guard installed on the models cannot reach it; the launcher scopes torch's global forward
+   pre-hook to the sampler call (``hf_precision.integrations.onetrainer.reach_new_modules``).
+   (fp16 latents into a VAE kept in fp32, class B, is a failure of its own, tested below too:
+   ``Input type (c10::Half) and bias type (float) should be the same`` on CPU and CUDA.)
 3. VAE decoder, fp32 latents (scheduler math) into the fp16 VAE (class A): ``Input type (float)
    and bias type (c10::Half) should be the same`` (``struct c10::Half`` in the seed: MSVC).
 4. ``latent_mask`` made fp32 by GenerateImageLike and concatenated with fp16 latents (class A):
@@ -56,6 +60,7 @@ from hf_precision.tiny.diffusion import (
 ROOT = Path(__file__).resolve().parents[2]
 HALF = torch.float16
 MAT = "mat1 and mat2 must have the same dtype, but got Float and Half"
+ERODE_CPU = "expected scalar type Half but found Float"
 HALF_INTO_FP32 = r"Input type \(c10::Half\) and bias type \(float\) should be the same"
 FP32_INTO_HALF = r"Input type \(float\) and bias type \(c10::Half\) should be the same"
 
@@ -102,7 +107,30 @@ def test_1_unet_time_embedding_linear_fed_fp32(accelerator: object) -> None:
     assert unet.conv_in.weight.dtype == HALF and guard.steps == 1
 
 
-def test_2_sampling_conv_gets_fp16_latents_into_the_fp32_vae() -> None:
+def _erode(mask: torch.Tensor) -> torch.Tensor:
+    """OneTrainer's sampler step, as its code reads: a new fp32 conv per call."""
+    kernel = nn.Conv2d(1, 1, kernel_size=5, bias=False, padding_mode="replicate", padding=2)
+    kernel.weight.data = torch.ones(1, 1, 5, 5) / 25
+    kernel.requires_grad_(False)
+    return (kernel(mask) > 0.5).float()
+
+
+def test_2_the_sampler_builds_an_fp32_erode_conv_per_call() -> None:
+    from hf_precision.integrations.onetrainer import reach_new_modules
+
+    unet, vae = tiny_unet().to(HALF), tiny_vae().to(HALF)
+    guard = guard_diffusion({"unet": unet, "vae": vae}, "fp16")
+    mask = (torch.rand(1, 16, 16) > 0.5).to(HALF)  # the mask in train_dtype, as OneTrainer
+    with pytest.raises(RuntimeError, match=ERODE_CPU):
+        _erode(mask)  # the models' guards cannot reach a module built after them
+    known = {id(m): m for part in (unet, vae) for m in part.modules()}
+    with reach_new_modules(known, set()):
+        eroded = _erode(mask)
+    assert eroded.dtype == torch.float32 and eroded.shape == (1, 16, 16)
+    guard.remove()
+
+
+def test_fp16_latents_into_a_vae_kept_in_fp32() -> None:
     vae = tiny_vae()  # kept in fp32, as OneTrainer's separate VAE dtype allows
     unet, text_encoder = tiny_unet().to(HALF), tiny_text_encoder().to(HALF)
     pipe: Any = StableDiffusionPipeline(
