@@ -37,7 +37,6 @@ True
 
 from __future__ import annotations
 
-import importlib
 import logging
 import warnings
 from typing import Any
@@ -374,13 +373,6 @@ class PrecisionGuard:
                 raise TypeError(f"{self.name}.configure({name}={value!r}): expected {want}")
         for name, value in fields.items():
             setattr(self, name, value)
-
-
-def __getattr__(name: str) -> Any:
-    """``GuardFrontEnd`` lived here (:mod:`hf_precision.engine.frontend` now: it sits above us)."""
-    if name == "GuardFrontEnd":
-        return importlib.import_module("hf_precision.engine.frontend").GuardFrontEnd
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

@@ -12,7 +12,7 @@ import warnings
 from typing import Any
 
 from ..engine.blame import BlameMode, NonFinite, NonFiniteBlame
-from ..engine.frontend import PrecisionGuard
+from ..engine.guard import PrecisionGuard
 from ..engine.lost_updates import LostUpdateCheck, LostUpdateResult, LostUpdates, watch
 from ..errors import PrecisionWarning
 

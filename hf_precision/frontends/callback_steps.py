@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from ..engine.blame import NonFiniteBlame
-from ..engine.frontend import PrecisionGuard
+from ..engine.guard import PrecisionGuard
 from ..engine.lost_updates import LostUpdateCheck, LostUpdates, watch
 
 logger = logging.getLogger("hf_precision")
