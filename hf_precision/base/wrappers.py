@@ -13,12 +13,15 @@ wrapper library: classes are recognised by name and attribute.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from .registry import add_entry
 
 #: A wrapper kind's name, a key of :data:`WRAPPERS` (``"FSDP2"``, ``"FSDP"``, ``"DeepSpeed"``,
 #: ``"DDP"``).
@@ -193,10 +196,26 @@ WRAPPERS: dict[Wrapper, WrapperKind] = {
 
 def register_wrapper(kind: WrapperKind) -> WrapperKind:
     """Add (or replace) a wrapper kind; it is asked before the built-in ones."""
-    rest = {n: k for n, k in WRAPPERS.items() if n != kind.name}
-    WRAPPERS.clear()
-    WRAPPERS.update({kind.name: kind, **rest})
-    return kind
+
+    def add(name: str) -> WrapperKind:
+        rest = {n: k for n, k in WRAPPERS.items() if n != name}
+        WRAPPERS.clear()
+        WRAPPERS.update({name: kind, **rest})
+        return kind
+
+    return add_entry(
+        f"register_wrapper(WrapperKind({kind.name!r}, ...))",
+        kind.name,
+        pattern=_WRAPPER_NAME_RE,
+        example="WrapperKind('MyShards', classes=('MyShardedModule',))",
+        exists=WRAPPERS.__contains__,
+        add=add,
+        duplicate="replace",
+    )
+
+
+#: What a wrapper kind's name looks like (a class-like name: ``FSDP2``, ``DeepSpeed``).
+_WRAPPER_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 
 
 def wrapper_kind(name: str | None) -> WrapperKind | None:
