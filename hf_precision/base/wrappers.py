@@ -72,6 +72,18 @@ class WrapperKind:
     holds_config_dtype: bool = False
     #: the fix said when it cast parameters against the policy (a generic one when empty)
     cast_fix: str = ""
+    # ---- behaviour the guard's steps read (instead of comparing names)
+    #: it keeps the root unsharded after forward and casts outputs (``output_dtype``): the
+    #: guard settles the shards before reading dtypes and says/bridges the outputs (FSDP2)
+    reshards: bool = False
+    #: it built its gradient buckets for the dtypes at wrapping time: only a return to those
+    #: is a safe cast (DDP)
+    buckets_by_dtype: bool = False
+    #: it partitions parameters while the model is built (``deepspeed.zero.Init``), before any
+    #: engine holds them: at the first event those are cast like any weight, the partitions left
+    partitions_at_build: bool = False
+    #: it owns autocast: the guard never opens one around it (DeepSpeed >= 0.17.2)
+    owns_autocast: bool = False
 
 
 def is_sharded(t: torch.Tensor) -> bool:
@@ -154,6 +166,7 @@ WRAPPERS: dict[Wrapper, WrapperKind] = {
             owned_words="sharded by FSDP2",
             compute_dtypes=_fsdp2_compute,
             upcasts_trainable=True,
+            reshards=True,
         ),
         WrapperKind(
             "FSDP",
@@ -181,6 +194,8 @@ WRAPPERS: dict[Wrapper, WrapperKind] = {
             slices_per_rank=True,
             holds_config_dtype=True,
             cast_fix=_DEEPSPEED_FIX,
+            partitions_at_build=True,
+            owns_autocast=True,
         ),
         WrapperKind(
             "DDP",  # DataParallel replicates like DDP
@@ -189,6 +204,7 @@ WRAPPERS: dict[Wrapper, WrapperKind] = {
                 kind.startswith("MULTI_") and int(getattr(acc, "num_processes", 1)) > 1
             ),
             args_test=_ddp_args,
+            buckets_by_dtype=True,
         ),
     )
 }
