@@ -26,7 +26,7 @@ ALIASES: dict[str, str] = {
     "hf_precision.console": "hf_precision.engine.console",
     "hf_precision.stash": "hf_precision.engine.stash",
     "hf_precision.claims": "hf_precision.engine.claims",
-    "hf_precision.frontend": "hf_precision.engine.frontend",
+    "hf_precision.frontend": "hf_precision.frontends.frontend",
     "hf_precision.audit": "hf_precision.tools.audit",
     "hf_precision.audit_files": "hf_precision.tools.audit_files",
     "hf_precision.view": "hf_precision.model.view",

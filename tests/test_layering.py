@@ -23,6 +23,24 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+def _string_import(node: ast.AST, package: str) -> str | None:
+    """The module a call ``importlib.import_module("hf_precision.x")`` (or ``import_module(".x",
+    __package__)``) names with a literal string: a lazy import the ``import`` statements hide."""
+    if not (isinstance(node, ast.Call) and node.args):
+        return None
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    first = node.args[0]
+    if name != "import_module" or not isinstance(first, ast.Constant):
+        return None
+    target = str(first.value)
+    if target.startswith("."):
+        level = len(target) - len(target.lstrip("."))
+        base = package.split(".")
+        return ".".join([*base[: len(base) - level + 1], target.lstrip(".")])
+    return target if target.startswith("hf_precision") else None
+
+
 def _imports(path: Path) -> set[str]:
     """hf_precision modules ``path`` imports, anywhere in the file (lazy imports count)."""
     name = _module_name(path)
@@ -41,6 +59,8 @@ def _imports(path: Path) -> set[str]:
             out.update(a.name for a in node.names if a.name.startswith("hf_precision"))
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hf_precision"):
             out.add(node.module or "")
+        elif (target := _string_import(node, package)) is not None:
+            out.add(target)
     modules = {_module_name(p) for p in PKG.rglob("*.py")}
     return {m for m in out if m in modules and m != name}
 

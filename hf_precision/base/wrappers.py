@@ -13,12 +13,15 @@ wrapper library: classes are recognised by name and attribute.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from .registry import add_entry
 
 #: A wrapper kind's name, a key of :data:`WRAPPERS` (``"FSDP2"``, ``"FSDP"``, ``"DeepSpeed"``,
 #: ``"DDP"``).
@@ -69,6 +72,18 @@ class WrapperKind:
     holds_config_dtype: bool = False
     #: the fix said when it cast parameters against the policy (a generic one when empty)
     cast_fix: str = ""
+    # ---- behaviour the guard's steps read (instead of comparing names)
+    #: it keeps the root unsharded after forward and casts outputs (``output_dtype``): the
+    #: guard settles the shards before reading dtypes and says/bridges the outputs (FSDP2)
+    reshards: bool = False
+    #: it built its gradient buckets for the dtypes at wrapping time: only a return to those
+    #: is a safe cast (DDP)
+    buckets_by_dtype: bool = False
+    #: it partitions parameters while the model is built (``deepspeed.zero.Init``), before any
+    #: engine holds them: at the first event those are cast like any weight, the partitions left
+    partitions_at_build: bool = False
+    #: it owns autocast: the guard never opens one around it (DeepSpeed >= 0.17.2)
+    owns_autocast: bool = False
 
 
 def is_sharded(t: torch.Tensor) -> bool:
@@ -151,6 +166,7 @@ WRAPPERS: dict[Wrapper, WrapperKind] = {
             owned_words="sharded by FSDP2",
             compute_dtypes=_fsdp2_compute,
             upcasts_trainable=True,
+            reshards=True,
         ),
         WrapperKind(
             "FSDP",
@@ -178,6 +194,8 @@ WRAPPERS: dict[Wrapper, WrapperKind] = {
             slices_per_rank=True,
             holds_config_dtype=True,
             cast_fix=_DEEPSPEED_FIX,
+            partitions_at_build=True,
+            owns_autocast=True,
         ),
         WrapperKind(
             "DDP",  # DataParallel replicates like DDP
@@ -186,6 +204,7 @@ WRAPPERS: dict[Wrapper, WrapperKind] = {
                 kind.startswith("MULTI_") and int(getattr(acc, "num_processes", 1)) > 1
             ),
             args_test=_ddp_args,
+            buckets_by_dtype=True,
         ),
     )
 }
@@ -193,10 +212,26 @@ WRAPPERS: dict[Wrapper, WrapperKind] = {
 
 def register_wrapper(kind: WrapperKind) -> WrapperKind:
     """Add (or replace) a wrapper kind; it is asked before the built-in ones."""
-    rest = {n: k for n, k in WRAPPERS.items() if n != kind.name}
-    WRAPPERS.clear()
-    WRAPPERS.update({kind.name: kind, **rest})
-    return kind
+
+    def add(name: str) -> WrapperKind:
+        rest = {n: k for n, k in WRAPPERS.items() if n != name}
+        WRAPPERS.clear()
+        WRAPPERS.update({name: kind, **rest})
+        return kind
+
+    return add_entry(
+        f"register_wrapper(WrapperKind({kind.name!r}, ...))",
+        kind.name,
+        pattern=_WRAPPER_NAME_RE,
+        example="WrapperKind('MyShards', classes=('MyShardedModule',))",
+        exists=WRAPPERS.__contains__,
+        add=add,
+        duplicate="replace",
+    )
+
+
+#: What a wrapper kind's name looks like (a class-like name: ``FSDP2``, ``DeepSpeed``).
+_WRAPPER_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 
 
 def wrapper_kind(name: str | None) -> WrapperKind | None:

@@ -37,7 +37,6 @@ True
 
 from __future__ import annotations
 
-import importlib
 import logging
 import warnings
 from typing import Any
@@ -45,7 +44,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base.wrappers import HOLDING_WRAPPERS, detect_wrapper, settle_shards, unwrap_model
+from ..base.wrappers import (
+    HOLDING_WRAPPERS,
+    WrapperKind,
+    detect_wrapper,
+    settle_shards,
+    unwrap_model,
+    wrapper_kind,
+)
 from ..errors import PrecisionWarning
 from ..model.view import ModelView
 from ..rules.groups import ModuleGroups, find_module_groups
@@ -201,7 +207,8 @@ class PrecisionGuard:
         check_zero3_split(view, where, policy.mode)
         if wrapper == "auto":
             wrapper = detect_wrapper(model, args=args, modules=view.every_module())
-        if wrapper == "FSDP2":  # FSDP2 keeps the root unsharded after forward: read shards
+        kind = wrapper_kind(wrapper) or WrapperKind("none")
+        if kind.reshards:  # FSDP2 keeps the root unsharded after forward: read shards
             settle_shards(model, view.every_module())
         master = self.master_fp32(view)
         plan = plan_policy(view, policy, master_fp32=master)
@@ -209,7 +216,7 @@ class PrecisionGuard:
         # built under deepspeed.zero.Init, no engine yet: the plan left the partitions
         # (DeepSpeed's) alone; what is not partitioned yet is cast like any weight
         held = wrapper in HOLDING_WRAPPERS and not (
-            wrapper == "DeepSpeed" and first and _zero_init_only(view, event, policy.mode)
+            kind.partitions_at_build and first and _zero_init_only(view, event, policy.mode)
         )
         run = self.wrapper_step.run  # explain what a holding wrapper did, else apply the plan
         report, found = run(plan, audit, wrapper, self, held, optimizer, where)
@@ -375,13 +382,6 @@ class PrecisionGuard:
                 raise TypeError(f"{self.name}.configure({name}={value!r}): expected {want}")
         for name, value in fields.items():
             setattr(self, name, value)
-
-
-def __getattr__(name: str) -> Any:
-    """``GuardFrontEnd`` lived here (:mod:`hf_precision.engine.frontend` now: it sits above us)."""
-    if name == "GuardFrontEnd":
-        return importlib.import_module("hf_precision.engine.frontend").GuardFrontEnd
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..rules.dtypes import is_castable, quantized_compute_dtype
-from ..rules.groups import LEAF_GUARDED_GROUPS, OTHER, ModuleGroups, hidden_module
+from ..rules.groups import OTHER, ModuleGroups, hidden_module, leaf_guarded_groups
 from ..rules.policy import PrecisionPolicy, is_norm_module
 from .cast_hooks import GuardKind, GuardState, Weight
 
@@ -233,7 +233,7 @@ def leaf_guard_groups(
     if policy.leaf_guards == "on":
         return (*groups.names, OTHER)
     if policy.leaf_guards == "auto" and report is not None:
-        return (*report.mixed_groups, *sorted(LEAF_GUARDED_GROUPS))
+        return (*report.mixed_groups, *leaf_guarded_groups())
     return ()
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..base.wrappers import HOLDING_WRAPPERS
+from ..base.wrappers import HOLDING_WRAPPERS, WrapperKind, wrapper_kind
 from ..errors import PrecisionWarning
 from ..rules.policy import PrecisionPolicy
 from .distributed import ddp_restore_error, explain_wrapped
@@ -79,12 +79,12 @@ class WrapperStep:
         if held and wrapper is not None:
             report, found = self._explain(plan, policy, wrapper, audit, where, deepspeed_dtype)
         elif audit.changes and policy.mode != "audit":
-            if wrapper == "DDP":
+            if _kind(wrapper).buckets_by_dtype:
                 self._check_ddp_restore(plan, audit, where, last)
             # the same plan, not a second one
             mode = plan.policy.mode
             report = apply_plan(plan, mode, optimizer, allow_wrapped=wrapper is not None)
-        if wrapper == "FSDP2":
+        if _kind(wrapper).reshards:
             report = self._fsdp2_outputs(model, report)
         return report, found
 
@@ -151,3 +151,8 @@ class WrapperStep:
             for h in handles:
                 h.remove()
         self.bridges = {}
+
+
+def _kind(wrapper: str | None) -> WrapperKind:
+    """The wrapper's record (a record of no behaviour for no wrapper or an unknown name)."""
+    return wrapper_kind(wrapper) or WrapperKind(wrapper or "none")

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from ..engine.frontend import PrecisionGuard
+from ..engine.guard import PrecisionGuard
 from ..errors import PrecisionError, PrecisionWarning
 from ..rules.policy import PrecisionPolicy
 from ..rules.policy_spec import parse_policy

@@ -46,10 +46,11 @@ from torch import nn
 from ..base.wrappers import unwrap_model
 from ..engine.batch import PrecisionCollator
 from ..engine.blame import BlameMode, NonFiniteBlame, check_mode
+from ..engine.console import policy_origin
 from ..engine.deepspeed_config import check_deepspeed_config, deepspeed_config_of, zero_stage
 from ..engine.distributed import rank
 from ..engine.enforce import EnforceReport
-from ..engine.frontend import GuardFrontEnd, PrecisionGuard, policy_origin
+from ..engine.guard import PrecisionGuard
 from ..engine.lost_updates import LostUpdateCheck, LostUpdates, check_option
 from ..errors import PrecisionError
 from ..report.reporting import PrecisionReporter
@@ -59,6 +60,7 @@ from ..rules.policy import LeafGuards, Mode, PrecisionPolicy
 from ..rules.policy_spec import refuse_fp16_trainables
 from .accelerate_checkpoint import POLICY_FILE, PluginCheckpointing, policy_from_checkpoint
 from .accelerate_steps import PluginSteps
+from .frontend import GuardFrontEnd
 
 logger = logging.getLogger("hf_precision")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..engine.blame import BlameMode, NonFinite, NonFiniteBlame
 from ..engine.finding import emit
-from ..engine.frontend import PrecisionGuard
+from ..engine.guard import PrecisionGuard
 from ..engine.lost_updates import LostUpdateCheck, LostUpdates, watch
 
 logger = logging.getLogger("hf_precision")

@@ -30,9 +30,10 @@ from transformers import TrainerCallback
 
 from ..base.wrappers import unwrap_model
 from ..engine.blame import BlameMode, NonFiniteBlame, check_mode
+from ..engine.console import policy_origin
 from ..engine.deepspeed_config import check_training_args, zero_stage
 from ..engine.enforce import EnforceReport
-from ..engine.frontend import PrecisionGuard, policy_origin
+from ..engine.guard import PrecisionGuard
 from ..engine.hooks import GuardHandle
 from ..engine.lost_updates import LostUpdateCheck, LostUpdates, check_option
 from ..errors import PrecisionError, PrecisionWarning

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..engine.blame import NonFiniteBlame
 from ..engine.finding import Finding, emit
-from ..engine.frontend import PrecisionGuard
+from ..engine.guard import PrecisionGuard
 from ..engine.lost_updates import LostUpdateCheck, LostUpdates, watch
 from ..engine.range_check import read_deferred
 

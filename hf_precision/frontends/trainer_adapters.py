@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from ..base.wrappers import unwrap_model
-from ..engine.frontend import GuardFrontEnd, PrecisionGuard
+from ..engine.guard import PrecisionGuard
+from .frontend import GuardFrontEnd
 
 __all__ = ["TRAINER_ADAPTERS", "TrainerModels", "find_trainer", "trainer_models"]
 

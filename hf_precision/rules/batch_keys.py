@@ -45,6 +45,7 @@ from typing import Literal
 
 import torch
 
+from ..base.registry import add_entry
 from ..errors import PrecisionError, PrecisionWarning
 
 #: Batch keys never cast (targets are compared, not computed with).
@@ -154,19 +155,33 @@ def register_metadata_key(name: str) -> None:
     >>> batch["frame_seconds"].dtype, batch["pixel_values"].dtype
     (torch.float32, torch.bfloat16)
     """
-    name = _check_name(name, "register_metadata_key(name)")
-    if name not in METADATA_KEYS:
-        METADATA_KEYS.append(name)
-    _cache.clear()
+    _add_key(METADATA_KEYS, name, "register_metadata_key(name)")
 
 
 def register_activation_key(name: str) -> None:
     """Always cast the floating batch key ``name`` (exact or a ``*`` pattern), even when
     it is 0-D or 1-D; a registered metadata key of the same name still wins."""
-    name = _check_name(name, "register_activation_key(name)")
-    if name not in ACTIVATION_KEYS:
-        ACTIVATION_KEYS.append(name)
-    _cache.clear()
+    _add_key(ACTIVATION_KEYS, name, "register_activation_key(name)")
+
+
+def _add_key(keys: list[str], name: str, call: str) -> None:
+    """Add a key (lowercase, stripped) to a key list; adding one it holds is harmless."""
+    name = _check_name(name, call)
+
+    def add(key: str) -> None:
+        if key not in keys:
+            keys.append(key)
+        _cache.clear()
+
+    add_entry(
+        call,
+        name,
+        pattern=None,
+        example="'clip_fps'",
+        exists=keys.__contains__,
+        add=add,
+        duplicate="keep",
+    )
 
 
 def _glob(key: str, pattern: str) -> bool:

@@ -29,7 +29,6 @@ from ..errors import PrecisionError, PrecisionWarning
 from .batch_keys import TIMESTEP_KEYS
 from .dtypes import is_castable
 from .groups import (
-    LEAF_GUARDED_GROUPS,
     GroupRule,
     ModuleGroups,
     find_module_groups,
@@ -75,10 +74,9 @@ _TEXT_ENCODER_CLASSES = frozenset(
     {"CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel", "UMT5EncoderModel"}
 )
 
-for _group in DIFFUSION_GROUPS:
-    register_group(_group)
 # Denoisers make their sinusoidal timestep embedding in fp32 inside forward: leaf guards there.
-LEAF_GUARDED_GROUPS.update({"unet", "transformer"})
+for _group in DIFFUSION_GROUPS:
+    register_group(_group, leaf_guarded=_group in ("unet", "transformer"))
 
 
 # ------------------------------------------------------------------------------ recognition

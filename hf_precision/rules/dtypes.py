@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
 
+from ..base.registry import add_entry
 from ..errors import PrecisionError, did_you_mean
 
 #: Canonical names (what ``str(torch.bfloat16)`` says without ``torch.``) and their aliases.
@@ -81,7 +83,24 @@ def register_quantized(name: str, library: str) -> None:
 
     >>> register_quantized("mylib.", "mylib")
     """
-    (QUANTIZED_MODULES if name.endswith(".") else QUANTIZED_CLASSES)[name] = library
+
+    def add(key: str) -> None:
+        (QUANTIZED_MODULES if key.endswith(".") else QUANTIZED_CLASSES)[key] = library
+
+    add_entry(
+        f"register_quantized({name!r}, {library!r})",
+        name,
+        pattern=_QUANTIZED_NAME_RE,
+        example="register_quantized('MyQTensor', 'mylib') or ('mylib.', 'mylib')",
+        exists=lambda key: key in QUANTIZED_MODULES or key in QUANTIZED_CLASSES,
+        add=add,
+        duplicate="replace",
+        rule="a tensor class name or a module prefix ending with '.'",
+    )
+
+
+#: A tensor class name, or a dotted module prefix ending with ``.``.
+_QUANTIZED_NAME_RE = re.compile(r"^[A-Za-z_][\w.]*$")
 
 
 def quantized_library(tensor: torch.Tensor) -> str | None:

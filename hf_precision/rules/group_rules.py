@@ -9,13 +9,13 @@ register your own rules with :func:`register_group_rule`, or read a file of them
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Callable, Iterable
 from importlib import resources
 from typing import Any
 
 from torch import nn
 
+from ..base.registry import LOCK, add_entry
 from ..errors import PrecisionError
 from .group_spec import GROUP_NAMES, NAME_RE, GroupRule
 
@@ -98,7 +98,6 @@ def read_rules(text: str, source: str = "<string>") -> list[GroupRule]:
 
 
 _RULES: list[GroupRule] = []
-_LOCK = threading.Lock()
 _loaded = False
 
 
@@ -107,12 +106,18 @@ def _registry() -> list[GroupRule]:
     before any other rule, whatever was imported first."""
     global _loaded
     if not _loaded:
-        with _LOCK:
+        with LOCK:
             if not _loaded:
                 text = resources.files(__package__).joinpath(RULES_FILE).read_text(encoding="utf-8")
                 for rule in read_rules(text, RULES_FILE):
-                    _check(rule, _RULES, f"{RULES_FILE}, rule {rule.name!r}")
-                    _RULES.append(rule)
+                    call = f"{RULES_FILE}, rule {rule.name!r}"
+                    _check_groups(rule, call)
+                    add_entry(
+                        call,
+                        rule.name,
+                        **_rule_naming(_RULES),
+                        add=lambda _, r=rule: _RULES.append(r),
+                    )
                 _loaded = True
     return _RULES
 
@@ -128,23 +133,30 @@ def register_group_rule(rule: GroupRule, *, first: bool = False) -> GroupRule:
     >>> unregister_group_rule("my_vlm")
     """
     rules = _registry()
-    _check(rule, rules, f"register_group_rule(GroupRule(name={rule.name!r}))")
-    rules.insert(0, rule) if first else rules.append(rule)
-    return rule
+    call = f"register_group_rule(GroupRule(name={rule.name!r}))"
+
+    def add(_: str) -> GroupRule:
+        _check_groups(rule, call)
+        rules.insert(0, rule) if first else rules.append(rule)
+        return rule
+
+    return add_entry(call, rule.name, **_rule_naming(rules), add=add)
 
 
-def _check(rule: GroupRule, rules: list[GroupRule], call: str) -> None:
-    """A rule's name is a new lowercase identifier; the groups it names are known."""
-    if not isinstance(rule.name, str) or not NAME_RE.match(rule.name):
-        raise PrecisionError(
-            f"{call}: rule names are lowercase identifiers ([a-z][a-z0-9_]*). "
-            "Fix: e.g. name='my_vlm'."
-        )
-    if any(r.name == rule.name for r in rules):
-        raise PrecisionError(
-            f"{call}: a rule of that name exists. Fix: choose another name, "
-            "or unregister_group_rule() the old one first."
-        )
+def _rule_naming(rules: list[GroupRule]) -> dict[str, Any]:
+    """How the rule registry names its entries, for :func:`add_entry`."""
+    return {
+        "pattern": NAME_RE,
+        "example": "name='my_vlm'",
+        "exists": lambda name: any(r.name == name for r in rules),
+        "rule": "rule names are lowercase identifiers ([a-z][a-z0-9_]*)",
+        "taken": "a rule of that name exists. Fix: choose another name, "
+        "or unregister_group_rule() the old one first",
+    }
+
+
+def _check_groups(rule: GroupRule, call: str) -> None:
+    """The groups a rule names are known."""
     used = set(rule.paths) | set(rule.params) | set(rule.extra) | set(rule.required)
     used |= set(rule.renamed) | set(rule.renamed.values())
     unknown = sorted(used - set(GROUP_NAMES))
@@ -158,7 +170,8 @@ def _check(rule: GroupRule, rules: list[GroupRule], call: str) -> None:
 def unregister_group_rule(name: str) -> None:
     """Remove a rule by name (no error when absent)."""
     rules = _registry()
-    rules[:] = [r for r in rules if r.name != name]
+    with LOCK:
+        rules[:] = [r for r in rules if r.name != name]
 
 
 def group_rules() -> tuple[GroupRule, ...]:

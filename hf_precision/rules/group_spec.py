@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..base.registry import add_entry
 from ..errors import PrecisionError
 
 #: The groups every VLM rule speaks of, in forward order.
@@ -27,33 +28,55 @@ VLM_GROUPS: tuple[str, ...] = (
 )
 #: Parameters outside every group.
 OTHER = "other"
-#: Groups that build tensors inside forward, so their leaves are guarded under
-#: ``leaf_guards="auto"`` even when their weights agree: resamplers (MiniCPM-V 2.x's numpy sin-cos
-#: table is fp32 whatever the weights are) and, registered by
-# :mod:`hf_precision.rules.diffusion_rules`,
-#: denoisers (the sinusoidal timestep embedding is made in fp32).
-LEAF_GUARDED_GROUPS: set[str] = {"resampler"}
+# Groups that build tensors inside forward, so their leaves are guarded under
+# ``leaf_guards="auto"`` even when their weights agree: resamplers (MiniCPM-V 2.x's numpy sin-cos
+# table is fp32 whatever the weights are) and, registered by :mod:`.diffusion_rules`, denoisers
+# (the sinusoidal timestep embedding is made in fp32). Changed only by ``register_group``.
+_LEAF_GUARDED: set[str] = {"resampler"}
 #: Every group name, in forward order: built-in, then registered (:func:`register_group`).
 GROUP_NAMES: list[str] = [*VLM_GROUPS[:3], "audio_encoder", *VLM_GROUPS[3:]]
 #: What a group or rule name looks like.
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+_GROUP_NAME_RE = re.compile(rf"^(?!{OTHER}$)[a-z][a-z0-9_]*$")
 
 
-def register_group(name: str) -> str:
-    """Declare a new group name (lowercase, ``[a-z0-9_]``) so policies may refer to it."""
-    if not isinstance(name, str) or not NAME_RE.match(name) or name == OTHER:
-        raise PrecisionError(
-            f"register_group({name!r}): group names are lowercase identifiers "
-            f"([a-z][a-z0-9_]*) and not {OTHER!r}. Fix: use e.g. 'depth_encoder'."
-        )
-    if name not in GROUP_NAMES:
-        GROUP_NAMES.append(name)
-    return name
+def register_group(name: str, *, leaf_guarded: bool = False) -> str:
+    """Declare a new group name (lowercase, ``[a-z0-9_]``) so policies may refer to it, with its
+    properties: ``leaf_guarded=True`` for a group that builds tensors inside forward (its
+    leaves are guarded under ``leaf_guards="auto"`` even when its weights agree). Declaring a
+    known group again keeps it (and may mark it leaf-guarded).
+
+    >>> register_group("depth_encoder")
+    'depth_encoder'
+    """
+
+    def add(group: str) -> str:
+        if group not in GROUP_NAMES:
+            GROUP_NAMES.append(group)
+        if leaf_guarded:
+            _LEAF_GUARDED.add(group)
+        return group
+
+    return add_entry(
+        f"register_group({name!r})",
+        name,
+        pattern=_GROUP_NAME_RE,
+        example="'depth_encoder'",
+        exists=GROUP_NAMES.__contains__,
+        add=add,
+        duplicate="keep",
+        rule=f"group names are lowercase identifiers ([a-z][a-z0-9_]*) and not {OTHER!r}",
+    )
 
 
 def group_names() -> tuple[str, ...]:
     """Every known group name (built-in and registered)."""
     return tuple(GROUP_NAMES)
+
+
+def leaf_guarded_groups() -> tuple[str, ...]:
+    """The groups registered ``leaf_guarded=True``, sorted."""
+    return tuple(sorted(_LEAF_GUARDED))
 
 
 PathMap = Mapping[str, "tuple[str, ...] | str"]

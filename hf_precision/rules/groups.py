@@ -40,17 +40,16 @@ from .group_rules import (
 )
 from .group_spec import (
     GROUP_NAMES,
-    LEAF_GUARDED_GROUPS,
     OTHER,
     VLM_GROUPS,
     GroupRule,
     PathMap,
     group_names,
+    leaf_guarded_groups,
     register_group,
 )
 
 __all__ = [
-    "LEAF_GUARDED_GROUPS",
     "OTHER",
     "VLM_GROUPS",
     "GroupRule",
@@ -61,6 +60,7 @@ __all__ = [
     "group_names",
     "group_rules",
     "hidden_module",
+    "leaf_guarded_groups",
     "model_type_of",
     "register_group",
     "register_group_rule",

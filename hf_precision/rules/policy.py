@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..base.names import PRESET_MISNAMES
+from ..base.registry import add_entry
 from ..errors import PrecisionError
 from . import inference, policy_fields, policy_json, precedence
 from .batch_keys import DEFAULT_KEY_GROUPS, DEFAULT_SKIP_KEYS
@@ -386,22 +387,42 @@ def register_preset(
     (torch.float16, torch.float16, torch.float32)
     """
     call = f"register_preset({name!r}, ...)"
-    if not isinstance(name, str) or not _PRESET_NAME_RE.match(name):
-        raise PrecisionError(
-            f"{call}: preset names are lowercase ([a-z0-9][a-z0-9.-]*). Fix: e.g. 'fp16-vae32'."
-        )
-    if name in PRESETS or name in PRESET_MISNAMES:
-        raise PrecisionError(
-            f"{call}: a preset of that name exists ({', '.join(PRESETS)}). "
-            "Fix: choose another name."
-        )
-    fixed = {"compute_dtype", "frozen_dtype", "trainable_dtype", "name"}
-    reject_unknown_fields(defaults, _FIELDS - fixed, lambda bad: call)
-    dtypes = tuple(
+
+    def add(preset: str) -> str:
+        dtypes = _preset_dtypes(call, compute, frozen, trainable)
+        _check_preset_defaults(call, preset, dtypes, defaults)
+        PRESETS[preset] = dtypes  # type: ignore[assignment]
+        PRESET_HELP[preset] = help
+        PRESET_DEFAULTS[preset] = dict(defaults)
+        return preset
+
+    return add_entry(
+        call,
+        name,
+        pattern=_PRESET_NAME_RE,
+        example="'fp16-vae32'",
+        exists=lambda n: n in PRESETS or n in PRESET_MISNAMES,
+        add=add,
+        rule="preset names are lowercase ([a-z0-9][a-z0-9.-]*)",
+        taken=f"a preset of that name exists ({', '.join(PRESETS)}). Fix: choose another name",
+    )
+
+
+def _preset_dtypes(call: str, compute: Any, frozen: Any, trainable: Any) -> tuple[Any, ...]:
+    """A preset's compute, frozen and trainable dtypes, parsed."""
+    return tuple(
         parse_dtype(v, call=f"{call}.{k}")
         for k, v in (("compute", compute), ("frozen", frozen), ("trainable", trainable))
     )
-    # Build one now so a bad default fails here, not at the user's from_preset call.
+
+
+def _check_preset_defaults(
+    call: str, name: str, dtypes: tuple[Any, ...], defaults: dict[str, Any]
+) -> None:
+    """A preset's other fields are policy fields, and a policy builds from them now, so a bad
+    default fails at ``register_preset``, not at the user's ``from_preset`` call."""
+    fixed = {"compute_dtype", "frozen_dtype", "trainable_dtype", "name"}
+    reject_unknown_fields(defaults, _FIELDS - fixed, lambda bad: call)
     PrecisionPolicy(
         compute_dtype=dtypes[0],
         frozen_dtype=dtypes[1],
@@ -409,7 +430,3 @@ def register_preset(
         name=name,
         **copy.deepcopy(defaults),
     )
-    PRESETS[name] = dtypes  # type: ignore[assignment]
-    PRESET_HELP[name] = help
-    PRESET_DEFAULTS[name] = dict(defaults)
-    return name

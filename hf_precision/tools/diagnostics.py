@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base.wrappers import unwrap_model, wrapper_of
+from ..base.wrappers import unwrap_model, wrapper_kind, wrapper_of
 from ..errors import PrecisionError
 from ..rules.dtypes import dtype_name, is_castable
 from ..rules.groups import ModuleGroups, find_module_groups
@@ -443,7 +443,8 @@ def _refuse_deepspeed_autocast(model: nn.Module, autocast: object) -> None:
     """The guard never opens ``torch.autocast`` around a DeepSpeed engine: DeepSpeed >= 0.17.2
     owns autocast (its ``torch_autocast`` section), asserts when one is open outside it on a GPU
     and, from 0.19.8, switches it off without a word (its check reads CUDA autocast only)."""
-    if wrapper_of(model) == "DeepSpeed":
+    kind = wrapper_kind(wrapper_of(model))
+    if kind is not None and kind.owns_autocast:
         raise PrecisionError(
             f"diagnose(autocast={autocast!r}): DeepSpeed holds this model ({type(model).__name__}"
             "); DeepSpeed owns autocast and the guard never opens one around its engine (it "

@@ -141,3 +141,27 @@ def test_the_built_in_kinds_keep_their_order_and_ownership() -> None:
     ns = types.SimpleNamespace  # a DeepSpeed config wins over fsdp, as in TrainingArguments
     both = ns(deepspeed="ds.json", fsdp="full_shard", fsdp_config={"version": 2}, world_size=2)
     assert planned_wrapper(args=both) == "DeepSpeed"
+
+
+def test_no_step_compares_a_wrapper_name() -> None:
+    """The steps read a ``WrapperKind``'s attributes (``reshards``, ``buckets_by_dtype``,
+    ``partitions_at_build``, ``owns_autocast``); none compares a kind's name, so a registered
+    kind with the same behaviour is handled the same."""
+    import ast
+    from pathlib import Path
+
+    from hf_precision.base.wrappers import WRAPPERS
+
+    pkg = Path(__file__).resolve().parents[2] / "hf_precision"
+    names = set(WRAPPERS)
+    compared = [
+        f"{path.relative_to(pkg)}:{node.lineno}"
+        for path in sorted(pkg.rglob("*.py"))
+        if path.relative_to(pkg).as_posix() != "base/wrappers.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Compare)
+        and any(
+            isinstance(c, ast.Constant) and c.value in names for c in [node.left, *node.comparators]
+        )
+    ]
+    assert compared == [], compared

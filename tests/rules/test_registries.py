@@ -37,7 +37,7 @@ from hf_precision.rules.policy import DEFAULT_KEY_GROUPS, DEFAULT_SKIP_KEYS
 print(json.dumps({
     "rules": [r.name for r in groups.group_rules()],
     "groups": list(groups.group_names()),
-    "leaf_guarded": sorted(groups.LEAF_GUARDED_GROUPS),
+    "leaf_guarded": list(groups.leaf_guarded_groups()),
     "presets": {k: [str(d) for d in v] for k, v in presets.PRESETS.items()},
     "preset_help": presets.PRESET_HELP,
     "preset_defaults": {k: repr(sorted(v.items())) for k, v in presets.PRESET_DEFAULTS.items()},

@@ -10,14 +10,13 @@ from typing import Any
 
 from torch import nn
 
+from ..engine.console import flag_conflict
+from ..engine.guard import PrecisionGuard
 from ..errors import PrecisionError, PrecisionWarning
 from ..rules.policy import LeafGuards, Mode, PrecisionPolicy, policy_call
 from ..rules.policy_spec import parse_policy
-from .console import flag_conflict, policy_origin
-from .guard import PrecisionGuard
 
-#: ``PrecisionGuard`` and ``policy_origin`` are re-exported for the front ends.
-__all__ = ["GuardFrontEnd", "PrecisionGuard", "policy_origin"]
+__all__ = ["GuardFrontEnd"]
 
 
 class GuardFrontEnd:
