@@ -2,27 +2,14 @@
 ``AsyncGRPOTrainer``): the contract between the sampler and the trainer, the match on the
 HF-generate path, and the gap over the first generations.
 
-Read from TRL 1.16's source:
-
-* **the trainer** scores completions with ``_get_per_token_logps_and_entropies``: the model's
-  forward with a fused LM head (``add_fused_lm_head``: ``lm_head.weight`` read directly, logits
-  never built) inside ``accelerator.autocast()``; with ``cast_lm_head_to_fp32=True`` the head runs
-  fp32 with autocast off.
-* **the sampler** is one of three:
-
-  - ``use_vllm=False`` (HF ``generate``): the same model, called *outside* autocast, keeping no
-    log-probs. Each group computes in its storage dtype: fp32 LoRA adapters (PEFT's
-    ``autocast_adapter_dtype``) when sampling, bf16 under autocast when scoring. TRL applies no
-    importance-sampling correction on this path.
-  - ``use_transformers_continuous_batching=True``: ``unwrapped_model.to(torch.bfloat16)`` (or
-    fp16) on the live model, never cast back; the head back to fp32 when
-    ``cast_lm_head_to_fp32``.
-  - ``use_vllm=True``: an engine built from ``model.name_or_path`` with vLLM's default dtype (the
-    checkpoint's; a float32 one runs bfloat16), log-probs in ``processed_logprobs`` mode
-    (colocate; a server's ``--logprobs-mode`` is checked by TRL), weights synced by
-    ``merge_adapter()`` / ``unmerge_adapter()`` on the live PEFT model (merged in place) or
-    streamed whole. TRL carries the engine's log-probs (``sampling_per_token_logps``) and
-    corrects with ``vllm_importance_sampling_*``.
+Read from TRL 1.16's source (docs/rl.md has the details): the trainer scores completions with
+``_get_per_token_logps_and_entropies``, a fused LM head inside ``accelerator.autocast()`` (the
+head fp32 with autocast off under ``cast_lm_head_to_fp32``). The sampler is HF ``generate`` on the
+same model *outside* autocast (``use_vllm=False``: storage dtypes, fp32 LoRA adapters, no log-probs
+kept, no importance-sampling correction), continuous batching (``unwrapped_model.to(bf16)`` on the
+live model, never cast back), or vLLM (the checkpoint's dtype, a float32 one run bfloat16;
+``processed_logprobs``; PEFT adapters merged in place and synced; ``sampling_per_token_logps``
+carried and corrected with ``vllm_importance_sampling_*``).
 
 :func:`contract` builds the table per group, the sync path, the engine and the truncation, with a
 finding per mismatch and its fix in TRL's own arguments. :class:`RLWatch` runs on the trainer:
@@ -32,16 +19,13 @@ trainer's); where TRL carries the engine's log-probs it reads those. The gap of 
 ``steps`` generations (:mod:`hf_precision.engine.rl_gap`) goes to the ``rl_gap`` section of the
 event JSON, W&B and TensorBoard.
 
-Casts this module never proposes (each makes the gap worse): an fp32 head on one side only; an
-fp32 VLM trainer against a bf16 engine; upcasting adapters TRL keeps bf16 on purpose (ZeRO-3,
-``autocast_adapter_dtype=False``).
-
-Nothing here imports TRL or vLLM: the configuration is read from the trainer's ``args``.
+Never proposed (each widens the gap): an fp32 head on one side only; an fp32 VLM trainer against
+a bf16 engine; upcasting adapters TRL keeps bf16 on purpose (ZeRO-3). Nothing here imports TRL or
+vLLM: the configuration is read from the trainer's ``args``.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import warnings
 from collections.abc import Callable, Iterator
@@ -53,8 +37,16 @@ import torch
 from torch import nn
 
 from ..base.wrappers import unwrap_model
-from ..engine.rl_gap import WARN_MEAN_ABS, Correction, GapRecord, GapWatch, gap_record
-from ..engine.rl_gap import sampler_logps as logps_from_logits
+from ..engine.rl_gap import (
+    WARN_MEAN_ABS,
+    Correction,
+    GapRecord,
+    GapWatch,
+    GenerateTap,
+    gap_record,
+    outside_autocast,
+    wrap_method,
+)
 from ..rules.dtypes import dtype_name
 
 logger = logging.getLogger("hf_precision")
@@ -332,18 +324,11 @@ def say(text: str) -> None:
 
 
 #: the trainer's inputs a re-score passes on (TRL 1.16's ``_compute_loss``)
-_FORWARD_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
-)
+# fmt: off
+_FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
+                 "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
+                 "mm_token_type_ids", "image_position_ids")
+# fmt: on
 
 
 class RLWatch:
@@ -372,46 +357,26 @@ class RLWatch:
         accelerator = getattr(trainer, "accelerator", None)
         model = trainer.model
         self.model = accelerator.unwrap_model(model) if accelerator is not None else model
-        self._pending: tuple[torch.Tensor, Any] | None = None
+        self.tap = GenerateTap(
+            self.model, numerics=self.sampler_numerics, measuring=lambda: not self.watch.done
+        )
         self._undo: list[Callable[[], None]] = []
-        self._undo_generate: Callable[[], None] | None = None
 
     # -- wrapping -------------------------------------------------------------------------
     def attach(self) -> RLWatch:
         trainer = self.trainer
         score = getattr(trainer, "_generate_and_score_completions", None)
         if score is not None:
-            self._undo.append(_wrap(trainer, "_generate_and_score_completions", self._scored))
+            self._undo.append(wrap_method(trainer, "_generate_and_score_completions", self._scored))
         if self.kind == "generate" and hasattr(self.model, "generate"):
-            self._undo_generate = _wrap(self.model, "generate", self._generate)
+            self.tap.attach()
         return self
 
     def detach(self) -> None:
         for undo in reversed(self._undo):
             undo()
         self._undo = []
-        if self._undo_generate is not None:
-            self._undo_generate()
-            self._undo_generate = None
-
-    def _generate(self, original: Callable[..., Any], *a: Any, **kw: Any) -> Any:
-        config = kw.get("generation_config")
-        measure = not self.watch.done and not kw.get("return_dict_in_generate")
-        measure = measure and not getattr(config, "return_dict_in_generate", False)
-        if measure:
-            if config is None:
-                kw.update(output_logits=True, return_dict_in_generate=True)
-            else:  # the caller's config, asking for the raw logits too (never mutated)
-                kw["generation_config"] = config = copy.deepcopy(config)
-                config.output_logits = config.return_dict_in_generate = True
-        with self.sampler_numerics():
-            out = original(*a, **kw)
-        if not measure:
-            return out
-        prompt = kw.get("input_ids", a[0] if a else None)
-        start = prompt.size(1) if isinstance(prompt, torch.Tensor) else 0
-        self._pending = (out.sequences[:, start:], out.logits)
-        return out.sequences
+        self.tap.detach()
 
     @contextmanager
     def sampler_numerics(self) -> Iterator[None]:
@@ -425,7 +390,7 @@ class RLWatch:
         undo = None
         if _arg(self.trainer.args, "cast_lm_head_to_fp32", False):
             head = unwrap_model(self.model)[0].get_output_embeddings()
-            undo = _wrap(head, "forward", _outside_autocast)
+            undo = wrap_method(head, "forward", outside_autocast)
         try:
             with ctx:
                 yield
@@ -442,7 +407,7 @@ class RLWatch:
         except Exception as err:  # a layout this watch does not know: say it, never break the run
             logger.info("hf-precision: RL gap not measured (%s: %s)", type(err).__name__, err)
             record = None
-        self._pending = None
+        self.tap.pending = None
         if record is not None:
             self.watch.add(record)
         else:
@@ -456,9 +421,8 @@ class RLWatch:
         for undo in reversed(self._undo):
             undo()
         self._undo = []
-        if not self.match and self._undo_generate is not None:
-            self._undo_generate()
-            self._undo_generate = None
+        if not self.match:
+            self.tap.detach()
         if self.on_done is not None:
             done, self.on_done = self.on_done, None
             done(self.watch.result())
@@ -476,7 +440,7 @@ class RLWatch:
         if sampling is not None:
             source = "engine log-probs (sampling_per_token_logps)"
         else:
-            sampling = self._from_generate(ids, mask)
+            sampling = self.tap.completion_logps(ids, mask, self.temperature)
             if sampling is None:
                 return None
             source = "generate logits"
@@ -484,22 +448,6 @@ class RLWatch:
         if trainer is None:
             trainer = self.rescore(output)
         return gap_record(trainer, sampling, mask, correction=self.correction, source=source)
-
-    def _from_generate(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
-        if self._pending is None:
-            return None
-        tokens, logits = self._pending
-        if tokens.size(0) != ids.size(0):
-            return None
-        s = logps_from_logits(logits, tokens, self.temperature).to(ids.device)
-        width = ids.size(1)
-        if s.size(1) < width:
-            s = torch.cat([s, s.new_full((s.size(0), width - s.size(1)), float("nan"))], 1)
-        s, tokens = s[:, :width], tokens[:, :width].to(ids.device)
-        keep = mask[:, : tokens.size(1)].bool()
-        if not torch.equal(tokens[keep], ids[:, : tokens.size(1)][keep]):
-            return None  # not the completions TRL kept (a multi-turn/tool rollout)
-        return s
 
     def rescore(self, output: dict[str, Any]) -> torch.Tensor:
         """The trainer's log-probs of the completions: TRL's own
@@ -516,33 +464,6 @@ class RLWatch:
                 **extra,
             )
         return logps
-
-
-def _outside_autocast(original: Callable[..., Any], *a: Any, **kw: Any) -> Any:
-    x = a[0] if a else next(iter(kw.values()))
-    with torch.autocast(x.device.type, enabled=False):
-        return original(*a, **kw)
-
-
-def _wrap(obj: Any, name: str, wrapper: Callable[..., Any]) -> Callable[[], None]:
-    """Put ``wrapper(original, *a, **kw)`` on the instance ``obj`` as ``name``; the returned
-    function takes it off (giving back an instance attribute that was there)."""
-    had = name in vars(obj)
-    before = vars(obj).get(name)
-    original = getattr(obj, name)
-
-    def wrapped(*a: Any, **kw: Any) -> Any:
-        return wrapper(original, *a, **kw)
-
-    object.__setattr__(obj, name, wrapped)
-
-    def undo() -> None:
-        if had:
-            object.__setattr__(obj, name, before)
-        elif name in vars(obj):
-            object.__delattr__(obj, name)
-
-    return undo
 
 
 def attach(trainer: Any, guard: Any, *, rl: str = "auto", steps: int = 2) -> RLWatch | None:
