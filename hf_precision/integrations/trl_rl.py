@@ -45,8 +45,8 @@ from ..engine.rl_gap import (
     wrap_method,
 )
 from .trl_rl_contract import (
-    _arg,
     autocast_dtype,
+    config_value,
     contract,
     correction_of,
     is_rl_trainer,
@@ -96,7 +96,7 @@ class RLWatch:
         self.kind = sampler_kind(trainer.args)
         self.watch = GapWatch(steps)
         self.correction = correction_of(trainer.args)
-        self.temperature = float(_arg(trainer.args, "temperature", 1.0) or 1.0)
+        self.temperature = float(config_value(trainer.args, "temperature", 1.0) or 1.0)
         accelerator = getattr(trainer, "accelerator", None)
         model = trainer.model
         self.model = accelerator.unwrap_model(model) if accelerator is not None else model
@@ -131,7 +131,7 @@ class RLWatch:
         accelerator = getattr(self.trainer, "accelerator", None)
         ctx = accelerator.autocast() if accelerator is not None else nullcontext()
         undo = None
-        if _arg(self.trainer.args, "cast_lm_head_to_fp32", False):
+        if config_value(self.trainer.args, "cast_lm_head_to_fp32", False):
             head = unwrap_model(self.model)[0].get_output_embeddings()
             undo = wrap_method(head, "forward", outside_autocast)
         try:

@@ -29,6 +29,7 @@ __all__ = [
     "Contract",
     "GroupRow",
     "autocast_dtype",
+    "config_value",
     "contract",
     "correction_of",
     "engine_of",
@@ -98,14 +99,15 @@ class Contract:
         return "\n".join(lines)
 
 
-def _arg(args: Any, name: str, default: Any = None) -> Any:
+def config_value(args: Any, name: str, default: Any = None) -> Any:
+    """A field of the trainer's config (``default`` when this TRL version has none)."""
     return getattr(args, name, default)
 
 
 def sampler_kind(args: Any) -> str:
-    if _arg(args, "use_vllm", False):
+    if config_value(args, "use_vllm", False):
         return "vllm"
-    if _arg(args, "use_transformers_continuous_batching", False) or _arg(
+    if config_value(args, "use_transformers_continuous_batching", False) or config_value(
         args, "use_transformers_paged", False
     ):
         return "continuous_batching"
@@ -114,23 +116,23 @@ def sampler_kind(args: Any) -> str:
 
 def autocast_dtype(args: Any) -> torch.dtype | None:
     """The trainer's autocast dtype (``accelerator.autocast()`` under ``bf16``/``fp16``)."""
-    if _arg(args, "bf16", False):
+    if config_value(args, "bf16", False):
         return torch.bfloat16
-    if _arg(args, "fp16", False):
+    if config_value(args, "fp16", False):
         return torch.float16
     return None
 
 
 def correction_of(args: Any) -> Correction | None:
     """TRL's IS-correction thresholds (``vllm_importance_sampling_*``), ``None`` when off."""
-    if not _arg(args, "vllm_importance_sampling_correction", False):
+    if not config_value(args, "vllm_importance_sampling_correction", False):
         return None
-    clip_max = _arg(args, "vllm_importance_sampling_clip_max", None)
+    clip_max = config_value(args, "vllm_importance_sampling_clip_max", None)
     if clip_max is None:  # TRL 1.16's deprecated name
-        clip_max = _arg(args, "vllm_importance_sampling_cap", None)
+        clip_max = config_value(args, "vllm_importance_sampling_cap", None)
     return Correction(
-        str(_arg(args, "vllm_importance_sampling_mode", "sequence_mask")),
-        _arg(args, "vllm_importance_sampling_clip_min", None),
+        str(config_value(args, "vllm_importance_sampling_mode", "sequence_mask")),
+        config_value(args, "vllm_importance_sampling_clip_min", None),
         clip_max,
     )
 
@@ -190,7 +192,7 @@ def engine_of(args: Any, model: nn.Module) -> dict[str, Any]:
         ckpt = getattr(root, "dtype", None)
     ckpt_name = dtype_name(ckpt) if isinstance(ckpt, torch.dtype) else str(ckpt)
     dtype = "bfloat16" if ckpt_name in (_FLOAT32, "None") else ckpt_name
-    mode = _arg(args, "vllm_mode", "colocate")
+    mode = config_value(args, "vllm_mode", "colocate")
     logprobs = (
         "processed_logprobs" if mode == "colocate" else "the server's --logprobs-mode (TRL checks)"
     )
@@ -208,7 +210,7 @@ def _sides(
 ) -> tuple[str, str, bool]:
     """(sampler compute, trainer compute, whether autocast applies on the trainer's side)."""
     ac = autocast_dtype(args)
-    fp32_head = group == "lm_head" and bool(_arg(args, "cast_lm_head_to_fp32", False))
+    fp32_head = group == "lm_head" and bool(config_value(args, "cast_lm_head_to_fp32", False))
     if fp32_head:
         trainer, on = _FLOAT32, False
     elif ac is not None:
@@ -253,9 +255,9 @@ def contract(trainer: Any, *, match: bool = False, name: str | None = None) -> C
         rows.append(GroupRow(group, storage, sampler, trainer_side, on, matmul.get(group, "-")))
     correction = correction_of(args) if kind == "vllm" else None
     truncation = {
-        "top_p": _arg(args, "top_p", 1.0),
-        "top_k": _arg(args, "top_k", 0),
-        "min_p": _arg(args, "min_p", None),
+        "top_p": config_value(args, "top_p", 1.0),
+        "top_k": config_value(args, "top_k", 0),
+        "min_p": config_value(args, "min_p", None),
     }
     c = Contract(
         name or type(trainer).__name__,
@@ -275,7 +277,7 @@ def findings(c: Contract, args: Any, *, vlm: bool) -> list[str]:
     never an fp32 VLM trainer against a bf16 engine, never upcast adapters TRL keeps bf16)."""
     out: list[str] = []
     off = [r for r in c.rows if not r.matches]
-    head_fp32 = bool(_arg(args, "cast_lm_head_to_fp32", False))
+    head_fp32 = bool(config_value(args, "cast_lm_head_to_fp32", False))
     if c.sampler == "generate" and off:
         out.append(
             f"{c.trainer}: generate() samples outside autocast while the trainer scores inside it: "

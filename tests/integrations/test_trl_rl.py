@@ -194,3 +194,47 @@ def test_an_fp32_vlm_trainer_against_a_bf16_engine_is_never_the_fix(tmp_path: Pa
 def test_rl_option_is_checked():
     with pytest.raises(PrecisionError, match="rl='sometimes'"):
         PrecisionGuardCallback(rl="sometimes")
+
+
+@pytest.mark.slow
+def test_the_launcher_reaches_trls_grpo_cli(tmp_path: Path):
+    """``hf-precision run -- trl grpo ...``: TRL's own GRPO script (a model path, a local
+    parquet dataset with images, TRL's ``think_format_reward``, LoRA, one step) gets the
+    contract and the gap, matched (the launcher's guard is in fix mode)."""
+    import os
+    import subprocess
+    import sys
+
+    trl_cli = Path(sys.executable).parent / "trl"
+    if not trl_cli.is_file():
+        pytest.skip("TRL's CLI is not installed in this environment")
+    tiny_llava(seed=0).save_pretrained(tmp_path / "model")
+    tiny_llava_processor(str(tmp_path / "model"))
+    (tmp_path / "data").mkdir()
+    _data().to_parquet(str(tmp_path / "data" / "train.parquet"))
+    out = tmp_path / "out"
+    args = [
+        "--model_name_or_path",
+        str(tmp_path / "model"),
+        "--dataset_name",
+        str(tmp_path / "data"),
+    ]
+    args += ["--reward_funcs", "think_format_reward", "--output_dir", str(out), "--max_steps", "1"]
+    args += ["--per_device_train_batch_size", "2", "--num_generations", "2", "--beta", "0"]
+    args += ["--max_completion_length", "4", "--use_cpu", "--report_to", "none"]
+    args += ["--save_strategy", "no", "--disable_tqdm", "true", "--use_peft"]
+    args += ["--lora_target_modules", "q_proj", "v_proj"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_PRECISION")}
+    root = Path(__file__).resolve().parents[2]
+    env.update(PYTHONPATH=str(root), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env.update(HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline")
+    env["PATH"] = f"{trl_cli.parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    cmd = [sys.executable, "-m", "hf_precision.tools.cli", "run", "--", str(trl_cli), "grpo"]
+    proc = subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (contract_file,) = (out / "precision").glob("*-rl_contract.json")
+    rows_ = json.loads(contract_file.read_text())["rl_contract"]
+    assert rows_ == {"mismatched": 0, "match": 1.0}
+    (gap_file,) = (out / "precision").glob("*-rl_gap.json")
+    gap = json.loads(gap_file.read_text())["rl_gap"]
+    assert gap["match"] is True and gap["tokens"] > 0 and gap["source"] == "generate logits"
