@@ -15,6 +15,7 @@ whatever the dtype). Arms, rotated every repetition:
 
 from __future__ import annotations
 
+import functools
 import tempfile
 import time
 import warnings
@@ -27,7 +28,7 @@ from .common import Figure, interleave, param_count, ratio_figure, smoke
 FAMILY = "rl"
 
 
-def _reward(completions: list[Any], **kwargs: Any) -> list[float]:
+def _reward(completions: list[Any], **kwargs: Any) -> list[float | None]:
     return [float(len(str(c))) for c in completions]
 
 
@@ -103,7 +104,7 @@ def run(quick: bool = False, reps: int | None = None) -> list[Figure]:
 
         runs = interleave(
             {"none": step, "watching": step, "idle": step},
-            setup={k: (lambda k=k: arm(k)) for k in ("none", "watching", "idle")},
+            setup={k: functools.partial(arm, k) for k in ("none", "watching", "idle")},
             reps=reps or (2 if quick else 7),
             warmup=1,
         )

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 
-def _reward(completions: list[Any], **kwargs: Any) -> list[float]:
+def _reward(completions: list[Any], **kwargs: Any) -> list[float | None]:
     """Longer completions score higher (a local reward function, no reward model)."""
     return [float(len(str(c))) for c in completions]
 

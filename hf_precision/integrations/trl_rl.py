@@ -132,7 +132,8 @@ class RLWatch:
         ctx = accelerator.autocast() if accelerator is not None else nullcontext()
         undo = None
         if config_value(self.trainer.args, "cast_lm_head_to_fp32", False):
-            head = unwrap_model(self.model)[0].get_output_embeddings()
+            root: Any = unwrap_model(self.model)[0]
+            head = root.get_output_embeddings()
             undo = wrap_method(head, "forward", outside_autocast)
         try:
             with ctx:

@@ -153,7 +153,7 @@ def _group_params(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         groups = find_module_groups(root)
-    head = root.get_output_embeddings() if hasattr(root, "get_output_embeddings") else None
+    head: Any = getattr(root, "get_output_embeddings", lambda: None)()
     head_ids = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
     out: dict[str, list[torch.Tensor]] = {}
     for name, p in root.named_parameters():
