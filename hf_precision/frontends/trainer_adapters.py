@@ -119,7 +119,8 @@ class TrainerModels(GuardFrontEnd):
     def _attach_rl(self, trainer: Any, guard: PrecisionGuard) -> None:
         """The RL adapter of the Trainer's library (:data:`RL_ADAPTERS`): the contract and the
         gap watch, once per Trainer (``rl="off"``: nothing)."""
-        if self.rl == "off":
+        rl = getattr(self, "rl", "off")
+        if rl == "off":
             return
         watch = getattr(self, "rl_watch", None)
         if watch is not None:
@@ -130,7 +131,7 @@ class TrainerModels(GuardFrontEnd):
         for library in dict.fromkeys(c.__module__.split(".")[0] for c in type(trainer).__mro__):
             name = RL_ADAPTERS.get(library)
             if name is not None:
-                self.rl_watch = importlib.import_module(name).attach(trainer, guard, rl=self.rl)
+                self.rl_watch = importlib.import_module(name).attach(trainer, guard, rl=rl)
                 return
 
 
