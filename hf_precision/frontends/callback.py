@@ -43,7 +43,7 @@ from ..rules.policy import LeafGuards, Mode, PrecisionPolicy
 from ..rules.policy_spec import refuse_fp16_trainables
 from .callback_steps import CallbackSteps
 from .trainer_adapters import TRAINER_ADAPTERS as TRAINER_ADAPTERS  # the old path
-from .trainer_adapters import TrainerModels, find_trainer, trainer_models
+from .trainer_adapters import TrainerModels, check_rl, find_trainer, trainer_models
 
 logger = logging.getLogger("hf_precision")
 
@@ -77,6 +77,10 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         lost_updates: ``"auto"`` watches the first optimizer steps of half-precision trainable
             weights and warns when their updates round away (``hf_precision.engine.lost_updates``);
             ``"off"``.
+        rl: on TRL's RL trainers (GRPO, RLOO, online DPO), the sampler-trainer contract and the
+            gap of the first generations (:mod:`hf_precision.integrations.trl_rl`): ``"auto"``
+            (default: in fix mode ``generate`` samples under the trainer's autocast, "match"),
+            ``"match"``, ``"measure"`` (contract and gap, no match) or ``"off"``.
 
     >>> from transformers import Trainer  # doctest: +SKIP
     >>> Trainer(model=model, args=args, callbacks=[PrecisionGuardCallback()])  # doctest: +SKIP
@@ -95,6 +99,7 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         trace: bool | str = False,
         lost_updates: LostUpdates = "auto",
         keep_fp32: tuple[str, ...] | list[str] = (),
+        rl: str = "auto",
     ) -> None:
         #: extra ``keep_fp32`` patterns added to the policy (given or inferred), as the
         #: launcher's ``--keep-fp32``
@@ -128,6 +133,8 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         self.trainer_guards: dict[str, PrecisionGuard] = {}
         self.lost_updates = check_option(lost_updates, call=self._call)
         self._lost: LostUpdateCheck | None = None
+        self.rl = check_rl(rl, call=self._call)
+        self.rl_watch: Any = None  # the RL trainer's watch (trainer_adapters.TrainerModels)
 
     # what the engine knows, under the names this callback always had
     @property
