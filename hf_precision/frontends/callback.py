@@ -76,6 +76,11 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         lost_updates: ``"auto"`` watches the first optimizer steps of half-precision trainable
             weights and warns when their updates round away (``hf_precision.engine.lost_updates``);
             ``"off"``.
+        rl_watch: ``"auto"`` watches TRL's RL trainers (GRPO, RLOO): the frozen weights around
+            each weight sync and generation (a merge/unmerge round trip that drifts them, an
+            in-place cast whose dtypes it restores) and the sampler/trainer log-prob gap of the
+            first steps, attributed to a group (:mod:`hf_precision.engine.sync_integrity`,
+            :mod:`hf_precision.engine.rl_attribution`); ``"off"``.
 
     >>> from transformers import Trainer  # doctest: +SKIP
     >>> Trainer(model=model, args=args, callbacks=[PrecisionGuardCallback()])  # doctest: +SKIP
@@ -94,6 +99,7 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         trace: bool | str = False,
         lost_updates: LostUpdates = "auto",
         keep_fp32: tuple[str, ...] | list[str] = (),
+        rl_watch: str = "auto",
     ) -> None:
         #: extra ``keep_fp32`` patterns added to the policy (given or inferred), as the
         #: launcher's ``--keep-fp32``
@@ -127,6 +133,13 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         self.trainer_guards: dict[str, PrecisionGuard] = {}
         self.lost_updates = check_option(lost_updates, call=self._call)
         self._lost: LostUpdateCheck | None = None
+        if rl_watch not in ("auto", "off"):
+            raise PrecisionError(
+                f"PrecisionGuardCallback(rl_watch={rl_watch!r}): expected 'auto' (watch TRL's "
+                "RL trainers' syncs, generations and log-prob gap) or 'off'."
+            )
+        self.rl_watch = rl_watch
+        self.rl_watcher: Any = None  # the watchers on the RL trainer, from on_train_begin
 
     # what the engine knows, under the names this callback always had
     @property
@@ -315,6 +328,8 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         # restore: a standalone evaluate() with *_full_eval ran before train()
         self._verify("on_train_begin", args, state, kwargs, check_ranks=True, restore=True)
         self._watch_updates(args, kwargs)
+        if self.rl_watch == "auto":
+            self.rl_watcher = self._watch_trainer(self.rl_watcher)
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._verify("on_evaluate", args, state, kwargs, check_ranks=True, restore=True)
@@ -332,5 +347,8 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         if self._tracer is not None:
             self._tracer.remove()
             self._tracer = None
+        if self.rl_watcher is not None:
+            self.rl_watcher.remove()
+            self.rl_watcher = None
         self._verify("on_train_end", args, state, kwargs)
         self._stash()
