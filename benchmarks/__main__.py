@@ -37,6 +37,7 @@ FAMILIES: dict[str, str] = {
     "cli": "benchmarks.cli_startup",
     "silent": "benchmarks.silent_cost",
     "updates": "benchmarks.updates_cost",
+    "rl": "benchmarks.rl_cost",
     "launcher": "benchmarks.launcher_step",
 }
 CPU_FAMILIES = (
@@ -48,6 +49,7 @@ CPU_FAMILIES = (
     "cli",
     "silent",
     "updates",
+    "rl",
     "launcher",
 )
 

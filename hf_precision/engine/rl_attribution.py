@@ -141,8 +141,8 @@ def rl_groups(model: nn.Module) -> dict[str, list[nn.Module]]:
     root, _ = unwrap_model(model)
     found: dict[str, list[nn.Module]] = {g: [] for g in GROUPS}
     for name, mod in model.named_modules():
-        if any(True for _ in mod.children()):
-            continue
+        if any(True for _ in mod.children()) or not any(True for _ in mod.parameters()):
+            continue  # leaves with weights only (not PEFT's empty dicts, dropouts)
         if any(part.startswith("lora_") for part in name.split(".")):
             found["adapters"].append(mod)
         elif "norm" in type(mod).__name__.lower():

@@ -195,6 +195,8 @@ def test_continuous_batching_cast_is_restored_under_the_optimizer(tmp_path: Any,
         data=Dataset.from_dict({"prompt": ["a red square", "a blue circle"]}),
         processing_class=tok,
         use_transformers_continuous_batching=True,
+        # a small paged cache: sized from the memory by default, which takes long on a CPU
+        transformers_continuous_batching_config={"num_blocks": 16, "max_batch_tokens": 64},
         max_completion_length=2,
     )
     adapters = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
