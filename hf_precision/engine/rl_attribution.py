@@ -43,11 +43,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from .rl_gap import WARN_MEAN_ABS, gap_record
+
 #: at most this many elements of each leaf module's output are compared, at fixed positions
 OUTPUT_SAMPLE = 1024
-#: the mean per-token |delta log-prob| (nats) above which the gap is attributed (the trigger of
-#: the RL watchers, until the gap measurement of the setup contract names its own)
-GAP_THRESHOLD = 1e-4
+#: the mean per-token |delta log-prob| (nats) above which the RL watchers attribute the gap: the
+#: gap measurement's own finding threshold
+GAP_THRESHOLD = WARN_MEAN_ABS
 #: the groups switched one at a time, in this order
 GROUPS: tuple[str, ...] = ("adapters", "lm_head", "norms", "vision_encoder", "projector")
 
@@ -281,8 +283,8 @@ def attribute_gap(
                 trainer = score(model, batch, keep)
         finally:
             scored.remove()
-        delta = _gap(sampler, trainer, mask)
-        gap = float(delta.mean()) if delta.numel() else 0.0
+        record = gap_record(trainer, sampler, mask, source="attribution: the same tokens")
+        gap = record.mean_abs
         shares: dict[str, float] = {}
         for group, mods in groups.items() if gap > threshold else ():
             with _autocast_at(list(mods), device, dtype):
@@ -293,8 +295,8 @@ def attribute_gap(
     parted = first_parted(sampled.seen, scored.seen)
     return GapAttribution(
         gap=gap,
-        gap_max=float(delta.max()) if delta.numel() else 0.0,
-        tokens=int(delta.numel()),
+        gap_max=record.max_abs,
+        tokens=record.tokens,
         dtype=str(dtype).removeprefix("torch."),
         shares=shares,
         modules={g: len(m) for g, m in groups.items()},

@@ -42,7 +42,7 @@ from ..rules.policy import LeafGuards, Mode, PrecisionPolicy
 from ..rules.policy_spec import refuse_fp16_trainables
 from .callback_steps import CallbackSteps
 from .trainer_adapters import TRAINER_ADAPTERS as TRAINER_ADAPTERS  # the old path
-from .trainer_adapters import TrainerModels, find_trainer, trainer_models
+from .trainer_adapters import TrainerModels, check_rl, find_trainer, trainer_models
 
 logger = logging.getLogger("hf_precision")
 
@@ -76,11 +76,14 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         lost_updates: ``"auto"`` watches the first optimizer steps of half-precision trainable
             weights and warns when their updates round away (``hf_precision.engine.lost_updates``);
             ``"off"``.
-        rl_watch: ``"auto"`` watches TRL's RL trainers (GRPO, RLOO): the frozen weights around
-            each weight sync and generation (a merge/unmerge round trip that drifts them, an
-            in-place cast whose dtypes it restores) and the sampler/trainer log-prob gap of the
-            first steps, attributed to a group (:mod:`hf_precision.engine.sync_integrity`,
-            :mod:`hf_precision.engine.rl_attribution`); ``"off"``.
+        rl: on TRL's RL trainers (GRPO, RLOO, online DPO), the sampler-trainer contract and the
+            gap of the first generations (:mod:`hf_precision.integrations.trl_rl`): ``"auto"``
+            (default: in fix mode ``generate`` samples under the trainer's autocast, "match"),
+            ``"match"``, ``"measure"`` (contract and gap, no match) or ``"off"``. Unless
+            ``"off"``, the frozen weights are also checked around each weight sync and
+            generation (a merge/unmerge round trip that drifts them; an in-place cast, whose
+            dtypes are restored) and a gap past the threshold is attributed to a group
+            (:mod:`hf_precision.integrations.trl_rl_watch`).
 
     >>> from transformers import Trainer  # doctest: +SKIP
     >>> Trainer(model=model, args=args, callbacks=[PrecisionGuardCallback()])  # doctest: +SKIP
@@ -99,7 +102,7 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         trace: bool | str = False,
         lost_updates: LostUpdates = "auto",
         keep_fp32: tuple[str, ...] | list[str] = (),
-        rl_watch: str = "auto",
+        rl: str = "auto",
     ) -> None:
         #: extra ``keep_fp32`` patterns added to the policy (given or inferred), as the
         #: launcher's ``--keep-fp32``
@@ -133,13 +136,9 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         self.trainer_guards: dict[str, PrecisionGuard] = {}
         self.lost_updates = check_option(lost_updates, call=self._call)
         self._lost: LostUpdateCheck | None = None
-        if rl_watch not in ("auto", "off"):
-            raise PrecisionError(
-                f"PrecisionGuardCallback(rl_watch={rl_watch!r}): expected 'auto' (watch TRL's "
-                "RL trainers' syncs, generations and log-prob gap) or 'off'."
-            )
-        self.rl_watch = rl_watch
-        self.rl_watcher: Any = None  # the watchers on the RL trainer, from on_train_begin
+        self.rl = check_rl(rl, call=self._call)
+        self.rl_watch: Any = None  # the RL trainer's watch (trainer_adapters.TrainerModels)
+        self.rl_watchers: Any = None  # sync integrity + attribution (integrations.trl_rl_watch)
 
     # what the engine knows, under the names this callback always had
     @property
@@ -328,8 +327,8 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         # restore: a standalone evaluate() with *_full_eval ran before train()
         self._verify("on_train_begin", args, state, kwargs, check_ranks=True, restore=True)
         self._watch_updates(args, kwargs)
-        if self.rl_watch == "auto":
-            self.rl_watcher = self._watch_trainer(self.rl_watcher)
+        if self.rl != "off":
+            self.rl_watchers = self._watch_trainer(self.rl_watchers)
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._verify("on_evaluate", args, state, kwargs, check_ranks=True, restore=True)
@@ -347,8 +346,8 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         if self._tracer is not None:
             self._tracer.remove()
             self._tracer = None
-        if self.rl_watcher is not None:
-            self.rl_watcher.remove()
-            self.rl_watcher = None
+        if self.rl_watchers is not None:
+            self.rl_watchers.remove()
+            self.rl_watchers = None
         self._verify("on_train_end", args, state, kwargs)
         self._stash()

@@ -20,8 +20,10 @@ from ..base.wrappers import unwrap_model
 from ..engine.frontend import GuardFrontEnd, PrecisionGuard
 
 __all__ = [
+    "RL_ADAPTERS",
     "TRAINER_ADAPTERS",
     "TrainerModels",
+    "check_rl",
     "find_trainer",
     "trainer_models",
     "trainer_watchers",
@@ -34,6 +36,14 @@ __all__ = [
 TRAINER_ADAPTERS: dict[str, str] = {
     "trl": "hf_precision.integrations.trl_models",
 }
+#: RL adapters: the top-level package a Trainer class comes from -> the module whose
+#: ``attach(trainer, guard, rl=...)`` checks its sampler against its trainer (the contract, the
+#: match and the gap of the first generations); loaded only when a Trainer of that package is seen.
+RL_ADAPTERS: dict[str, str] = {
+    "trl": "hf_precision.integrations.trl_rl",
+}
+#: the callback's ``rl=`` values
+RL_MODES = ("auto", "match", "measure", "off")
 
 
 class TrainerModels(GuardFrontEnd):
@@ -47,6 +57,8 @@ class TrainerModels(GuardFrontEnd):
     report_to: list[str] | str | None
     _deepspeed_dtype: torch.dtype | None
     _deepspeed_stage: int | None
+    rl: str
+    rl_watch: Any
 
     def bind_trainer(self, trainer: Any) -> None:
         """The Trainer this callback serves, given directly (the launcher does, before
@@ -83,6 +95,11 @@ class TrainerModels(GuardFrontEnd):
         )
         if trainer is None:
             return
+        if event == "on_train_begin":
+            self._attach_rl(trainer, guard)
+        elif event == "on_train_end" and getattr(self, "rl_watch", None) is not None:
+            self.rl_watch.close()  # fewer generations than watched: report those
+            self.rl_watch = None
         for name, model in trainer_models(trainer, init_args).items():
             root, _ = unwrap_model(model)
             if root is guard.root:
@@ -112,6 +129,34 @@ class TrainerModels(GuardFrontEnd):
                 wrapper=None if event == "on_init_end" else "auto",
                 step=step,
             )
+
+    def _attach_rl(self, trainer: Any, guard: PrecisionGuard) -> None:
+        """The RL adapter of the Trainer's library (:data:`RL_ADAPTERS`): the contract and the
+        gap watch, once per Trainer (``rl="off"``: nothing)."""
+        if self.rl == "off":
+            return
+        watch = getattr(self, "rl_watch", None)
+        if watch is not None:
+            if watch.trainer is trainer:
+                return
+            watch.detach()
+            self.rl_watch = None
+        for library in dict.fromkeys(c.__module__.split(".")[0] for c in type(trainer).__mro__):
+            name = RL_ADAPTERS.get(library)
+            if name is not None:
+                self.rl_watch = importlib.import_module(name).attach(trainer, guard, rl=self.rl)
+                return
+
+
+def check_rl(value: str, *, call: str) -> str:
+    if value not in RL_MODES:
+        from ..errors import PrecisionError
+
+        raise PrecisionError(
+            f"{call}: rl={value!r} is not one of {', '.join(map(repr, RL_MODES))}. Fix: "
+            "rl='auto' (contract, gap, and match in fix mode), 'match', 'measure' or 'off'."
+        )
+    return value
 
 
 def trainer_watchers(trainer: Any, guard: PrecisionGuard) -> Any:

@@ -26,12 +26,7 @@ from typing import Any
 
 import torch
 
-from ..engine.rl_attribution import (
-    GAP_THRESHOLD,
-    GapAttribution,
-    attribute_gap,
-    token_log_probs,
-)
+from ..engine.rl_attribution import GapAttribution, attribute_gap, token_log_probs
 from ..engine.sync_integrity import SyncFinding, SyncIntegrity
 
 logger = logging.getLogger("hf_precision")
@@ -72,12 +67,16 @@ class RLWatch:
         guard: Any = None,
         *,
         steps: int = 3,
-        threshold: float = GAP_THRESHOLD,
+        threshold: float | None = None,
         restore: bool = True,
         say: Callable[..., None] = emit,
     ) -> None:
         self.trainer, self.guard, self.say = trainer, guard, say
-        self.steps, self.threshold = steps, threshold
+        from ..engine import rl_attribution
+
+        # the gap measurement's threshold, read when the watch starts
+        self.steps = steps
+        self.threshold = rl_attribution.GAP_THRESHOLD if threshold is None else threshold
         self.model = trainer.model
         self.dtype = _AUTOCAST.get(str(getattr(trainer.accelerator, "mixed_precision", "no")))
         self.sync = SyncIntegrity(self.model, on_finding=self._sync_found)
