@@ -26,9 +26,11 @@ autocast scope, not a cast), the hooks come off even when a forward raises, and 
 >>> head = torch.nn.Linear(4, 8)
 >>> model = torch.nn.Sequential(torch.nn.Embedding(8, 4), head)
 >>> ids = torch.tensor([[1, 2, 3, 4]])
->>> found = attribute_gap(model, {"input_ids": ids}, keep=3, groups={"lm_head": [head]},
-...                       score=lambda m, b, k: m(b["input_ids"])[:, -k - 1 : -1].float().log_softmax(-1)
-...                       .gather(-1, b["input_ids"][:, -k:, None])[..., 0])
+>>> def score(m, b, k):
+...     logits = m(b["input_ids"])[:, -k - 1 : -1].float()
+...     return logits.log_softmax(-1).gather(-1, b["input_ids"][:, -k:, None])[..., 0]
+>>> found = attribute_gap(model, {"input_ids": ids}, keep=3, score=score,
+...                       groups={"lm_head": [head]})
 >>> found.shares["lm_head"] > 0.99
 True
 """
@@ -206,7 +208,7 @@ class _OutputSample:
                 return
             flat = t.detach().reshape(-1)
             n = min(flat.numel(), OUTPUT_SAMPLE)
-            idx = torch.linspace(0, flat.numel() - 1, n, device=flat.device).long()
+            idx = torch.arange(n, device=flat.device) * (flat.numel() - 1) // max(n - 1, 1)
             self.seen[name] = flat[idx].clone()
 
         return hook

@@ -32,8 +32,8 @@ class; :meth:`SyncIntegrity.remove` takes them off.
 >>> holder.bump = bump
 >>> watch.around(holder, "bump", event="sync")
 >>> holder.bump()
->>> watch.findings[0].changed_share
-1.0
+>>> watch.findings[0].changed_share  # the weight's 16 elements of 20: the bias did not move
+0.8
 """
 
 from __future__ import annotations
@@ -94,9 +94,10 @@ class SyncFinding:
         if self.changed:
             names = ", ".join(self.changed_tensors[:_NAMED])
             more = self.changed_tensors[_NAMED:]
+            names += f" and {len(more)} more" if more else ""
             parts.append(
                 f"{self.event} changed {self.changed_share:.1%} of the sampled frozen elements "
-                f"({self.changed}/{self.sampled}; {names}{f' and {len(more)} more' if more else ''}),"
+                f"({self.changed}/{self.sampled}; {names}),"
                 f" max drift {self.max_drift:.3g}; since the first sample "
                 f"{self.total_changed_share:.1%} changed, max drift {self.total_max_drift:.3g}"
                 f" (call {self.calls}). Fix: {FIXES['round_trip']}"
@@ -139,7 +140,7 @@ def _positions(numel: int, sample: int) -> torch.Tensor:
     """At most ``sample`` fixed flat positions, spread over the tensor."""
     if numel <= sample:
         return torch.arange(numel)
-    return torch.linspace(0, numel - 1, sample).long()
+    return torch.arange(sample, dtype=torch.int64) * (numel - 1) // max(sample - 1, 1)
 
 
 class SyncIntegrity:
