@@ -36,14 +36,30 @@ _MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def emit(guard: Any, section: str, payload: Any, line: str, *, step: int) -> None:
-    """One finding out: the console (logging), the guard's event JSON section and its trackers
-    (the one place to reroute to the findings channel)."""
-    logger.warning("%s", line)
+def emit(
+    guard: Any,
+    source: str,
+    numbers: Any,
+    line: str,
+    *,
+    step: int,
+    groups: dict[str, float] | None = None,
+    measure: str = "",
+) -> None:
+    """One finding out through the findings channel (:mod:`hf_precision.engine.finding`: the
+    console, ``precision.log``, ``<step>-<source>.json``, the picture and the trackers); the
+    numbers also stay in the guard's event sections."""
+    from ..engine.finding import Finding
+    from ..engine.finding import emit as say
+
+    found = Finding(
+        source, "warning", line, numbers=numbers or {}, groups=groups or {}, measure=measure
+    )
     if guard is None:
+        say(found, step=step)
         return
-    guard.sections[section] = payload
-    guard.log_sections(section, step=step)
+    guard.sections[source] = numbers
+    guard.emit(found, step=step)
 
 
 def completion_batch(out: dict[str, Any]) -> tuple[dict[str, Any], int, torch.Tensor]:
@@ -84,6 +100,7 @@ class RLWatch:
         self.sampler_autocast: bool | None = None  # seen at the first generation
         self.scored = 0
         self._said: set[str] = set()
+        self.kept: list[dict[str, Any]] = []  # the last ten sync findings
         self._own: list[tuple[Any, str]] = []
         self.sync.around(trainer, "_generate_single_turn", event="generation", restore=restore)
         if callable(getattr(self.model, "merge_adapter", None)):
@@ -102,14 +119,15 @@ class RLWatch:
 
     # ------------------------------------------------------------------ sync
     def _sync_found(self, found: SyncFinding) -> None:
+        self.kept = [*self.kept[-9:], found.to_dict()]
         if self.guard is not None:
-            kept = self.guard.sections.setdefault("sync_integrity", {"findings": []})
-            kept["findings"] = [*kept["findings"][-9:], found.to_dict()]
+            self.guard.sections["sync_integrity"] = {"findings": self.kept}
         if found.event in self._said:  # said once per event kind; the section keeps the rest
             return
         self._said.add(found.event)
-        payload = self.guard.sections["sync_integrity"] if self.guard is not None else None
-        self.say(self.guard, "sync_integrity", payload, found.line(), step=self._step())
+        self.say(
+            self.guard, "sync_integrity", {"findings": self.kept}, found.line(), step=self._step()
+        )
 
     # ------------------------------------------------------------------ attribution
     def _wrap(self, method: str, around: Callable[..., Any]) -> None:
@@ -168,7 +186,15 @@ class RLWatch:
         if found.gap <= self.threshold:
             return
         self.attribution = found
-        self.say(self.guard, "rl_attribution", found.to_dict(), found.line(), step=self._step())
+        self.say(
+            self.guard,
+            "rl_attribution",
+            found.to_dict(),
+            found.line(),
+            step=self._step(),
+            groups={g: max(v, 0.0) for g, v in found.shares.items()},
+            measure="share of the sampler/trainer gap",
+        )
 
     def remove(self) -> None:
         """Every wrapper off: the trainer's and the model's methods are their own again."""
