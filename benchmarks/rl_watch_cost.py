@@ -13,7 +13,7 @@ the trainer's numerics bf16 autocast). Figures:
   taken before and compared after a sync or a generation; 64 elements per tensor), with all
   weights frozen (the most it samples), and its ratio to the training step.
 
->>> from benchmarks.rl_cost import run
+>>> from benchmarks.rl_watch_cost import run
 >>> figures = run(quick=True)  # doctest: +SKIP
 """
 
@@ -30,7 +30,7 @@ from hf_precision.engine.sync_integrity import SyncIntegrity
 from .common import Figure, param_count, smoke
 from .models import build, llava_100m_config, quick_llava_config, vlm_batch
 
-FAMILY = "rl"
+FAMILY = "rl_watch"
 
 
 def _best(fn: Any, reps: int) -> float:
