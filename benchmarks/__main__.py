@@ -37,6 +37,7 @@ FAMILIES: dict[str, str] = {
     "cli": "benchmarks.cli_startup",
     "silent": "benchmarks.silent_cost",
     "updates": "benchmarks.updates_cost",
+    "rl": "benchmarks.rl_cost",
     "rl_watch": "benchmarks.rl_watch_cost",
     "launcher": "benchmarks.launcher_step",
 }
@@ -49,6 +50,7 @@ CPU_FAMILIES = (
     "cli",
     "silent",
     "updates",
+    "rl",
     "rl_watch",
     "launcher",
 )

@@ -30,6 +30,7 @@ changes the model.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -43,10 +44,13 @@ __all__ = [
     "Correction",
     "GapRecord",
     "GapWatch",
+    "GenerateTap",
     "gap_record",
     "measure_gap",
+    "outside_autocast",
     "sampler_logps",
     "score_logps",
+    "wrap_method",
 ]
 
 #: the mean per-token |δ| (nats) above which a gap is a finding
@@ -257,3 +261,102 @@ class GapWatch:
             out.corrected_share = sum((r.corrected_share or 0.0) * r.sequences for r in rs) / rows
             out.corrected_tokens = sum((r.corrected_tokens or 0.0) * r.tokens for r in rs) / n
         return out
+
+
+class GenerateTap:
+    """``model.generate`` wrapped on the instance: while ``measuring()`` it asks for the raw
+    logits (on a copy of the caller's ``generation_config``) and keeps the completion tokens and
+    their logits in :attr:`pending`, returning the token ids as the caller asked; every call runs
+    inside ``numerics()`` (the trainer's autocast when matching)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        numerics: Callable[[], AbstractContextManager[Any]] | None = None,
+        measuring: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.model, self.numerics, self.measuring = model, numerics, measuring
+        self.pending: tuple[torch.Tensor, Any] | None = None
+        self._undo: Callable[[], None] | None = None
+
+    def attach(self) -> GenerateTap:
+        if self._undo is None:
+            self._undo = wrap_method(self.model, "generate", self._generate)
+        return self
+
+    def detach(self) -> None:
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
+
+    def _generate(self, original: Callable[..., Any], *a: Any, **kw: Any) -> Any:
+        config = kw.get("generation_config")
+        asked = kw.get("return_dict_in_generate") or getattr(
+            config, "return_dict_in_generate", False
+        )
+        measure = self.measuring() and not asked
+        if measure:
+            if config is None:
+                kw.update(output_logits=True, return_dict_in_generate=True)
+            else:  # never the caller's object
+                kw["generation_config"] = config = copy.deepcopy(config)
+                config.output_logits = config.return_dict_in_generate = True
+        with self.numerics() if self.numerics is not None else nullcontext():
+            out = original(*a, **kw)
+        if not measure:
+            return out
+        prompt = kw.get("input_ids", a[0] if a else None)
+        start = prompt.size(1) if isinstance(prompt, torch.Tensor) else 0
+        self.pending = (out.sequences[:, start:], out.logits)
+        return out.sequences
+
+    def completion_logps(
+        self, ids: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0
+    ) -> torch.Tensor | None:
+        """The sampler's log-probs of the completions ``ids`` (``(sequences, width)``, padded
+        right, ``mask`` their tokens) from the pending generation; ``None`` when none is pending
+        or its tokens are not ``ids`` (a multi-turn rollout). Positions past the generated
+        steps are NaN."""
+        if self.pending is None:
+            return None
+        tokens, logits = self.pending
+        if tokens.size(0) != ids.size(0):
+            return None
+        s = sampler_logps(logits, tokens, temperature).to(ids.device)
+        width = ids.size(1)
+        if s.size(1) < width:
+            s = torch.cat([s, s.new_full((s.size(0), width - s.size(1)), float("nan"))], 1)
+        s, tokens = s[:, :width], tokens[:, :width].to(ids.device)
+        keep = mask[:, : tokens.size(1)].bool()
+        if not torch.equal(tokens[keep], ids[:, : tokens.size(1)][keep]):
+            return None
+        return s
+
+
+def outside_autocast(original: Callable[..., Any], *a: Any, **kw: Any) -> Any:
+    """A :func:`wrap_method` wrapper: the call with autocast off (an fp32 head kept fp32)."""
+    x = a[0] if a else next(iter(kw.values()))
+    with torch.autocast(x.device.type, enabled=False):
+        return original(*a, **kw)
+
+
+def wrap_method(obj: Any, name: str, wrapper: Callable[..., Any]) -> Callable[[], None]:
+    """Put ``wrapper(original, *a, **kw)`` on the instance ``obj`` as ``name``; the returned
+    function takes it off (giving back an instance attribute that was there)."""
+    had = name in vars(obj)
+    before = vars(obj).get(name)
+    original = getattr(obj, name)
+
+    def wrapped(*a: Any, **kw: Any) -> Any:
+        return wrapper(original, *a, **kw)
+
+    object.__setattr__(obj, name, wrapped)
+
+    def undo() -> None:
+        if had:
+            object.__setattr__(obj, name, before)
+        elif name in vars(obj):
+            object.__delattr__(obj, name)
+
+    return undo

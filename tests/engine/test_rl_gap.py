@@ -101,3 +101,25 @@ def test_measure_gap_takes_the_trainers_own_scoring():
     r = measure_gap(model, seqs, s, score=score, correction=Correction("token_mask", None, 1.5))
     assert calls == [(seqs.shape, 6, {})]
     assert r.mean_abs == pytest.approx(0.5) and r.corrected_share == 1.0
+
+
+def test_generate_tap_returns_the_ids_keeps_the_logits_and_leaves_the_config_alone():
+    from transformers import GenerationConfig
+
+    from hf_precision.engine.rl_gap import GenerateTap
+
+    model = tiny_text_llama(torch.float32).eval()
+    tap = GenerateTap(model).attach()
+    torch.manual_seed(1)
+    config = GenerationConfig(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    prompt = torch.randint(3, 100, (2, 5))
+    ids = model.generate(input_ids=prompt, generation_config=config)
+    assert isinstance(ids, torch.Tensor) and ids.shape == (2, 9)
+    assert not config.return_dict_in_generate and not config.output_logits
+    completion = ids[:, 5:]
+    s = tap.completion_logps(completion, torch.ones_like(completion))
+    assert s is not None and s.shape == (2, 4)
+    assert measure_gap(model, ids, s).max_abs < 1e-4
+    assert tap.completion_logps(completion.flip(1), torch.ones_like(completion)) is None
+    tap.detach()
+    assert "generate" not in vars(model)

@@ -1,0 +1,139 @@
+"""What the RL contract checks cost on CPU: a real ``trl.GRPOTrainer`` step (generation, rewards,
+loss, backward) on a text LLaMA of ~20M parameters, timed in fp32 (``bf16=False``: bf16 matmuls
+are slow on CPUs without bf16 units; the watch's cost is one re-score forward while it measures,
+whatever the dtype). Arms, rotated every repetition:
+
+* ``none`` — the step with no watch (``PrecisionGuardCallback(rl="off")``);
+* ``watching`` — the step while :class:`~hf_precision.integrations.trl_rl.RLWatch` measures it
+  (``generate`` asked for its logits, the completions re-scored by TRL's own scoring); paid on
+  the first 2 generations of a run only;
+* ``idle`` — the step once the watch is done (its wrappers taken off): target ≤ 1.01.
+
+>>> from benchmarks.rl_cost import run
+>>> figures = run(quick=True)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from .common import Figure, interleave, param_count, ratio_figure, smoke
+
+FAMILY = "rl"
+
+
+def _reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    return [float(len(str(c))) for c in completions]
+
+
+def _trainer(quick: bool, out: str) -> Any:
+    import trl
+    from datasets import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_precision.tiny import tiny_llava_processor
+
+    tok = tiny_llava_processor().tokenizer
+    size = 32 if quick else 384
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=size,
+        intermediate_size=4 * size,
+        num_hidden_layers=2 if quick else 8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    args = trl.GRPOConfig(
+        output_dir=out,
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4 if quick else 16,
+        beta=0.0,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    data = Dataset.from_dict({"prompt": ["a red square", "a blue circle"] * 4})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trl.GRPOTrainer(
+            model=model, reward_funcs=[_reward], args=args, train_dataset=data, processing_class=tok
+        )
+
+
+def run(quick: bool = False, reps: int | None = None) -> list[Figure]:
+    from hf_precision.integrations.trl_rl import RLWatch
+
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as out:
+        trainer = _trainer(quick, out)
+        rows = [{"prompt": p} for p in ["a red square"] * 4]
+        trainer.current_gradient_accumulation_steps = 1  # set by train() otherwise
+        watches: list[RLWatch] = []
+
+        def step() -> None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                batch = trainer._generate_and_score_completions(rows)
+                trainer.compute_loss(trainer.model, batch).backward()
+            trainer.model.zero_grad(set_to_none=True)
+
+        def arm(kind: str) -> None:
+            for w in watches:
+                w.detach()
+            watches.clear()
+            if kind == "watching":  # measures every call
+                watches.append(RLWatch(trainer, steps=10**9).attach())
+            elif kind == "idle":  # attached, then done: its wrappers come off
+                w = RLWatch(trainer, steps=1).attach()
+                w.finish()
+                watches.append(w)
+
+        runs = interleave(
+            {"none": step, "watching": step, "idle": step},
+            setup={k: (lambda k=k: arm(k)) for k in ("none", "watching", "idle")},
+            reps=reps or (2 if quick else 7),
+            warmup=1,
+        )
+        arm("none")
+        shape = {
+            "params_M": round(param_count(trainer.model) / 1e6, 1),
+            "completions": 4,
+            "tokens": trainer.args.max_completion_length,
+            "trainer": "trl.GRPOTrainer, use_vllm=False, fp32",
+        }
+    figures = [
+        ratio_figure(
+            "rl_watching",
+            "GRPO step while the RL watch measures ÷ none (first 2 generations only)",
+            runs,
+            "watching",
+            "none",
+            None,
+            **shape,
+        ),
+        ratio_figure(
+            "rl_idle",
+            "GRPO step once the RL watch is done / rl='off' ÷ none",
+            runs,
+            "idle",
+            "none",
+            1.01,
+            **shape,
+        ),
+    ]
+    for fig in figures:
+        fig.seconds = round(time.perf_counter() - start, 1)
+    return [smoke(f) for f in figures] if quick else figures
