@@ -151,7 +151,8 @@ def rl_groups(model: nn.Module) -> dict[str, list[nn.Module]]:
             found["adapters"].append(mod)
         elif "norm" in type(mod).__name__.lower():
             found["norms"].append(mod)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    head = output_embeddings() if callable(output_embeddings) else None
     if isinstance(head, nn.Module):
         found["lm_head"].append(head)
     try:

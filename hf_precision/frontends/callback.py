@@ -328,7 +328,7 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         self._verify("on_train_begin", args, state, kwargs, check_ranks=True, restore=True)
         self._watch_updates(args, kwargs)
         if self.rl != "off":
-            self.rl_watchers = self._watch_trainer(self.rl_watchers)
+            self.rl_watchers = self._watch_trainer(self.rl_watchers, self.guard)
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._verify("on_evaluate", args, state, kwargs, check_ranks=True, restore=True)

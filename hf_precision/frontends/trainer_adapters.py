@@ -70,11 +70,10 @@ class TrainerModels(GuardFrontEnd):
         trackers' callbacks are where the report's tracker events go."""
         return find_trainer(self, self._trainer() if self._trainer is not None else None)[0]
 
-    def _watch_trainer(self, watching: Any) -> Any:
+    def _watch_trainer(self, watching: Any, guard: PrecisionGuard | None) -> Any:
         """Put the library's watchers on the served Trainer once (``watching``: the ones put
         before, taken off when the Trainer or its model changed)."""
         trainer = self._served()
-        guard = self.guard
         if trainer is None or guard is None:
             return watching
         if watching is not None:

@@ -101,7 +101,7 @@ class RLWatch:
         self.scored = 0
         self._said: set[str] = set()
         self.kept: list[dict[str, Any]] = []  # the last ten sync findings
-        self._own: list[tuple[Any, str]] = []
+        self._own: list[tuple[str, Any, bool]] = []
         self.sync.around(trainer, "_generate_single_turn", event="generation", restore=restore)
         if callable(getattr(self.model, "merge_adapter", None)):
             self.sync.round_trip(
