@@ -75,7 +75,7 @@ def trainer_models(
     return found
 
 
-__all__ = ["MODEL_ATTRS", "trainer_models"]
+__all__ = ["MODEL_ATTRS", "trainer_models", "watch_trainer"]
 
 
 def watch_trainer(trainer: Any, guard: Any) -> Any:
