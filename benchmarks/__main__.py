@@ -38,6 +38,7 @@ FAMILIES: dict[str, str] = {
     "silent": "benchmarks.silent_cost",
     "updates": "benchmarks.updates_cost",
     "rl": "benchmarks.rl_cost",
+    "rl_watch": "benchmarks.rl_watch_cost",
     "launcher": "benchmarks.launcher_step",
     "fp16": "benchmarks.fp16_range",
 }
@@ -51,6 +52,7 @@ CPU_FAMILIES = (
     "silent",
     "updates",
     "rl",
+    "rl_watch",
     "launcher",
     "fp16",
 )

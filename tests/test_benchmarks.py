@@ -16,7 +16,15 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
-from benchmarks import audit, batch_cost, enforce_cost, gpu, step_overhead, updates_cost
+from benchmarks import (
+    audit,
+    batch_cost,
+    enforce_cost,
+    gpu,
+    rl_watch_cost,
+    step_overhead,
+    updates_cost,
+)
 from benchmarks.__main__ import main, table
 from benchmarks.common import Figure, interleave
 from benchmarks.models import build_meta, llava15_7b_config, qwen2_vl_72b_config
@@ -168,3 +176,10 @@ def test_fp16_range_quick_times_the_guarded_fp16_step_and_the_probe() -> None:
     figs = _by_id(fp16_range.run(quick=True, reps=1))
     assert figs["fp16_step_guard"].value is not None
     assert figs["headroom_probe"].detail["modules"] > 20
+
+
+def test_rl_watch_cost_quick_times_one_attribution_and_one_sync_check() -> None:
+    figs = _by_id(rl_watch_cost.run(quick=True, reps=1))
+    assert set(figs) == {"rl_attribution", "rl_sync_check"}
+    assert figs["rl_attribution"].value > 0 and figs["rl_sync_check"].detail["frozen_tensors"] > 5
+    assert set(figs["rl_attribution"].detail["groups_switched"]) >= {"lm_head", "norms"}

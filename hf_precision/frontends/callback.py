@@ -80,7 +80,11 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         rl: on TRL's RL trainers (GRPO, RLOO, online DPO), the sampler-trainer contract and the
             gap of the first generations (:mod:`hf_precision.integrations.trl_rl`): ``"auto"``
             (default: in fix mode ``generate`` samples under the trainer's autocast, "match"),
-            ``"match"``, ``"measure"`` (contract and gap, no match) or ``"off"``.
+            ``"match"``, ``"measure"`` (contract and gap, no match) or ``"off"``. Unless
+            ``"off"``, the frozen weights are also checked around each weight sync and
+            generation (a merge/unmerge round trip that drifts them; an in-place cast, whose
+            dtypes are restored) and a gap past the threshold is attributed to a group
+            (:mod:`hf_precision.integrations.trl_rl_watch`).
 
     >>> from transformers import Trainer  # doctest: +SKIP
     >>> Trainer(model=model, args=args, callbacks=[PrecisionGuardCallback()])  # doctest: +SKIP
@@ -135,6 +139,7 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         self._lost: LostUpdateCheck | None = None
         self.rl = check_rl(rl, call=self._call)
         self.rl_watch: Any = None  # the RL trainer's watch (trainer_adapters.TrainerModels)
+        self.rl_watchers: Any = None  # sync integrity + attribution (integrations.trl_rl_watch)
 
     # what the engine knows, under the names this callback always had
     @property
@@ -323,6 +328,8 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         # restore: a standalone evaluate() with *_full_eval ran before train()
         self._verify("on_train_begin", args, state, kwargs, check_ranks=True, restore=True)
         self._watch_updates(args, kwargs)
+        if self.rl != "off":
+            self.rl_watchers = self._watch_trainer(self.rl_watchers, self.guard)
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._verify("on_evaluate", args, state, kwargs, check_ranks=True, restore=True)
@@ -340,5 +347,8 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         if self._tracer is not None:
             self._tracer.remove()
             self._tracer = None
+        if self.rl_watchers is not None:
+            self.rl_watchers.remove()
+            self.rl_watchers = None
         self._verify("on_train_end", args, state, kwargs)
         self._stash()

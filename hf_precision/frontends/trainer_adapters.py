@@ -27,6 +27,7 @@ __all__ = [
     "check_rl",
     "find_trainer",
     "trainer_models",
+    "trainer_watchers",
 ]
 
 #: Trainer adapters (as transformers' ``INTEGRATION_TO_CALLBACK``): the top-level package a
@@ -69,6 +70,18 @@ class TrainerModels(GuardFrontEnd):
         """The Trainer this callback serves (bound, else found in the calling frames): its
         trackers' callbacks are where the report's tracker events go."""
         return find_trainer(self, self._trainer() if self._trainer is not None else None)[0]
+
+    def _watch_trainer(self, watching: Any, guard: PrecisionGuard | None) -> Any:
+        """Put the library's watchers on the served Trainer once (``watching``: the ones put
+        before, taken off when the Trainer or its model changed)."""
+        trainer = self._served()
+        if trainer is None or guard is None:
+            return watching
+        if watching is not None:
+            if watching.trainer is trainer and watching.model is trainer.model:
+                return watching
+            watching.remove()
+        return trainer_watchers(trainer, guard)
 
     def _verify_trainer_models(
         self, event: str, args: Any, guard: PrecisionGuard, *, step: int
@@ -145,6 +158,17 @@ def check_rl(value: str, *, call: str) -> str:
             "rl='auto' (contract, gap, and match in fix mode), 'match', 'measure' or 'off'."
         )
     return value
+
+
+def trainer_watchers(trainer: Any, guard: PrecisionGuard) -> Any:
+    """The watchers the adapter of the Trainer's library puts on it (its ``watch_trainer``:
+    TRL's RL trainers get the sync integrity and gap attribution watchers), or ``None``."""
+    for library in dict.fromkeys(c.__module__.split(".")[0] for c in type(trainer).__mro__):
+        name = TRAINER_ADAPTERS.get(library)
+        watch = getattr(importlib.import_module(name), "watch_trainer", None) if name else None
+        if watch is not None:
+            return watch(trainer, guard)
+    return None
 
 
 def find_trainer(callback: object, bound: Any = None) -> tuple[Any, dict[str, Any]]:

@@ -75,4 +75,11 @@ def trainer_models(
     return found
 
 
-__all__ = ["MODEL_ATTRS", "trainer_models"]
+__all__ = ["MODEL_ATTRS", "trainer_models", "watch_trainer"]
+
+
+def watch_trainer(trainer: Any, guard: Any) -> Any:
+    """The RL watchers on one of TRL's RL trainers (:mod:`.trl_rl_watch`), else ``None``."""
+    from .trl_rl_watch import watch_rl
+
+    return watch_rl(trainer, guard)
