@@ -223,10 +223,12 @@ def bridged_line(
 ) -> str:
     """The console line for a guard that cast an input at run time (once per kind); ``cast``:
     whether the setup cast weights."""
+    # what was done, not what would have happened without it: a run that would have
+    # finished anyway (autocast, a script's own casts) is not "kept going" by the hooks
     how = (
         "the guard cast weights at setup and its hooks bridge the rest"
         if cast
-        else "nothing in the model was cast: its hooks alone keep this run going"
+        else "nothing in the model was cast: its hooks cast inputs at the boundary"
     )
     where = f" at {path}" if path else ""
     return (

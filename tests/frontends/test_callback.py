@@ -578,7 +578,7 @@ def test_a_run_the_hooks_alone_keep_going_says_so_once_per_kind(make_trainer, ca
     assert (
         "hf-precision: the boundary guard at model.multi_modal_projector casts input 0 "
         "bfloat16 → float32 (said once per guard kind); nothing in the model was cast: its "
-        f"hooks alone keep this run going; report: {out}/precision/"
+        f"hooks cast inputs at the boundary; report: {out}/precision/"
     ) in said, said
     assert any(
         s.startswith("hf-precision: the batch guard casts pixel_values float32") for s in said
