@@ -86,8 +86,9 @@ def cast_line(report: EnforceReport, *, origin: str | None, report_dir: str | No
 
 
 def kept_as_is(report: EnforceReport) -> bool:
-    """A rule kept a tensor in its own (half) dtype on purpose (``wrapper_master_fp32``)."""
-    return any(k[2] not in KEEP_RULES for k in report.kept)
+    """A rule kept a tensor in its own (half) dtype on purpose (``wrapper_master_fp32``); 0-D
+    scalars kept as they are (rule ``scalar``) are in the report, not worth a line alone."""
+    return any(k[2] not in (*KEEP_RULES, "scalar") for k in report.kept)
 
 
 def kept_words(report: EnforceReport) -> str:
