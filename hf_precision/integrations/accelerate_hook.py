@@ -29,7 +29,14 @@ diffusers' example training scripts, kohya-style scripts and custom loops build 
   components not already guarded get :func:`~hf_precision.guard_diffusion` with the policy the
   accelerator implies and each component's dtype *as loaded* (nothing is cast up or down; the
   guards make inputs follow each component: an fp32 UNet's latents into a bf16 VAE), one report
-  event ``validation_pipeline`` per pipeline.
+  event ``validation_pipeline`` per pipeline. A pipeline loaded before the first prepare (kohya's
+  sd-scripts load their models through one) makes the plugin then, and is reported as the first
+  events, ``load_pipeline``.
+
+A tool with its own loop (:data:`.framework_runs.DETECTORS`: kohya's sd-scripts) is recognised
+when the plugin is made: its output folder takes the reports, its flags are the inferred
+policy's source and the flag the guard undoes is named, its batch keys are registered, and a run
+that cannot work is refused (:class:`.framework_runs.FrameworkRun`).
 """
 
 from __future__ import annotations
