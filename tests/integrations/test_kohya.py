@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from hf_precision.integrations import framework_runs, kohya
+from hf_precision.integrations import kohya
 
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).resolve().parent / "kohya_runner.py"
@@ -240,9 +240,3 @@ def test_the_network_is_its_own_group() -> None:
 
     train(_namespace())  # registers the group and its rule
     assert find_module_groups(net).group_of("lora_down.weight") == kohya.GROUP
-
-
-def test_registered_as_a_framework_detector() -> None:
-    assert framework_runs.DETECTORS["library.train_util"] == (
-        "hf_precision.integrations.kohya:detect"
-    )
