@@ -20,8 +20,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/python
 	# small CPU comm op it needs on first use)
 	# constraints.txt: the tested versions of the HF stack (the README's compatibility table)
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q -c constraints.txt "torch==2.13.0" -e ".[dev]"
-	# no start-up line here (an editable install ships none): the tests check a Python without
-	# it and one with it (`.venv/bin/hf-precision install-hook` adds it for HF_PRECISION_GUARD)
+	# the editable install carries the start-up line too (setup.py): HF_PRECISION_GUARD works here;
+	# the tests that need a Python without it make one (`python -S`)
 	touch $@
 
 setup: $(VENV)/.installed
@@ -36,8 +36,7 @@ $(DEMO_VENV)/.installed: pyproject.toml constraints.txt
 	$(DEMO_BIN)/python -m pip install -q --upgrade pip
 	$(DEMO_BIN)/python -m pip install -q "torch==2.13.0"
 	$(DEMO_BIN)/python -m pip install -q -c constraints.txt "torch==2.13.0" -e ".[wandb,recipes]"
-	# an editable install ships no start-up line: HF_PRECISION_GUARD=... needs it
-	$(DEMO_BIN)/hf-precision install-hook
+	# the editable install carries the start-up line HF_PRECISION_GUARD=... needs (setup.py)
 	touch $@
 
 demo-setup: $(DEMO_VENV)/.installed

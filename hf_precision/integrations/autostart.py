@@ -135,8 +135,9 @@ LOADED_AS = "_hf_precision_autostart"
 MISSING_HOOK = (
     "hf-precision: {env} is set but the start-up hook is not installed in this Python "
     "({exe}): a Trainer built here gets no precision guard from the variable. Fix: run "
-    "`hf-precision install-hook` once in this environment (an editable install, `pip install "
-    "-e .`, does not ship it), or launch with `hf-precision run -- COMMAND`."
+    "`hf-precision install-hook` once in this environment (`pip install`, also with -e, ships "
+    "it; a checkout on PYTHONPATH or `python -S` has none), or launch with "
+    "`hf-precision run -- COMMAND`."
 )
 
 
@@ -145,7 +146,7 @@ _missing_said = False
 
 def hook_missing(environ: Any = None) -> bool:
     """``HF_PRECISION_GUARD`` asks for the guard, but no start-up line loaded this file in this
-    process (an editable install without ``hf-precision install-hook``): the variable alone
+    process (a checkout on ``PYTHONPATH`` with no install, ``python -S``): the variable alone
     would guard nothing."""
     if not enabled(environ) or LOADED_AS in sys.modules:
         return False

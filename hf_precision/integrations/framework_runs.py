@@ -16,14 +16,11 @@ imported in this process (:data:`DETECTORS`).
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-logger = logging.getLogger("hf_precision")
 
 #: a module that only a tool's process imports -> ``"module:function"``, the tool's adapter:
 #: ``function(accelerator)`` returns a :class:`FrameworkRun`, or ``None`` when this process is
@@ -109,9 +106,4 @@ def detect(accelerator: Any = None) -> FrameworkRun | None:
     return None
 
 
-def say(line: str) -> None:
-    """One line for the console and ``precision.log`` (the findings channel, when it lands)."""
-    logger.warning(line)
-
-
-__all__ = ["DETECTORS", "FrameworkRun", "detect", "say"]
+__all__ = ["DETECTORS", "FrameworkRun", "detect"]

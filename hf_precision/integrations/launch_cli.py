@@ -93,8 +93,9 @@ def add_cli(sub: Any) -> None:
     s.add_argument("cmd", nargs="...", metavar="-- COMMAND [ARGS...]")
     h = sub.add_parser(
         "install-hook",
-        help=f"install the start-up line that makes {ENV_GUARD} work (editable installs)",
-        description=f"Write {PTH_NAME} into site-packages (a wheel install ships it): Python "
+        help=f"install the start-up line that makes {ENV_GUARD} work (where no install put it)",
+        description=f"Write {PTH_NAME} into site-packages (a wheel or editable install ships "
+        "it): Python "
         f"then runs its one line at every start, which does nothing unless {ENV_GUARD} is set.",
     )
     h.add_argument("--target", default=None, help="site-packages folder (default: this Python's)")
@@ -186,8 +187,8 @@ def run_command(cmd: Sequence[str], **options: Any) -> int:
 def install_hook(target: str | os.PathLike[str] | None = None, *, remove: bool = False) -> Path:
     """Write (or ``remove``) ``hf_precision_guard.pth`` in ``target`` (default: this Python's
     site-packages), the start-up line that makes ``HF_PRECISION_GUARD`` work without
-    ``hf-precision run``; a wheel install ships it, an editable install (``pip install -e``) does
-    not. Returns the file's path."""
+    ``hf-precision run``; a wheel and an editable install (``pip install -e``) ship it, a
+    checkout on ``PYTHONPATH`` has none. Returns the file's path."""
     folder = Path(target) if target is not None else Path(sysconfig.get_paths()["purelib"])
     path = folder / PTH_NAME
     if remove:

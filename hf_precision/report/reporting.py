@@ -57,6 +57,7 @@ from .trackers import (
     Tracker,
     accelerator_trackers,
     event_payload,
+    finding_payload,
     make_tracker,
     nonfinite_payload,
     trace_payload,
@@ -133,6 +134,8 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
         #: the blame's findings so far (``NonFinite.to_dict()``): every later event's JSON
         #: carries them as ``nonfinite``
         self.nonfinite: list[dict[str, Any]] = []
+        #: every watcher's finding so far, with its step: each later event JSON's ``findings``
+        self.findings: list[dict[str, Any]] = []
         asked = dict(trackers or {})
         if wandb:
             asked.setdefault("wandb", wandb_run)
@@ -213,15 +216,6 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
             trackers=accelerator_trackers(accelerator),
         )
 
-    # ------------------------------------------------------------------ parts
-    def _render_png(
-        self, dmap: DtypeMap, event: str, step: int, policy: Any, report: Any, model: nn.Module
-    ) -> bytes | None:
-        return self._picture.render(dmap, event, step, policy, report, model)
-
-    def _stem(self, event: str, step: int) -> str:
-        return self.files.stem(event, step)
-
     # ------------------------------------------------------------------ event
     def log_event(
         self,
@@ -258,7 +252,7 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
         self.events.append((event, step))
         snap = self._snapshot(event, step, policy, report, dmap, diff, previous, first, base)
         snap.sections = json.loads(json.dumps(dict(sections or {}), default=str))
-        snap.png = self._render_png(dmap, event, step, policy, report, model)
+        snap.png = self._picture.render(dmap, event, step, policy, report, model)
         self._publish(snap)
         return dmap
 
@@ -293,7 +287,7 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
             rows,
             aggregated,
             first,
-            stem=self._stem(event, step),
+            stem=self.files.stem(event, step),
             unchanged_since=unchanged,
         )
 
@@ -303,7 +297,7 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
         png_path = None
         if self.report_dir is not None:
             try:
-                png_path = self.files.write_event(snap, self.nonfinite)
+                png_path = self.files.write_event(snap, self.nonfinite, self.findings)
             except OSError as err:  # a report is an observer: it never stops training
                 self._failed(
                     "files",
@@ -355,6 +349,24 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
             stacklevel=3,
         )
 
+    # ------------------------------------------------------------------ findings
+    def log_finding(self, finding: Any, *, step: int) -> Path | None:
+        """A watcher's :class:`~hf_precision.engine.finding.Finding` (from ``emit``): its files
+        (``ReportFiles.write_finding``), the trackers, the ``findings`` of later event JSONs;
+        the blame and the trace keep their own files."""
+        self.findings.append({**finding.to_dict(), "step": step})
+        if finding.detail is not None and finding.source == "nonfinite":
+            return self.log_nonfinite(finding.detail, step=step)
+        if finding.detail is not None and finding.source == "trace":
+            return self.log_trace(finding.detail, step=step)
+        if not self.is_main_process:
+            return None
+        png = self._picture.finding(finding, step)
+        path = self.files.write_finding(finding, step, png)
+        if self.trackers:
+            self._submit(finding_payload(finding, step, png, path))
+        return path
+
     # ------------------------------------------------------------------ blame, trace
     def log_nonfinite(self, finding: Any, *, step: int) -> Path | None:
         """A :class:`~hf_precision.engine.blame.NonFinite`: its line to the log,
@@ -364,7 +376,7 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
         self.nonfinite.append(record)
         if not self.is_main_process:
             return None
-        self.files.append_log(record["line"])
+        self.files.append_log(record["line"], console=False)  # the speaker said it
         path = self.files.write_extra("nonfinite", step, {"nonfinite": [record]})
         if self.trackers:
             self._submit(nonfinite_payload(self.nonfinite, step))
@@ -375,7 +387,7 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
         ``<step>-trace.json``, the strip picture ``<step>-trace.png`` and the trackers."""
         if not self.is_main_process:
             return None
-        self.files.append_log(trace.line())
+        self.files.append_log(trace.line(), console=False)  # the speaker said it
         png = self._picture.trace(trace, title or f"activation dtype trace, step {step}")
         path = self.files.write_extra("trace", step, {"trace": trace.to_dict()}, png=png)
         if self.trackers:

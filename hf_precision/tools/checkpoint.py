@@ -142,19 +142,25 @@ def resolve_hub(repo_id: str) -> tuple[Path, str, dict[str, dict[str, Any]] | No
             folder = Path(snapshot_download(repo_id, local_files_only=True))
         except (LocalEntryNotFoundError, OSError, ValueError) as err:
             fail(
-                f"no such folder: {repo_id}, and as a Hub id it is not in the local Hugging Face "
-                f"cache ({constants.HF_HUB_CACHE}) while the Hub is offline (HF_HUB_OFFLINE=1): "
+                f"no folder {repo_id} here (in {Path.cwd()}), and as a Hub id it is not in the "
+                f"local Hugging Face cache ({constants.HF_HUB_CACHE}) while the Hub is offline "
+                f"(HF_HUB_OFFLINE=1): "
                 f"{type(err).__name__}. Fix: pass an existing checkpoint folder; or unset "
                 f"HF_HUB_OFFLINE; or fetch its config once (hf download {repo_id} --include "
                 "'*.json': no weights; the stored dtypes then come from the config, as "
                 "'*.safetensors' would download the whole weights)"
             )
         return folder, f"the local Hugging Face cache, offline (HF_HUB_OFFLINE=1): {folder}", None
+    unreachable = _hub_unreachable(constants.ENDPOINT)
+    if unreachable is not None:
+        _fail_unreachable(repo_id, unreachable)
     found: Path | None = None
     for marker, _ in MARKERS:
         try:
             found = Path(hf_hub_download(repo_id, marker)).parent
             break
+        except LocalEntryNotFoundError as err:  # the network went away: not "no such file"
+            _fail_unreachable(repo_id, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
         except EntryNotFoundError:
             continue
         except (OSError, ValueError) as err:  # not found, gated, no network (all OSErrors)
@@ -167,6 +173,37 @@ def resolve_hub(repo_id: str) -> tuple[Path, str, dict[str, dict[str, Any]] | No
     if found is None:
         fail(f"{repo_id}: no config.json, adapter_config.json or model_index.json on the Hub")
     return found, f"the Hub ({repo_id}: config and safetensors headers)", remote_headers(repo_id)
+
+
+#: seconds the one look at the Hub waits before it says the Hub cannot be reached
+HUB_PROBE_TIMEOUT = 5.0
+
+
+def _hub_unreachable(endpoint: str) -> str | None:
+    """Why the Hub at ``endpoint`` cannot be reached (one request, no retries, at most
+    :data:`HUB_PROBE_TIMEOUT` seconds), or ``None`` when it answers at all (any HTTP status):
+    huggingface_hub's own download retries a refused connection for over a minute."""
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(f"{endpoint.rstrip('/')}/api/models", timeout=HUB_PROBE_TIMEOUT)
+    except Exception as err:  # connection refused, DNS, timeout, proxy, TLS
+        detail = str(err).splitlines()[0][:120] if str(err) else ""
+        return (
+            f"{type(err).__name__}: {detail} at {endpoint}"
+            if detail
+            else f"{type(err).__name__} at {endpoint}"
+        )
+    return None
+
+
+def _fail_unreachable(repo_id: str, why: str) -> None:
+    fail(
+        f"no folder {repo_id} here (in {Path.cwd()}), and the Hub could not be reached to look it "
+        f"up as a Hub id ({why}). Fix: pass an existing checkpoint folder; for a Hub id, run "
+        "where the Hub is reachable (HF_ENDPOINT), or set HF_HUB_OFFLINE=1 to read the local "
+        f"Hugging Face cache (hf download {repo_id} --include '*.json' fetches its config once)"
+    )
 
 
 def remote_headers(repo_id: str) -> dict[str, dict[str, Any]]:

@@ -98,8 +98,8 @@ def test_a_python_without_hf_precision_says_it_trains_unguarded(tmp_path):
     clean = {k: v for k, v in os.environ.items() if not k.startswith("HF_PRECISION_")}
     code = LOAD + "m.ON_IMPORT = 'no_such_package.launcher:patch'\nm.activate()\n"
     code += "import transformers.trainer; print('loaded')"
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
+    proc = subprocess.run(  # -S: no site-packages, so no start-up line of an install runs
+        [sys.executable, "-S", "-c", code],
         env={**clean, "PYTHONPATH": str(tmp_path), "HF_PRECISION_GUARD": "auto"},
         capture_output=True,
         text=True,
@@ -110,10 +110,11 @@ def test_a_python_without_hf_precision_says_it_trains_unguarded(tmp_path):
     assert "pip install hf-precision" in proc.stderr
 
 
-def _import_twice(**env: str) -> subprocess.CompletedProcess[str]:
+def _import_twice(*flags: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("HF_PRECISION_")}
+    code = "import hf_precision, importlib; importlib.reload(hf_precision)"
     return subprocess.run(
-        [sys.executable, "-c", "import hf_precision, importlib; importlib.reload(hf_precision)"],
+        [sys.executable, *flags, "-c", code],
         env={**clean, **env},
         capture_output=True,
         text=True,
@@ -122,9 +123,10 @@ def _import_twice(**env: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_variable_without_the_start_up_hook_is_said_once_on_import():
-    """An editable install has no ``hf_precision_guard.pth``: ``HF_PRECISION_GUARD`` alone would
-    guard nothing. ``import hf_precision`` (the one-line check) says so once, with the fix."""
-    proc = _import_twice(PYTHONPATH=str(ROOT), HF_PRECISION_GUARD="auto")
+    """A Python without ``hf_precision_guard.pth`` (a checkout on ``PYTHONPATH``; made here with
+    ``-S``, since both installs ship the line): ``HF_PRECISION_GUARD`` alone would guard
+    nothing. ``import hf_precision`` (the one-line check) says so once, with the fix."""
+    proc = _import_twice("-S", PYTHONPATH=str(ROOT), HF_PRECISION_GUARD="auto")
     assert proc.returncode == 0, proc.stderr[-2000:]
     said = [x for x in proc.stderr.splitlines() if x.startswith("hf-precision:")]
     assert said == [autostart.MISSING_HOOK.format(env="HF_PRECISION_GUARD", exe=sys.executable)]

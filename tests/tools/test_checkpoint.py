@@ -216,3 +216,65 @@ def test_weight_files_skip_dtype_variants_next_to_plain_files(tmp_path: Path) ->
     assert [f.name for f in weight_files(tmp_path)] == [names[0]]
     (tmp_path / names[0]).unlink()
     assert [f.name for f in weight_files(tmp_path)] == [names[1]]  # only the variant is there
+
+
+# ---------------------------------------------------------------------------- no Hub here
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # closed again when the block ends: refused
+
+
+def _audit(tmp_path: Path, source: str, **env: str) -> tuple[int, str, float]:
+    """``hf-precision audit <source>`` as a user runs it, in a folder without ``source``."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    run_env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    run_env.update(HF_HOME=str(tmp_path / "hf-home"), PYTHONPATH=str(Path.cwd()), **env)
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "hf_precision", "audit", source],
+        capture_output=True,
+        text=True,
+        env=run_env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    return done.returncode, done.stderr, time.monotonic() - started
+
+
+@pytest.mark.parametrize("offline", ["", "1"])
+def test_no_folder_and_no_hub_is_one_line_within_seconds(tmp_path: Path, offline: str) -> None:
+    """#34: with the Hub unreachable (a closed port) a two-part name that is no folder here is
+    answered at once in one line: no such folder here, the Hub not reachable and why (or
+    offline), what to do. huggingface_hub alone retried for 74 s and then said "not on the
+    Hub"."""
+    env = {"HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"}
+    if offline:
+        env["HF_HUB_OFFLINE"] = offline
+    code, err, took = _audit(tmp_path, "work/ckpt_that_is_not_here", **env)
+    assert code == 2 and err.count("\n") == 1 and "Retrying" not in err, err
+    assert took < 30, took  # the interpreter's imports; no retry loop (74 s before)
+    assert err.startswith(
+        f"hf-precision: error: no folder work/ckpt_that_is_not_here here (in {tmp_path})"
+    )
+    if offline:
+        assert "offline (HF_HUB_OFFLINE=1)" in err
+    else:
+        assert "the Hub could not be reached" in err and "Connection refused" in err
+    assert "Fix: pass an existing checkpoint folder" in err
+
+
+def test_a_reachable_hub_is_still_asked(tmp_path: Path, hub_404: str) -> None:
+    """The Hub answers (a local endpoint that knows no repository): the lookup happens and its
+    answer is said, in one line, not "could not be reached"."""
+    code, err, _ = _audit(tmp_path, "someone/no-such-model", HF_ENDPOINT=hub_404)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "could not be reached" not in err
+    assert "no such folder: someone/no-such-model, and the Hub did not give it" in err
+    assert "RepositoryNotFoundError" in err

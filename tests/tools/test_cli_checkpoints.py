@@ -226,7 +226,8 @@ def test_a_hub_id_missing_from_the_cache_says_so(
     assert main(["audit", "Qwen/Qwen2-VL-7B-Instruct"]) == 2
     err = capsys.readouterr().err
     assert (
-        "no such folder: Qwen/Qwen2-VL-7B-Instruct, and as a Hub id it is not in the local" in err
+        "no folder Qwen/Qwen2-VL-7B-Instruct here" in err
+        and "and as a Hub id it is not in the local" in err
     )
     assert "HF_HUB_OFFLINE=1" in err and err.count("\n") == 1
     # a cached config without weights: the config's dtype (float32), and the note says why
@@ -325,6 +326,7 @@ def test_audit_of_a_diffusers_folder_per_component(
 
 def test_audit_of_a_hub_id_online_reads_config_and_headers_only(
     checkpoints: dict[str, Path],
+    hub_404: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
@@ -357,6 +359,7 @@ def test_audit_of_a_hub_id_online_reads_config_and_headers_only(
         )
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", hub_404)  # reachable: the one look passes
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
     monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", get_safetensors_metadata)
     assert main(["audit", "tiny/llava-online", "--json"]) == 1
