@@ -133,7 +133,8 @@ def detect(accelerator: Any = None) -> FrameworkRun | None:
         if getattr(args, name, False):
             settings[f"--{name}"] = True
     full = next((f for f in _FULL if getattr(args, f, False)), None)
-    undone, own_fix = (), ""
+    undone: tuple[str, ...] = ()
+    own_fix = ""
     if full is not None:
         half = _FULL[full]
         undone = (
