@@ -215,7 +215,7 @@ def _adopt(accelerator: Any, plugin: Any, run: Any, config: Any, policy: Any) ->
     plugin.tool = run.tool
     undone = bool(run.undone) and config.mode != "audit"
     undone = undone and (policy is None or policy.trainable_dtype == torch.float32)
-    plugin.said_as = run.said if undone else replace_undone(run)
+    plugin.said_as = run.said if undone else _without_undone(run)
     if run.own_fix:
         plugin.lost_updates_fix = f"{run.own_fix}; or {plugin.lost_updates_fix}"
     mp = str(getattr(accelerator, "mixed_precision", "no"))
@@ -223,7 +223,7 @@ def _adopt(accelerator: Any, plugin: Any, run: Any, config: Any, policy: Any) ->
     return undone
 
 
-def replace_undone(run: Any) -> str:
+def _without_undone(run: Any) -> str:
     """:attr:`FrameworkRun.said` without the flags the guard does not undo here."""
     from dataclasses import replace
 

@@ -108,7 +108,9 @@ def raw(t: torch.Tensor) -> bytes:
 
 
 def events(out: Path) -> dict[str, dict[str, Any]]:
-    return {p.stem: json.loads(p.read_text()) for p in (out / "precision").glob("*.json")}
+    """The dtype-map events of a run (a finding's own JSON, such as the lost updates', aside)."""
+    found = {p.stem: json.loads(p.read_text()) for p in (out / "precision").glob("*.json")}
+    return {n: e for n, e in found.items() if "dtype_map" in e}
 
 
 @kohya_run
