@@ -561,7 +561,7 @@ def test_the_console_line_names_the_flag_as_the_user_set_it(
     assert "policy bf16 (frozen bfloat16" in line and f", {origin}; report: " in line, line
 
 
-def test_a_run_the_hooks_alone_keep_going_says_so_once_per_kind(make_trainer, caplog):
+def test_a_run_whose_inputs_only_the_hooks_cast_says_so_once_per_kind(make_trainer, caplog):
     model = _fp32_rotary(tiny_llava(torch.bfloat16))
     model.requires_grad_(False)
     model.model.multi_modal_projector.float().requires_grad_(True)  # trained in fp32, no flag
