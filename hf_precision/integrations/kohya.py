@@ -21,7 +21,7 @@ returns a :class:`~.framework_runs.FrameworkRun` that makes the guard speak sd-s
   ``network_multipliers`` are metadata (one value per sample, never cast);
 * ``--fp8_base`` is read as storage and compute (UNet weights fp8 e4m3, compute in the
   ``--mixed_precision`` dtype); on a CPU, where the fp8 UNet's GroupNorm layers cannot run, the
-  run is refused at the first ``prepare``, before step 1.
+  run is refused when the guard starts (as the models load), before step 1.
 
 Importing this module imports nothing of sd-scripts: :func:`detect` looks at the running
 process only.
