@@ -7,7 +7,7 @@ export WANDB_SILENT ?= true
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo demo-setup test test-fast test-tf4 test-frameworks frameworks-setup test-diffusers test-onetrainer onetrainer-setup lint typecheck bench gpu-test nightly clean notebooks
+.PHONY: setup demo demo-setup test test-fast test-tf4 test-frameworks frameworks-setup test-diffusers test-onetrainer onetrainer-setup test-kohya kohya-setup lint typecheck bench gpu-test nightly clean notebooks
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -54,7 +54,7 @@ demo: demo-setup
 		--report_to wandb
 
 test: setup
-	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -m "not frameworks and not diffusers and not onetrainer"
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -m "not frameworks and not diffusers and not onetrainer and not kohya"
 
 # The transformers 4.x leg: its own venv (.venv-tf4) with the 4.57 line and the peft that goes
 # with it; the core, scenario and seed-layout tests run there (see the README's compatibility
@@ -79,7 +79,7 @@ test-tf4: $(TF4_VENV)/.installed
 	$(TF4_VENV)/bin/python -m pytest -n 2 --dist loadgroup -q $(TF4_TESTS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -x -m "not slow and not multiprocess and not frameworks and not diffusers and not onetrainer"
+	$(BIN)/python -m pytest -q -x -m "not slow and not multiprocess and not frameworks and not diffusers and not onetrainer and not kohya"
 
 # The framework leg: each framework's real command line on a tiny VLM LoRA job, in its own venv
 # (a framework pins its own transformers/peft/trl). torch is the CPU wheel, pinned on every pip
@@ -206,6 +206,38 @@ test-onetrainer: setup onetrainer-setup
 	HF_PRECISION_UPSTREAM=$(UPSTREAM) HF_PRECISION_ONETRAINER2024_VENV=$(abspath $(OT2024_VENV)) \
 	HF_PRECISION_ONETRAINER_VENV=$(abspath $(OT_VENV)) \
 		$(BIN)/python -m pytest -q -m onetrainer tests/integrations/test_onetrainer.py
+# The kohya leg: kohya-ss sd-scripts' own train_network.py (LoRA) on a tiny SD 1.5, on CPU,
+# plain and under `hf-precision run -- accelerate launch` (tests/integrations/test_kohya.py).
+# sd-scripts is not on the package index: the tests unpack a snapshot of its source
+# ($HF_PRECISION_SD_SCRIPTS, or an upstream/ folder beside the checkout) and skip without one.
+# Its venv holds what train_network.py imports on that path, at the versions that run on a CPU:
+# transformers 4.57, accelerate 1.10 (the lowest hf-precision accepts), diffusers 0.32.1 and
+# huggingface-hub 0.34.3 as sd-scripts pins them, its small requirements (no bitsandbytes or
+# optional optimizers: AdamW only), and torchvision's Python without its compiled ops (as in
+# test-diffusers). hf-precision itself runs from this checkout (PYTHONPATH), launched by the
+# main venv's `python -m hf_precision run`.
+KOHYA_VENV ?= .venv-kohya
+KOHYA_PINS ?= "transformers==4.57.6" "accelerate==1.10.1" "diffusers==0.32.1" \
+	"huggingface-hub==0.34.3" "einops==0.7.0" "opencv-python-headless==4.10.0.84" \
+	"toml==0.10.2" "voluptuous==0.15.2" "imagesize==1.4.1" "rich==14.1.0" "ftfy==6.3.1" \
+	"numpy<2.3"
+
+$(KOHYA_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(KOHYA_VENV)
+	$(KOHYA_VENV)/bin/python -m pip install -q "torch==2.13.0"
+	$(KOHYA_VENV)/bin/python -m pip install -q "torch==2.13.0" $(KOHYA_PINS)
+	$(KOHYA_VENV)/bin/python -m pip install -q --no-deps $(TORCHVISION_PIN)
+	rm -f $(KOHYA_VENV)/lib/python*/site-packages/torchvision/*.so
+	sed -i 's/^@torch\.library\.register_fake(/@(torch.library.register_fake if torchvision.extension._has_ops() else (lambda *a, **k: (lambda f: f)))(/' \
+		$(KOHYA_VENV)/lib/python*/site-packages/torchvision/_meta_registrations.py
+	$(KOHYA_VENV)/bin/python -c "from torchvision import transforms; import cv2, diffusers, accelerate"
+	touch $@
+
+kohya-setup: $(KOHYA_VENV)/.installed
+
+test-kohya: setup $(KOHYA_VENV)/.installed
+	HF_PRECISION_KOHYA_VENV=$(abspath $(KOHYA_VENV)) \
+		$(BIN)/python -m pytest -n 2 -q -m kohya tests/integrations/test_kohya.py
 
 lint: setup
 	$(BIN)/ruff check hf_precision tests recipes benchmarks
@@ -224,4 +256,4 @@ nightly: setup
 	HF_PRECISION_PROPERTY_EXAMPLES=1000 $(BIN)/python -m pytest -q -m slow
 
 clean:
-	rm -rf $(VENV) $(DEMO_VENV) $(TF4_VENV) $(LF_VENV) $(SWIFT_VENV) $(AXOLOTL_VENV) .venv-diffusers $(OT2024_VENV) $(OT_VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) $(DEMO_VENV) $(TF4_VENV) $(LF_VENV) $(SWIFT_VENV) $(AXOLOTL_VENV) .venv-diffusers $(OT2024_VENV) $(OT_VENV) $(KOHYA_VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

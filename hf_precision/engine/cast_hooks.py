@@ -75,7 +75,7 @@ class GuardState:
 @dataclass(slots=True)
 class Notice:
     """Who hears of the first input a guard of each kind casts at run time: ``say(kind, path,
-    what, from_dtype, to_dtype)`` is called once per kind (so a run the hooks alone keep going
+    what, from_dtype, to_dtype)`` is called once per kind (so a run whose inputs the hooks cast
     says so, once). Not while ``torch.compile`` traces: a log call would break the graph."""
 
     say: Any

@@ -86,8 +86,9 @@ def cast_line(report: EnforceReport, *, origin: str | None, report_dir: str | No
 
 
 def kept_as_is(report: EnforceReport) -> bool:
-    """A rule kept a tensor in its own (half) dtype on purpose (``wrapper_master_fp32``)."""
-    return any(k[2] not in KEEP_RULES for k in report.kept)
+    """A rule kept a tensor in its own (half) dtype on purpose (``wrapper_master_fp32``); 0-D
+    scalars kept as they are (rule ``scalar``) are in the report, not worth a line alone."""
+    return any(k[2] not in (*KEEP_RULES, "scalar") for k in report.kept)
 
 
 def kept_words(report: EnforceReport) -> str:
@@ -223,10 +224,12 @@ def bridged_line(
 ) -> str:
     """The console line for a guard that cast an input at run time (once per kind); ``cast``:
     whether the setup cast weights."""
+    # what was done, not what would have happened without it: a run that would have
+    # finished anyway (autocast, a script's own casts) is not "kept going" by the hooks
     how = (
         "the guard cast weights at setup and its hooks bridge the rest"
         if cast
-        else "nothing in the model was cast: its hooks alone keep this run going"
+        else "nothing in the model was cast: its hooks cast inputs at the boundary"
     )
     where = f" at {path}" if path else ""
     return (

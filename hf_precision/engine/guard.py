@@ -145,7 +145,8 @@ class PrecisionGuard:
         self._stash: dict[str, torch.Tensor] = {}
         self._unwrapped: tuple[nn.Module, nn.Module, str] | None = None
         #: extra sections of every event's JSON: ``memory`` (the setup's account), ``provenance``
-        #: (who chose the precision), ``lost_updates`` (the first optimizer steps)
+        #: (who chose the precision), ``lost_updates`` (the first optimizer steps), ``hooks``
+        #: (the guards installed on the model at the event, by kind)
         self.sections: dict[str, Any] = {}
         if claim:
             claim_model(self.root, self.owner, policy, self.call)
@@ -224,6 +225,7 @@ class PrecisionGuard:
         self._account(report, view, first=first)
         self.last_report = report
         self.handle = guards_on(view, policy, report, notice=self.notice)
+        self.sections["hooks"] = self.handle.counts()
         self._outside_reads(report, where, view)
         self.params = tuple(view.parameters())
         self.dtypes = tuple(p.dtype for p in self.params)

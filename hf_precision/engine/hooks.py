@@ -133,6 +133,11 @@ class GuardHandle:
         roots that carry a boundary guard too."""
         return len(self.batch) + len(self.boundary) + len(self.leaf)
 
+    def counts(self) -> dict[str, int]:
+        """The hooks by kind and in all (:attr:`count`), as the event's ``hooks`` section."""
+        kinds = {k: len(getattr(self, k)) for k in ("batch", "boundary", "leaf", "exit")}
+        return {**kinds, "pre_hooks": self.count}
+
     def remove(self) -> None:
         remove_guards(self.root)
 

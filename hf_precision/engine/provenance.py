@@ -43,19 +43,35 @@ ENV_UNSLOTH = "UNSLOTH_FORCE_FLOAT32"
 _HF_PRECISION = "HF_PRECISION_"
 #: what frameworks set by themselves in this process: component -> (settings, note)
 _RECORDED: dict[str, tuple[dict[str, Any], str]] = {}
+#: the components of :data:`_RECORDED` whose settings the user typed (a tool's own flags)
+_TYPED: set[str] = set()
 
 
-def record(component: str, settings: Mapping[str, Any], note: str = "") -> None:
+def record(
+    component: str, settings: Mapping[str, Any], note: str = "", *, typed: bool = False
+) -> None:
     """A framework adapter says what its tool set by itself (``record("axolotl", {"fp16":
-    True}, "bf16: auto found no bf16 GPU")``); the next :func:`precision_provenance` names it."""
+    True}, "bf16: auto found no bf16 GPU")``), or with ``typed=True`` the precision flags its
+    user typed in the tool's own words (``record("train_network.py", {"--mixed_precision":
+    "bf16", "--full_bf16": True}, typed=True)``: a loop that has no ``TrainingArguments``); the
+    next :func:`precision_provenance` names it."""
     if settings:
         _RECORDED[component] = (dict(settings), note)
+        _TYPED.discard(component)
+        if typed:
+            _TYPED.add(component)
     else:
-        _RECORDED.pop(component, None)
+        forget(component)
 
 
 def forget(component: str) -> None:
     _RECORDED.pop(component, None)
+    _TYPED.discard(component)
+
+
+def typed_words(settings: Mapping[str, Any]) -> str:
+    """Flags as typed: ``--mixed_precision bf16 --full_bf16``."""
+    return " ".join(k if v is True else f"{k} {v}" for k, v in settings.items())
 
 
 def _script_flag(args: Any) -> str | None:
@@ -133,6 +149,11 @@ def _winner(args: Any, found: list[dict[str, Any]], env: Mapping[str, str]) -> t
     if framework is not None:
         flags = ", ".join(f"{k}={v}" for k, v in framework["set"].items())
         note = f" ({framework['note']})" if framework.get("note") else ""
+        if framework["component"] in _TYPED:
+            return framework["component"], (
+                f"precision: {resolved} — {framework['component']}'s "
+                f"{typed_words(framework['set'])}{note}"
+            )
         return framework["component"], (
             f"precision: {resolved} — {framework['component']} set {flags} by itself{note}, "
             "not the user"

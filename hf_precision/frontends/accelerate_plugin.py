@@ -130,6 +130,13 @@ class PrecisionGuardPlugin(PluginSteps, PluginCheckpointing, GuardFrontEnd):
         self._reporter: Any = None
         self._inferred = policy is None  # where the policy came from, for the console line
         self._said = ""  # the accelerator's mixed precision as the user set it
+        #: the flags an inferred policy follows in the user's tool's words, and the tool that
+        #: spells them (:mod:`hf_precision.rules.flags`): a launcher that knows the tool sets
+        #: them (``train_network.py's --mixed_precision bf16``, ``"kohya"``)
+        self.said_as = ""
+        self.tool: Any = "accelerate"
+        #: extra sections for the events of every model this plugin guards (``provenance``)
+        self.sections: dict[str, Any] = {}
         self.lost_updates = check_option(lost_updates, call=self._call)
         self._lost: LostUpdateCheck | None = None
 
@@ -179,17 +186,19 @@ class PrecisionGuardPlugin(PluginSteps, PluginCheckpointing, GuardFrontEnd):
         return result
 
     def _bind(self, accelerator: Any, model: nn.Module | None) -> None:
-        self._inferred = self.policy is None
+        # inferred once, at the first prepare: later prepares (kohya's text encoders, its
+        # network) follow the same inferred policy, not one "as given"
         if self.policy is None:
+            self._inferred = True
             root = unwrap_model(model)[0] if model is not None else None
             self.policy = self._with_overrides(PrecisionPolicy.from_accelerator(accelerator, root))
         mp = str(getattr(accelerator, "mixed_precision", "no") or "no")
         flag = {"bf16": "bf16", "fp8": "bf16", "fp16": "fp16"}.get(mp)
 
         def words(name: str, value: bool) -> str:
-            return flags.flag(name, value, tool="accelerate")
+            return flags.flag(name, value, tool=self.tool)
 
-        said = f"Accelerator(mixed_precision={mp!r})"
+        said = self.said_as or f"Accelerator(mixed_precision={mp!r})"
         self._said = said if flag else ""
         self._check_flag(flag, said=said, runner="accelerate", words=words, stacklevel=3)
         trainable = model is not None and any(p.requires_grad for p in model.parameters())
@@ -256,7 +265,9 @@ class PrecisionGuardPlugin(PluginSteps, PluginCheckpointing, GuardFrontEnd):
         root, _ = unwrap_model(model)
         if not any(g.root is root for g in self._guarded):
             origin = policy_origin(self.policy, self._inferred, self._said, self._call)
-            self._guarded.append(self._new_guard(model, origin=origin))
+            guard = self._new_guard(model, origin=origin)
+            guard.sections.update(self.sections)
+            self._guarded.append(guard)
             self.blames.append(NonFiniteBlame(model, self.blame_mode))
         self.verify(model, "setup")
         return model

@@ -29,7 +29,14 @@ diffusers' example training scripts, kohya-style scripts and custom loops build 
   components not already guarded get :func:`~hf_precision.guard_diffusion` with the policy the
   accelerator implies and each component's dtype *as loaded* (nothing is cast up or down; the
   guards make inputs follow each component: an fp32 UNet's latents into a bf16 VAE), one report
-  event ``validation_pipeline`` per pipeline.
+  event ``validation_pipeline`` per pipeline. A pipeline loaded before the first prepare (kohya's
+  sd-scripts load their models through one) makes the plugin then, and is reported as the first
+  events, ``load_pipeline``.
+
+A tool with its own loop (:data:`.framework_runs.DETECTORS`: kohya's sd-scripts) is recognised
+when the plugin is made: its output folder takes the reports, its flags are the inferred
+policy's source and the flag the guard undoes is named, its batch keys are registered, and a run
+that cannot work is refused (:class:`.framework_runs.FrameworkRun`).
 """
 
 from __future__ import annotations
@@ -42,13 +49,14 @@ import threading
 import weakref
 from typing import Any
 
-from . import autostart
+from . import autostart, framework_runs
 
 #: set on an ``Accelerator`` a ``Trainer`` built (its prepare passes straight through)
 TRAINER_ATTR = "_hf_precision_trainer_accelerator"
 PLUGIN_ATTR = "_hf_precision_plugin"
 _WRAPPED_ATTR = "_hf_precision_wrapped"
 PIPELINE_EVENT = "validation_pipeline"
+LOAD_EVENT = "load_pipeline"
 HELD_EVENT = "held_models"
 _PENDING_ATTR = "_hf_precision_held_pending"
 
@@ -168,26 +176,58 @@ def plugin_for(accelerator: Any) -> Any:
     if config.tool is None:
         os.environ.setdefault(ENV_TOOL, tool_name(sys.argv))
     refuse_cpu_fp16(accelerator, config)
+    run = framework_runs.detect(accelerator)  # a tool with its own loop (kohya's sd-scripts)
+    if run is not None and run.refusal:
+        from ..errors import PrecisionError
+
+        raise PrecisionError(run.refusal)
     call = f"{autostart.ENV_GUARD}={config.policy!r}"
     config.check_blame(call=call)
     policy = config.resolved_policy(call=call)
+    report_dir = config.report_dir or (run.report_dir() if run is not None else None)
     plugin = PrecisionGuardPlugin(
         policy,
         mode=config.mode,  # type: ignore[arg-type]  # checked by LaunchConfig.check
-        report_dir=config.report_dir,
+        report_dir=report_dir,
         blame=config.blame,  # type: ignore[arg-type]
         # an inferred policy gets the --keep-fp32 patterns at prepare (a given one has them)
         keep_fp32=config.keep_fp32 if policy is None else (),
     )
-    plugin.reporter = _reporter(accelerator, config)
+    plugin.reporter = _reporter(accelerator, report_dir)
     plugin.lost_updates_fix = (
         f"the guard's bf16 policy in mode fix (hf-precision run --policy bf16 --mode fix, or "
         f"{autostart.ENV_GUARD}=bf16 {ENV_MODE}=fix): it holds trainable weights in float32 "
         "and computes in bf16"
     )
+    undone = run is not None and _adopt(accelerator, plugin, run, config, policy)
     setattr(accelerator, PLUGIN_ATTR, plugin)
-    _announce(accelerator, plugin, config)
+    _announce(accelerator, plugin, config, run, report_dir, undone)
     return plugin
+
+
+def _adopt(accelerator: Any, plugin: Any, run: Any, config: Any, policy: Any) -> bool:
+    """The tool's words for the plugin: its batch keys and flags registered, the flags its
+    inferred policy follows, the tool's own fix first; returns whether the guard undoes one of
+    the tool's flags (it holds trainable weights in float32, in mode fix)."""
+    import torch
+
+    run.register()
+    plugin.tool = run.tool
+    undone = bool(run.undone) and config.mode != "audit"
+    undone = undone and (policy is None or policy.trainable_dtype == torch.float32)
+    plugin.said_as = run.said if undone else _without_undone(run)
+    if run.own_fix:
+        plugin.lost_updates_fix = f"{run.own_fix}; or {plugin.lost_updates_fix}"
+    mp = str(getattr(accelerator, "mixed_precision", "no"))
+    plugin.sections["provenance"] = run.provenance(mp)
+    return undone
+
+
+def _without_undone(run: Any) -> str:
+    """:attr:`FrameworkRun.said` without the flags the guard does not undo here."""
+    from dataclasses import replace
+
+    return str(replace(run, undone=()).said)
 
 
 def has_matplotlib() -> bool:
@@ -196,12 +236,12 @@ def has_matplotlib() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def _reporter(accelerator: Any, config: Any) -> Any:
+def _reporter(accelerator: Any, report_dir: str | None) -> Any:
     """The plugin's reporter; the picture only where matplotlib is installed: nobody asked the
     launcher for one, so its absence is no warning (a reporter asked for a picture says it once)."""
     from ..report.reporting import PrecisionReporter
 
-    reporter = PrecisionReporter.from_accelerator(accelerator, report_dir=config.report_dir)
+    reporter = PrecisionReporter.from_accelerator(accelerator, report_dir=report_dir)
     reporter.picture = reporter.picture and has_matplotlib()
     return reporter
 
@@ -229,20 +269,34 @@ def refuse_cpu_fp16(accelerator: Any, config: Any) -> None:
     )
 
 
-def _announce(accelerator: Any, plugin: Any, config: Any) -> None:
+def _announce(
+    accelerator: Any,
+    plugin: Any,
+    config: Any,
+    run: Any = None,
+    report_dir: str | None = None,
+    undone: bool = False,
+) -> None:
     if not getattr(accelerator, "is_main_process", True):
         return
     from .launch_config import tool_name
 
-    where = config.report_dir or os.path.join(
+    where = report_dir or os.path.join(
         getattr(accelerator, "project_dir", None) or ".", "precision"
     )
     policy = plugin.policy.describe() if plugin.policy is not None else "inferred at prepare"
+    who = (
+        f"Accelerator(mixed_precision={accelerator.mixed_precision!r}) (launched by "
+        f"{config.tool or tool_name(sys.argv)}, via {config.via})"
+    )
+    if run is not None:  # the tool's program and its flags, as typed
+        from ..engine.provenance import typed_words
+
+        who = f"{run.program} {typed_words(run.settings)} (via {config.via})"
+        policy += "".join(f"; {u}" for u in (*run.notes, *(run.undone if undone else ())))
     print(
-        f"hf-precision: precision guard on for Accelerator(mixed_precision="
-        f"{accelerator.mixed_precision!r}) (launched by {config.tool or tool_name(sys.argv)}, "
-        f"via {config.via}): policy {policy}; reports in {os.path.abspath(where)}{os.sep}; off: "
-        f"unset {autostart.ENV_GUARD}",
+        f"hf-precision: precision guard on for {who}: policy {policy}; reports in "
+        f"{os.path.abspath(where)}{os.sep}; off: unset {autostart.ENV_GUARD}",
         file=sys.stderr,
         flush=True,
     )
@@ -296,7 +350,12 @@ def guard_pipeline(pipeline: Any) -> Any:
     }
     if not comps:
         return None
-    guard = guard_as_loaded(comps, accelerator, PIPELINE_EVENT)
+    event = PIPELINE_EVENT
+    if accelerator is not None and not getattr(plugin_for(accelerator), "guards", ()):
+        # loaded before the first prepare (kohya loads its models through a pipeline): the
+        # plugin and its reporter exist from now on, so its hooks are in the first events
+        event = LOAD_EVENT
+    guard = guard_as_loaded(comps, accelerator, event)
     pipeline.__dict__["_hf_precision_guard"] = guard
     return guard
 

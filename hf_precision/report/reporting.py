@@ -29,7 +29,9 @@ import json
 import logging
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +70,16 @@ logger = logging.getLogger("hf_precision")
 
 #: the old name of :class:`~hf_precision.report.snapshot.EventSnapshot`
 _Snapshot = EventSnapshot
+
+
+@dataclass
+class _Baseline:
+    """One model's last event: its map and name (what the next event's drift is against) and
+    the last event logged in full (``(event, step, map)``)."""
+
+    map: DtypeMap | None = None
+    event: str | None = None
+    table: tuple[str, int, DtypeMap] | None = None
 
 
 class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
@@ -109,10 +121,15 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
         self.is_main_process = is_main_process
         self.max_table_rows = max_table_rows
         self._picture = EventPicture(picture)
+        #: the map and name of the last event of any model (:meth:`log_event`)
         self.last_map: DtypeMap | None = None
         self.last_event: str | None = None
         self.events: list[tuple[str, int]] = []
-        self._table: tuple[str, int, DtypeMap] | None = None  # the last event logged in full
+        #: per guarded model (its unwrapped root): the last map and event (the drift's
+        #: baseline) and the last event logged in full; each model is compared with itself
+        self._baselines: weakref.WeakKeyDictionary[nn.Module, _Baseline] = (
+            weakref.WeakKeyDictionary()
+        )
         self._warned: set[str] = set()  # kinds of report failure already warned about
         #: the blame's findings so far (``NonFinite.to_dict()``): every later event's JSON
         #: carries them as ``nonfinite``
@@ -221,13 +238,19 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
         ``lost_updates``), their numbers also logged to W&B as ``precision/<section>/...``.
         """
         dmap = dtype_map(model, groups, policy=policy, view=view)
-        diff = self.last_map.diff(dmap) if self.last_map is not None else None
-        previous, first = self.last_event, self.last_map is None
+        # the view's root when the engine walked it (no second unwrap), else the object given
+        root = view.root if view is not None else model
+        base = self._baselines.get(root)
+        if base is None:
+            base = self._baselines[root] = _Baseline()
+        diff = base.map.diff(dmap) if base.map is not None else None
+        previous, first = base.event, self.last_map is None
+        base.map, base.event = dmap, event
         self.last_map, self.last_event = dmap, event
         if not self.is_main_process:
             return dmap
         self.events.append((event, step))
-        snap = self._snapshot(event, step, policy, report, dmap, diff, previous, first)
+        snap = self._snapshot(event, step, policy, report, dmap, diff, previous, first, base)
         snap.sections = json.loads(json.dumps(dict(sections or {}), default=str))
         snap.png = self._picture.render(dmap, event, step, policy, report, model)
         self._publish(snap)
@@ -243,15 +266,17 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
         diff: Any,
         previous: str | None,
         first: bool,
+        base: _Baseline | None = None,
     ) -> _Snapshot:
         """One event's rows: the module table (said once while it does not change) and the
-        drift since the previous event."""
+        drift since the previous event of the same model."""
+        base = _Baseline() if base is None else base
         rows, aggregated = module_table_rows(dmap, self.max_table_rows)
         unchanged = None
-        if self._table is not None and not self._table[2].diff(dmap):
-            unchanged = self._table[:2]
+        if base.table is not None and not base.table[2].diff(dmap):
+            unchanged = base.table[:2]
         else:
-            self._table = (event, step, dmap)
+            base.table = (event, step, dmap)
         return _Snapshot(
             event,
             step,

@@ -3,7 +3,9 @@ spells a flag.
 
 A fix is only useful in the vocabulary the user types: ``bf16: true`` in a LLaMA-Factory or
 axolotl YAML, ``--bf16`` on TRL's CLI (or any ``HfArgumentParser`` script), ``--bf16 true`` for
-ms-swift, ``bf16=True`` in Python, ``mixed_precision='bf16'`` for accelerate. :func:`detect_tool`
+ms-swift, ``bf16=True`` in Python, ``mixed_precision='bf16'`` for accelerate,
+``--mixed_precision bf16`` for kohya's sd-scripts (``train_network.py`` and its SDXL, Flux and
+SD3 siblings). :func:`detect_tool`
 finds the tool from what is there to see (in this order): the ``HF_PRECISION_TOOL`` environment
 variable a launcher may set, the ``TrainingArguments`` subclass's module, the name of the
 running program (``sys.argv[0]``), and whether the program was given command-line options.
@@ -12,6 +14,8 @@ running program (``sys.argv[0]``), and whether the program was given command-lin
 ('bf16: true', '--bf16', '--bf16 true')
 >>> flag("fp16", False, tool="python"), flag("bf16", tool="accelerate")
 ('fp16=False', "Accelerator(mixed_precision='bf16')")
+>>> flag("bf16", tool="kohya"), flag("full_bf16", tool="kohya"), no_flag(tool="kohya")
+('--mixed_precision bf16', '--full_bf16', '--mixed_precision no')
 >>> load_dtype("bfloat16", tool="swift")
 '--torch_dtype bfloat16'
 """
@@ -27,7 +31,7 @@ from typing import Any, Literal, get_args
 import torch
 
 #: Who launched the run, as far as the spelling of a flag goes.
-Tool = Literal["python", "cli", "trl", "llamafactory", "axolotl", "swift", "accelerate"]
+Tool = Literal["python", "cli", "trl", "llamafactory", "axolotl", "swift", "accelerate", "kohya"]
 TOOLS: tuple[Tool, ...] = get_args(Tool)
 #: The environment variable a launcher sets to say which tool runs (a :data:`Tool` or an alias).
 ENV = "HF_PRECISION_TOOL"
@@ -54,6 +58,11 @@ _PROGRAMS: dict[str, Tool] = {
     "swift": "swift",
     "trl": "trl",
     "accelerate": "accelerate",
+    # kohya-ss sd-scripts: its LoRA trainers (hf_precision.integrations.kohya)
+    "train_network": "kohya",
+    "sdxl_train_network": "kohya",
+    "flux_train_network": "kohya",
+    "sd3_train_network": "kohya",
 }
 _YAML: frozenset[Tool] = frozenset(("llamafactory", "axolotl"))
 
@@ -123,11 +132,13 @@ def flag(name: str, value: bool | str = True, *, tool: Tool | None = None, args:
     tool = detect_tool(args) if tool is None else tool
     if tool == "accelerate" and name in ("bf16", "fp16"):
         return f"Accelerator(mixed_precision={name if value else 'no'!r})"
+    if tool == "kohya" and name in ("bf16", "fp16"):
+        return f"--mixed_precision {name if value else 'no'}"
     if tool in _YAML:
         return f"{name}: {str(value).lower()}"
     if tool == "swift":
         return f"--{name} {str(value).lower()}"
-    if tool in ("cli", "trl"):
+    if tool in ("cli", "trl", "kohya"):
         return f"--{name}" if value is True else f"--{name} {value}"
     owner = type(args).__name__ if args is not None and tool == "python" else ""
     return f"{owner}({name}={value!r})" if owner else f"{name}={value!r}"
@@ -170,6 +181,8 @@ def no_flag(*, tool: Tool | None = None, args: Any = None) -> str:
     tool = detect_tool(args) if tool is None else tool
     if tool == "accelerate":
         return "Accelerator(mixed_precision='no')"
+    if tool == "kohya":
+        return flag("bf16", False, tool=tool)
     return " and ".join(flag(f, False, tool=tool) for f in ("bf16", "fp16"))
 
 

@@ -12,7 +12,14 @@ Precedence for one parameter (first that applies):
    ``keep_fp32``: transformers' loader keeps them for fp16 loads only) and, under every preset,
    where the tensor is found in float32 (never rounded); one found in bfloat16 follows the rules
    below (never upcast for the list's sake);
-2. trainable parameter in the half dtype of a DeepSpeed ZeRO-3 run (the engine, its
+2. a 0-D floating parameter or buffer (a LoRA ``alpha``, a scale, a temperature, CLIP's
+   ``logit_scale``: :func:`tensor_role` ``"scalar"``) keeps its dtype under every preset (rule
+   ``scalar``): the model computed with it as it is, and a trainer saves it as it is (kohya's
+   LoRA computes its scale from ``alpha`` once, in float32; rounding the saved ``alpha`` to
+   bf16 would make the file disagree with the run). A trainable half scalar under a policy
+   with float32 trainable weights still becomes float32 (the optimizer and the GradScaler need
+   it; the value is unchanged). Said in ``kept`` only where a later rule would have cast it;
+3. trainable parameter in the half dtype of a DeepSpeed ZeRO-3 run (the engine, its
    ``TrainingArguments``/accelerate config) -> left in that dtype (rule ``wrapper_master_fp32``:
    DeepSpeed keeps fp32 master copies in its optimizer, and TRL passes PEFT
    ``autocast_adapter_dtype=False`` under ZeRO-3 because fp32 adapters beside bf16 weights in one
@@ -20,14 +27,14 @@ Precedence for one parameter (first that applies):
    else float32 if it is float32 and ``keep_trainable_fp32`` (set when the policy is inferred
    with no precision flag), else ``trainable_dtype`` (fp32 under mixed presets: the optimizer and
    the fp16 GradScaler need fp32 weights and gradients);
-3. its group has an override in ``group_dtypes`` -> that dtype;
-4. a frozen fp32 weight of a normalization layer (recognised by module type) whose group's
+4. its group has an override in ``group_dtypes`` -> that dtype;
+5. a frozen fp32 weight of a normalization layer (recognised by module type) whose group's
    other weights are in a half dtype -> stays float32 (rule ``deliberate_fp32``: LLaMA-Factory's
    ``upcast_layernorm``, PEFT's ``prepare_model_for_kbit_training``, axolotl's norm upcasts
    chose it); ``keep_fp32_norms=False`` or naming the group in ``group_dtypes`` casts it; so does
    an fp32 ``lm_head`` when ``keep_fp32_head`` is set (TRL's ``cast_lm_head_to_fp32``, read from
    the trainer's arguments);
-5. otherwise -> ``frozen_dtype``.
+6. otherwise -> ``frozen_dtype``.
 
 >>> from hf_precision.rules.policy import PrecisionPolicy
 >>> decide(PrecisionPolicy.from_preset("bf16"), "model.rotary_emb.inv_freq", "language_model",
@@ -64,6 +71,7 @@ Rule = Literal[
     "rotary",
     "keep_fp32",
     "keep_fp32_strict",
+    "scalar",
     "wrapper_master_fp32",
     "keep_trainable_fp32",
     "trainable",
@@ -74,8 +82,9 @@ Rule = Literal[
 #: The rules that keep a tensor in float32 whatever the preset (:attr:`Decision.keeps_fp32`).
 KEEP_RULES: tuple[Rule, ...] = ("rotary", "keep_fp32", "keep_fp32_strict", "deliberate_fp32")
 #: The rules that keep a tensor in the dtype it has on purpose, said in ``EnforceReport.kept``:
-#: the keep-fp32 rules and a wrapper's half-precision trainable weights (``wrapper_master_fp32``).
-KEPT_RULES: tuple[Rule, ...] = (*KEEP_RULES, "wrapper_master_fp32")
+#: the keep-fp32 rules, 0-D scalars (``scalar``) and a wrapper's half-precision trainable
+#: weights (``wrapper_master_fp32``).
+KEPT_RULES: tuple[Rule, ...] = (*KEEP_RULES, "scalar", "wrapper_master_fp32")
 _STRICT = "model._keep_in_fp32_modules_strict"
 
 
@@ -225,6 +234,10 @@ def decide(
             else "keep_fp32"
         )
         return Decision(torch.float32, rule, reason)
+    if role == "scalar" and current is not None:
+        scalar = _scalar(policy, name, group, trainable, current)
+        if scalar is not None:
+            return scalar
     if trainable and master_fp32 is not None and policy.trainable_dtype not in (None, master_fp32):
         how = "left as is" if current == master_fp32 else "joins the others"
         return Decision(
@@ -260,6 +273,24 @@ def _model_kept(
                 torch.float32, "keep_fp32", f"model._keep_in_fp32_modules {pat!r} ({why})"
             )
     return None
+
+
+def _scalar(
+    policy: PolicyFields, name: str, group: str, trainable: bool, current: torch.dtype
+) -> Decision | None:
+    """Rule 2: a 0-D scalar keeps ``current``; ``None`` where the later rules give ``current``
+    anyway (nothing to say), or raise a trainable half scalar to the float32 trainable dtype."""
+    later = _decide_unkept(policy, name, group, trainable, current, None, None)
+    if later.dtype == current:
+        return None
+    if trainable and later.rule == "trainable" and later.dtype.itemsize > current.itemsize:
+        return later
+    return Decision(
+        current,
+        "scalar",
+        f"0-D scalar kept in {dtype_name(current)} (what the model computes with and what "
+        f"a trainer saves; {dtype_name(later.dtype)} would round it)",
+    )
 
 
 def _decide_unkept(

@@ -1,6 +1,6 @@
 """Tensor roles: what a tensor is beyond its name, by the module that holds it (a
-normalization layer's weight, a rotary table). The policy's precedence reads them
-(:mod:`hf_precision.rules.policy`)."""
+normalization layer's weight, a rotary table) or by its shape (a 0-D scalar). The policy's
+precedence reads them (:mod:`hf_precision.rules.policy`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from typing import Literal
 import torch
 from torch import nn
 
-#: What a tensor is, beyond its name (:func:`tensor_role`): a normalization layer's weight or a
-#: rotary/positional table.
-Role = Literal["norm", "rotary"]
+#: What a tensor is, beyond its name (:func:`tensor_role`): a normalization layer's weight, a
+#: rotary/positional table, or a 0-D floating scalar (a LoRA ``alpha``, a scale, a temperature,
+#: CLIP's ``logit_scale``).
+Role = Literal["norm", "rotary", "scalar"]
 #: Normalization layers by type (subclasses included) and by class name (``*RMSNorm``,
 #: ``*LayerNorm``, ``*GroupNorm`` of transformers and remote code).
 _NORM_TYPES: tuple[type[nn.Module], ...] = (
@@ -45,11 +46,16 @@ def tensor_role(
     module: nn.Module, key: str, tensor: torch.Tensor, *, is_buffer: bool
 ) -> Role | None:
     """What ``module.<key>`` is, by the module that holds it: ``"rotary"`` for a floating
-    buffer of a rotary module (or any ``*inv_freq*`` buffer), ``"norm"`` for a 1-D weight or
-    bias of a normalization layer, else ``None``."""
+    buffer of a rotary module (or any ``*inv_freq*`` buffer), ``"scalar"`` for any other 0-D
+    floating parameter or buffer (one number: what it is exactly is what the model computes
+    with and what a trainer saves), ``"norm"`` for a 1-D weight or bias of a normalization
+    layer, else ``None``."""
+    floating = tensor.is_floating_point()
+    if is_buffer and floating and ("inv_freq" in key or is_rotary_module(module)):
+        return "rotary"
+    if floating and tensor.dim() == 0:
+        return "scalar"
     if is_buffer:
-        if tensor.is_floating_point() and ("inv_freq" in key or is_rotary_module(module)):
-            return "rotary"
         return None
     if tensor.dim() <= 1 and is_norm_module(module):
         return "norm"

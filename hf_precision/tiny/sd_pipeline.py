@@ -22,7 +22,7 @@ _SPECIAL = ("<|startoftext|>", "<|endoftext|>")
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
-def _tokenizer(folder: Path) -> Any:
+def _tokenizer(folder: Path, max_length: int = 8) -> Any:
     from transformers import CLIPTokenizer
 
     vocab = {tok: i for i, tok in enumerate(_SPECIAL)}
@@ -32,7 +32,9 @@ def _tokenizer(folder: Path) -> Any:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.json").write_text(json.dumps(vocab))
     (folder / "merges.txt").write_text("#version: 0.2\n")
-    return CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=8)
+    return CLIPTokenizer(
+        str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=max_length
+    )
 
 
 def save_tiny_sd_pipeline(path: str | Path, seed: int = 0) -> Path:
@@ -118,6 +120,76 @@ def save_tiny_sd_inpainting_pipeline(path: str | Path, seed: int = 0) -> Path:
     return path
 
 
+#: Stable Diffusion 1.5's UNet layout (four levels, two resnets a level, cross-attention in the
+#: first three, 32 norm groups, 8 heads) at widths a CPU trains in seconds
+SD15_BLOCK_OUT_CHANNELS = (32, 32, 64, 64)
+
+
+def save_tiny_sd15_pipeline(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny ``StableDiffusionPipeline`` with SD 1.5's layout (fp32, ~1M parameters) under
+    ``path``: its UNet is SD 1.5's (:data:`SD15_BLOCK_OUT_CHANNELS` wide), its VAE downsamples by
+    8 (64×64 images <-> 4×8×8 latents), its one-layer CLIP text encoder is 32 wide with SD's
+    77 positions, and its tokenizer (``tokenizer/``) pads to 77. Trainers that rebuild SD 1.5's
+    UNet from module constants (kohya's ``library.original_unet``) set those to the widths in
+    ``unet/config.json``."""
+    from diffusers import (
+        AutoencoderKL,
+        DDPMScheduler,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    path = Path(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = _tokenizer(Path(tmp), max_length=77)
+    torch.manual_seed(seed)
+    text = CLIPTextConfig(
+        **{
+            **fragment_kwargs("clip_text_16"),
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "projection_dim": 32,
+            "max_position_embeddings": 77,
+        }
+    )
+    unet = UNet2DConditionModel(
+        sample_size=8,
+        block_out_channels=SD15_BLOCK_OUT_CHANNELS,
+        cross_attention_dim=32,
+        attention_head_dim=8,
+    )
+    vae = AutoencoderKL(
+        block_out_channels=(8, 8, 8, 8),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        norm_num_groups=8,
+        layers_per_block=1,
+        sample_size=64,
+    )
+    pipe: Any = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=CLIPTextModel(text),
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=DDPMScheduler(
+            num_train_timesteps=1000,
+            beta_start=0.00085,
+            beta_end=0.012,
+            beta_schedule="scaled_linear",
+            steps_offset=1,
+            clip_sample=False,
+        ),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.save_pretrained(path)
+    _tokenizer(path / "tokenizer", max_length=77)  # vocab.json + merges.txt: slow tokenizers too
+    return path
+
+
 def save_tiny_image_folder(path: str | Path, n: int = 4, size: int = 32, seed: int = 0) -> Path:
     """``n`` random RGB PNGs and a ``metadata.jsonl`` (``file_name``, ``text``): what
     ``datasets``' ``imagefolder`` reads (``--train_data_dir``; DreamBooth's
@@ -136,4 +208,10 @@ def save_tiny_image_folder(path: str | Path, n: int = 4, size: int = 32, seed: i
     return path
 
 
-__all__ = ["save_tiny_image_folder", "save_tiny_sd_inpainting_pipeline", "save_tiny_sd_pipeline"]
+__all__ = [
+    "SD15_BLOCK_OUT_CHANNELS",
+    "save_tiny_image_folder",
+    "save_tiny_sd15_pipeline",
+    "save_tiny_sd_inpainting_pipeline",
+    "save_tiny_sd_pipeline",
+]

@@ -179,3 +179,26 @@ def test_what_is_not_a_model_is_a_precision_error(call, name, fix):
     msg = str(err.value)
     assert msg.startswith(f"{name}: expected a torch.nn.Module") and "type dict" in msg
     assert "Fix: pass the model itself" in msg and fix in msg
+
+
+@pytest.mark.parametrize("preset", ["bf16", "fp16", "bf16-true"])
+def test_scalars_keep_their_dtype_and_their_bytes(preset):
+    """0-D floating buffers and parameters (a LoRA alpha as kohya's networks.lora registers it,
+    CLIP's logit_scale) are never cast: the state dict holds the same bytes after the cast."""
+
+    class Lora(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lora_down = torch.nn.Linear(8, 2, bias=False)
+            self.register_buffer("alpha", torch.tensor(0.3))
+            self.logit_scale = torch.nn.Parameter(torch.tensor(2.6592), requires_grad=False)
+
+    model = torch.nn.Sequential(Lora(), torch.nn.Linear(8, 8)).requires_grad_(False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = enforce_policy(model, PrecisionPolicy.from_preset(preset))
+    after = model.state_dict()
+    for key in ("0.alpha", "0.logit_scale"):
+        assert after[key].dtype == torch.float32
+        assert after[key].numpy().tobytes() == before[key].numpy().tobytes()
+    assert after["1.weight"].dtype != torch.float32  # the rest follows the policy
+    assert {(n, r) for n, _, r, _ in report.kept} >= {("0.alpha", "scalar")}

@@ -561,7 +561,7 @@ def test_the_console_line_names_the_flag_as_the_user_set_it(
     assert "policy bf16 (frozen bfloat16" in line and f", {origin}; report: " in line, line
 
 
-def test_a_run_the_hooks_alone_keep_going_says_so_once_per_kind(make_trainer, caplog):
+def test_a_run_whose_inputs_only_the_hooks_cast_says_so_once_per_kind(make_trainer, caplog):
     model = _fp32_rotary(tiny_llava(torch.bfloat16))
     model.requires_grad_(False)
     model.model.multi_modal_projector.float().requires_grad_(True)  # trained in fp32, no flag
@@ -578,7 +578,7 @@ def test_a_run_the_hooks_alone_keep_going_says_so_once_per_kind(make_trainer, ca
     assert (
         "hf-precision: the boundary guard at model.multi_modal_projector casts input 0 "
         "bfloat16 → float32 (said once per guard kind); nothing in the model was cast: its "
-        f"hooks alone keep this run going; report: {out}/precision/"
+        f"hooks cast inputs at the boundary; report: {out}/precision/"
     ) in said, said
     assert any(
         s.startswith("hf-precision: the batch guard casts pixel_values float32") for s in said

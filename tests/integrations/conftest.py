@@ -144,3 +144,5 @@ def reports() -> SimpleNamespace:
 
 
 axolotl_venv = pytest.fixture(venv_fixture("axolotl", "test-frameworks"))
+# sd-scripts runs on a tiny SD 1.5: its venv, and the snapshot of its source (test_kohya.py)
+kohya_venv = pytest.fixture(scope="module")(venv_fixture("kohya", "test-kohya"))

@@ -66,6 +66,28 @@ def test_files_picture_and_drift_per_event(tmp_path: Path) -> None:
     assert "vision_encoder" in log and "drift (" in log
 
 
+def test_each_model_is_compared_with_itself(tmp_path: Path) -> None:
+    """One reporter, several guarded models (kohya prepares its UNet, text encoder and LoRA
+    network one by one): an event's drift is against the same model's last event, never
+    another model's modules shown as gone."""
+    unet, text = torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4))
+    reporter = PrecisionReporter(tmp_path, console=False, picture=False)
+    reporter.log_event("setup", unet, step=0)
+    reporter.log_event("setup", text, step=0)
+    text.to(torch.bfloat16)
+    reporter.log_event("after_prepare", text, step=0)
+    reporter.log_event("after_prepare", unet, step=0)
+
+    def drift(name: str) -> list[dict[str, Any]]:
+        return json.loads((tmp_path / name).read_text())["drift"]
+
+    assert drift("000000-setup-2.json") == []  # the text encoder's first event
+    assert {(r["name"], r["after"]) for r in drift("000000-after_prepare.json")} == {
+        ("0", "bfloat16")
+    }
+    assert drift("000000-after_prepare-2.json") == []  # the UNet, against its own setup
+
+
 def test_mismatch_counts_say_found_repaired_and_open(tmp_path: Path) -> None:
     """45 tensors found at init and all cast back are 45 repaired, 0 open; an audit leaves them
     open (the JSON and the log say which)."""

@@ -61,7 +61,7 @@ def test_rotary_tables_of_every_name_stay_fp32() -> None:
         (False, torch.float32, "projector", "frozen", torch.bfloat16),
     ],
 )
-def test_rules_2_to_5_in_order(trainable, current, group, rule, dtype) -> None:
+def test_rules_3_to_6_in_order(trainable, current, group, rule, dtype) -> None:
     """Below the keep rules: a kept fp32 trainable, then the trainable dtype, then the group
     override, then the frozen dtype (the module docstring's order)."""
     p = PrecisionPolicy.from_preset(
@@ -70,3 +70,38 @@ def test_rules_2_to_5_in_order(trainable, current, group, rule, dtype) -> None:
     d = decide(p, "x.weight", group, trainable=trainable, current=current)
     assert (d.rule, d.dtype) == (rule, dtype)
     assert d.kept is (rule in precedence.KEPT_RULES)
+
+
+@pytest.mark.parametrize("preset", ["bf16", "fp16", "bf16-true", "fp16-true", "fp32"])
+@pytest.mark.parametrize("current", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_frozen_scalar_keeps_its_dtype_under_every_preset(preset, current) -> None:
+    """A 0-D floating tensor (a LoRA alpha, a scale, a temperature) is one number the model
+    computes with as it is: no preset casts it; said as rule ``scalar`` where it mattered."""
+    p = PrecisionPolicy.from_preset(preset)
+    for is_buffer in (True, False):
+        d = decide(
+            p,
+            "lora.alpha",
+            "other",
+            trainable=False,
+            is_buffer=is_buffer,
+            current=current,
+            role="scalar",
+        )
+        assert d.dtype == current
+        assert d.rule == ("frozen" if p.frozen_dtype == current else "scalar")
+    # the same name without the role (a 1-D tensor) follows the policy
+    assert decide(p, "lora.alpha", "other", trainable=False, current=current).dtype == (
+        p.frozen_dtype
+    )
+
+
+def test_a_trainable_half_scalar_becomes_float32_for_the_optimizer() -> None:
+    p = PrecisionPolicy.from_preset("bf16")
+    d = decide(p, "logit_scale", "other", trainable=True, current=torch.bfloat16, role="scalar")
+    assert (d.dtype, d.rule) == (torch.float32, "trainable")  # widened: the value is the same
+    d = decide(p, "logit_scale", "other", trainable=True, current=torch.float32, role="scalar")
+    assert (d.dtype, d.rule) == (torch.float32, "trainable")
+    true = PrecisionPolicy.from_preset("bf16-true")
+    d = decide(true, "logit_scale", "other", trainable=True, current=torch.float32, role="scalar")
+    assert (d.dtype, d.rule) == (torch.float32, "scalar")  # bf16-true would round it

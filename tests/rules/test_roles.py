@@ -40,3 +40,16 @@ def test_roles_of_norm_weights_and_rotary_buffers() -> None:
 def test_the_old_import_path_is_the_same_object() -> None:
     for name in ("Role", "is_norm_module", "is_rotary_module", "tensor_role"):
         assert getattr(policy, name) is getattr(roles, name), name
+
+
+def test_zero_d_floating_tensors_are_scalars() -> None:
+    from torch import nn
+
+    lin, norm = nn.Linear(2, 2), nn.LayerNorm(2)
+    alpha = torch.tensor(0.3)
+    assert tensor_role(lin, "alpha", alpha, is_buffer=True) == "scalar"
+    assert tensor_role(lin, "logit_scale", nn.Parameter(alpha), is_buffer=False) == "scalar"
+    assert tensor_role(norm, "temperature", nn.Parameter(alpha), is_buffer=False) == "scalar"
+    assert tensor_role(lin, "steps", torch.tensor(3), is_buffer=True) is None  # not floating
+    assert tensor_role(lin, "scale", torch.tensor([0.3]), is_buffer=True) is None  # 1-D
+    assert tensor_role(nn.Module(), "inv_freq", alpha, is_buffer=True) == "rotary"
