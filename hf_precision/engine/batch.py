@@ -23,7 +23,7 @@ from torch import nn
 
 from ..errors import PrecisionError, PrecisionWarning, check_model
 from ..rules.batch_keys import batch_key_kind, notice_unknown
-from ..rules.dtypes import dtype_name, is_castable, narrows_range
+from ..rules.dtypes import dtype_name, is_castable, is_castable_input, narrows_range
 from ..rules.policy import Mode, PrecisionPolicy
 
 _MASK_HINTS = ("mask", "bias")
@@ -56,7 +56,7 @@ def cast_tensor(
     Mask sentinels (``finfo(src).min``, ``-inf``) become ``finfo(dst).min``; other values
     beyond the target range raise in ``raise`` mode, or are clamped with a warning.
     """
-    if not is_castable(t):
+    if not is_castable_input(t):
         # ids and bool masks keep their dtype but follow the device, like the floats beside them
         return t if device is None or t.device == device else t.to(device)
     same_dev = device is None or t.device == device

@@ -57,6 +57,7 @@ from .distributed import (
     check_zero3_split,
 )
 from .enforce import EnforceReport, apply_plan, restore_values
+from .fp8_storage import check_trainable_fp8
 from .hooks import (
     GuardHandle,
     Notice,
@@ -196,6 +197,7 @@ class PrecisionGuard:
         first = not self.events
         view = self._view(model)  # the event's one check, unwrap and walk: every step reads it
         check_zero3_split(view, where, policy.mode)
+        check_trainable_fp8(view, where, policy.mode)  # before any step: no fp8 weight trains
         if wrapper == "auto":
             wrapper = detect_wrapper(model, args=args, modules=view.every_module())
         if wrapper == "FSDP2":  # FSDP2 keeps the root unsharded after forward: read shards

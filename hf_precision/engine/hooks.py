@@ -76,6 +76,7 @@ from .cast_hooks import Notice as Notice
 from .claims import claim_model as claim_model
 from .claims import claimed_by as claimed_by
 from .claims import release_model as release_model
+from .fp8_storage import fp8_first_layers
 from .hook_targets import (
     HIDDEN_ATTR,
     SKIP_LEAVES,
@@ -207,6 +208,12 @@ def guards_on(
         put(root, batch_state(root, policy, key_dtypes_for(policy, recv), device), "batch")
     if policy.boundary_guards:
         put.boundaries()
+    for first in fp8_first_layers(view):  # model.dtype reads its fp8 storage: inputs come in fp8
+        if id(first.module) not in put.wanted:
+            own = (first.compute, None)
+            put(
+                first.module, leaf_state("entry", first.path, own, policy, {}, put.move), "boundary"
+            )
     exits = _put_exits(put, report)
     if leaf_groups is None:
         leaf_groups = leaf_guard_groups(policy, groups, report)
