@@ -1,8 +1,8 @@
 """fp8 storage: weights kept in fp8 between calls and computed in a wider dtype.
 
 Layerwise casting (diffusers' ``enable_layerwise_casting``, accelerate's
-``attach_layerwise_casting_hooks``; :func:`~hf_precision.model.fp8.layerwise_cast`) stores each layer's
-weights in ``float8_e4m3fn`` and casts them to ``compute_dtype`` for that layer's forward only.
+``attach_layerwise_casting_hooks``; :func:`~hf_precision.model.fp8.layerwise_cast`) stores each
+layer's weights in ``float8_e4m3fn`` and casts them to ``compute_dtype`` for that layer's forward only.
 Two things follow, and the guard handles both before the first step:
 
 - **no trainable fp8 tensor** (:func:`check_trainable_fp8`): a weight that requires grad and is
@@ -207,7 +207,7 @@ def fp8_first_layers(view: ModelView) -> list[Fp8FirstLayer]:
     if not layerwise:
         return []
     firsts: dict[int, str] = {}
-    for path, _, mod in view.modules:
+    for _, _, mod in view.modules:
         if mod is view.root or _is_transformers_model(mod):
             first = next((p for p in view.parameters_of(mod) if p.is_floating_point()), None)
             if first is not None and id(first) in layerwise:

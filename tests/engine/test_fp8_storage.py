@@ -22,12 +22,12 @@ from hf_precision.model.view import ModelView
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
-from diffusers.hooks import apply_layerwise_casting  # noqa: E402
-from peft import LoraConfig  # noqa: E402
+from diffusers.hooks import apply_layerwise_casting
+from peft import LoraConfig
 
-from hf_precision.frontends.diffusion import guard_diffusion  # noqa: E402
-from hf_precision.tiny import tiny_batch, tiny_idefics3  # noqa: E402
-from hf_precision.tiny.diffusion import tiny_unet  # noqa: E402
+from hf_precision.frontends.diffusion import guard_diffusion
+from hf_precision.tiny import tiny_batch, tiny_idefics3
+from hf_precision.tiny.diffusion import tiny_unet
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 LORA = LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
