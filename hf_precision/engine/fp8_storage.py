@@ -2,8 +2,8 @@
 
 Layerwise casting (diffusers' ``enable_layerwise_casting``, accelerate's
 ``attach_layerwise_casting_hooks``; :func:`~hf_precision.model.fp8.layerwise_cast`) stores each
-layer's weights in ``float8_e4m3fn`` and casts them to ``compute_dtype`` for that layer's forward only.
-Two things follow, and the guard handles both before the first step:
+layer's weights in ``float8_e4m3fn`` and casts them to ``compute_dtype`` for that layer's
+forward only. Two things follow, and the guard handles both before the first step:
 
 - **no trainable fp8 tensor** (:func:`check_trainable_fp8`): a weight that requires grad and is
   stored in fp8 cannot be trained (its gradient arrives in the compute dtype, an optimizer's
