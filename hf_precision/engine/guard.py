@@ -58,6 +58,7 @@ from .distributed import (
 )
 from .enforce import EnforceReport, apply_plan, restore_values
 from .finding import Finding, emit
+from .fp8_shapes import gate_shapes, remove_token_checks
 from .fp8_storage import check_trainable_fp8
 from .hooks import (
     GuardHandle,
@@ -217,6 +218,7 @@ class PrecisionGuard:
         self._account(report, view, first=first)
         self.last_report = report
         self.handle = guards_on(view, policy, report, notice=self.notice)
+        gate_shapes(view, where, policy.mode, lambda found: self.emit(found, step=step))
         self._outside_reads(report, where, view)
         self.params = tuple(view.parameters())
         self.dtypes = tuple(p.dtype for p in self.params)
@@ -347,6 +349,7 @@ class PrecisionGuard:
     def teardown(self) -> None:
         """Take the guards off and release the model."""
         remove_guards(self.model)
+        remove_token_checks(self.root)
         self.wrapper_step.teardown()
         release_model(self.root, self.owner)
 
