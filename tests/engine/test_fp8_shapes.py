@@ -3,6 +3,7 @@ fp8 Accelerator, and accelerate's TransformerEngine conversion."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 from typing import Any
@@ -23,7 +24,7 @@ from hf_precision.model.view import ModelView
 
 pytest.importorskip("torchao")
 
-from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
 EMULATE = Float8LinearConfig(emulate=True)
 
@@ -31,7 +32,7 @@ EMULATE = Float8LinearConfig(emulate=True)
 class Chain(nn.Module):
     def __init__(self, *dims: int) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:], strict=False))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
