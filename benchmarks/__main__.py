@@ -38,6 +38,7 @@ FAMILIES: dict[str, str] = {
     "silent": "benchmarks.silent_cost",
     "updates": "benchmarks.updates_cost",
     "launcher": "benchmarks.launcher_step",
+    "fp8_gate": "benchmarks.fp8_gate",
 }
 CPU_FAMILIES = (
     "step",
@@ -49,6 +50,7 @@ CPU_FAMILIES = (
     "silent",
     "updates",
     "launcher",
+    "fp8_gate",
 )
 
 

@@ -29,6 +29,7 @@ fp8 primary weights) are not plain fp8 tensors: their libraries train them.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ from ..model.fp8 import is_fp8, layerwise_cast
 from ..model.view import ModelView, layerwise_compute_dtype
 from ..rules.dtypes import dtype_name, quantized_compute_dtype, quantized_format
 from ..rules.keep_rules import DTYPE_CONSUMERS
+from .finding import Finding
 
 #: how many names a message lists before "and N more"
 _LISTED = 3
@@ -160,8 +162,11 @@ def _fix(found: list[TrainableFp8]) -> str:
     )
 
 
-def check_trainable_fp8(view: ModelView, where: str, mode: str) -> None:
-    """Refuse (warn in mode ``audit``) trainable parameters stored in fp8, before any step."""
+def check_trainable_fp8(
+    view: ModelView, where: str, mode: str, say: Callable[[Finding], None] | None = None
+) -> None:
+    """Refuse trainable parameters stored in fp8, before any step; in mode ``audit`` a
+    finding instead (``say``: the engine's findings channel; without one a warning)."""
     found = trainable_fp8(view)
     if not found:
         return
@@ -175,10 +180,13 @@ def check_trainable_fp8(view: ModelView, where: str, mode: str) -> None:
         "'\"mul_cpu_reduced_float\" not implemented for 'Float8_e4m3fn'') or is rounded away "
         f"by its 3-bit mantissa. {_fix(found)}"
     )
-    if mode == "audit":
-        warnings.warn(msg, PrecisionWarning, stacklevel=3)
-    else:
+    if mode != "audit":
         raise PrecisionError(msg)
+    if say is None:
+        warnings.warn(msg, PrecisionWarning, stacklevel=3)
+        return
+    numbers = {"trainable_fp8": len(found), "modules": len(modules)}
+    say(Finding("fp8_storage", "warning", f"hf-precision fp8: {msg}", numbers=numbers))
 
 
 def _is_transformers_model(mod: nn.Module) -> bool:

@@ -37,6 +37,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import warnings
@@ -199,7 +200,8 @@ class PrecisionGuard:
         first = not self.events
         view = self._view(model)  # the event's one check, unwrap and walk: every step reads it
         check_zero3_split(view, where, policy.mode)
-        check_trainable_fp8(view, where, policy.mode)  # before any step: no fp8 weight trains
+        say = functools.partial(self.emit, step=step)  # the findings channel
+        check_trainable_fp8(view, where, policy.mode, say)  # before any step: no fp8 weight trains
         if wrapper == "auto":
             wrapper = detect_wrapper(model, args=args, modules=view.every_module())
         if wrapper == "FSDP2":  # FSDP2 keeps the root unsharded after forward: read shards
@@ -218,7 +220,7 @@ class PrecisionGuard:
         self._account(report, view, first=first)
         self.last_report = report
         self.handle = guards_on(view, policy, report, notice=self.notice)
-        gate_shapes(view, where, policy.mode, lambda found: self.emit(found, step=step))
+        gate_shapes(view, where, policy.mode, say)
         self._outside_reads(report, where, view)
         self.params = tuple(view.parameters())
         self.dtypes = tuple(p.dtype for p in self.params)

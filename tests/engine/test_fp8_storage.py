@@ -107,6 +107,9 @@ def test_trainable_fp8_audit_mode_warns_and_records_the_tensors() -> None:
     assert found[0].cast == (FP8, BF16, "diffusers")
     with pytest.warns(PrecisionWarning, match="add the adapter, then cast"):
         check_trainable_fp8(view, "audit", "audit")
+    said: list = []
+    check_trainable_fp8(view, "audit", "audit", said.append)  # the findings channel
+    assert said[0].source == "fp8_storage" and said[0].numbers["trainable_fp8"] == len(found)
 
 
 def test_no_trainable_fp8_says_nothing() -> None:
