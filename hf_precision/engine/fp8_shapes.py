@@ -197,7 +197,7 @@ class _TokenState:
     mode: str
     say: Callable[[Finding], None]
     handle: Any = None
-    ok: set[int] = field(default_factory=set)  # token counts already seen to pass
+    said: set[int] = field(default_factory=set)  # refused counts said (mode audit)
 
 
 def token_error(layer: Fp8Layer, tokens: int) -> str:
@@ -215,24 +215,26 @@ def token_error(layer: Fp8Layer, tokens: int) -> str:
 
 
 def _token_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+    """Before an fp8 layer runs: its token count against its rule. The passing path reads a
+    shape and mutates nothing (under ``torch.compile`` it traces to a shape guard, no graph
+    break); only a refused count builds a message."""
     state: _TokenState | None = module.__dict__.get(_ATTR)
     x = args[0] if args else None
     if state is None or not isinstance(x, torch.Tensor) or x.dim() == 0:
         return
+    m = state.layer.token_multiple
     tokens = x.numel() // max(1, x.shape[-1])
-    if tokens in state.ok or not torch.is_grad_enabled():
+    if m is None or tokens % m == 0 or not torch.is_grad_enabled():
         return
     weight = module._parameters.get("weight")
     if not (x.requires_grad or (weight is not None and weight.requires_grad)):
-        return
-    m = state.layer.token_multiple
-    if m is None or tokens % m == 0:
-        state.ok.add(tokens)
-        return
-    message = token_error(state.layer, tokens)
+        return  # no gradient flows through it: its backward GEMMs never run
+    message = token_error(state.layer, int(tokens))
     if state.mode != "audit":
         raise PrecisionError(message)
-    state.ok.add(tokens)  # said once per count
+    if torch.compiler.is_compiling() or tokens in state.said:
+        return
+    state.said.add(int(tokens))  # said once per count
     state.say(Finding("fp8_shapes", "warning", f"hf-precision fp8: {message}"))
 
 
@@ -255,15 +257,17 @@ def install_token_checks(
     return n
 
 
+def uninstall_token_check(mod: nn.Module) -> bool:
+    """Take the gate's hook off one module (``remove_guards`` calls it on each)."""
+    state = mod.__dict__.pop(_ATTR, None)
+    if state is not None:
+        state.handle.remove()
+    return state is not None
+
+
 def remove_token_checks(root: nn.Module) -> int:
     """Take the gate's hooks off ``root``; returns how many."""
-    n = 0
-    for mod in root.modules():
-        state = mod.__dict__.pop(_ATTR, None)
-        if state is not None:
-            state.handle.remove()
-            n += 1
-    return n
+    return sum(uninstall_token_check(mod) for mod in root.modules())
 
 
 def gate_shapes(
@@ -323,4 +327,5 @@ __all__ = [
     "shard_count",
     "skipped_layers",
     "token_error",
+    "uninstall_token_check",
 ]

@@ -59,7 +59,7 @@ from .distributed import (
 )
 from .enforce import EnforceReport, apply_plan, restore_values
 from .finding import Finding, emit
-from .fp8_shapes import gate_shapes, remove_token_checks
+from .fp8_shapes import gate_shapes
 from .fp8_storage import check_trainable_fp8
 from .hooks import (
     GuardHandle,
@@ -350,8 +350,7 @@ class PrecisionGuard:
 
     def teardown(self) -> None:
         """Take the guards off and release the model."""
-        remove_guards(self.model)
-        remove_token_checks(self.root)
+        remove_guards(self.model)  # the fp8 shape gate's hooks too
         self.wrapper_step.teardown()
         release_model(self.root, self.owner)
 

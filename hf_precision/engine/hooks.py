@@ -76,6 +76,7 @@ from .cast_hooks import Notice as Notice
 from .claims import claim_model as claim_model
 from .claims import claimed_by as claimed_by
 from .claims import release_model as release_model
+from .fp8_shapes import uninstall_token_check
 from .fp8_storage import fp8_first_layers
 from .hook_targets import (
     HIDDEN_ATTR,
@@ -148,6 +149,7 @@ def remove_guards(model: nn.Module) -> int:
     root, _ = unwrap_model(model)
     n = 0
     for mod in list(_all_modules(root)):
+        n += uninstall_token_check(mod)  # the fp8 shape gate's (engine.fp8_shapes)
         if GUARD_ATTR in mod.__dict__ or EXIT_ATTR in mod.__dict__:
             uninstall_hook(mod)
             uninstall_exit(mod)

@@ -86,6 +86,13 @@ def test_token_count_is_checked_per_batch_before_the_backward() -> None:
     model(torch.randn(3, 32)).sum().backward()  # the gate's hooks are gone
 
 
+def test_token_check_traces_without_a_graph_break() -> None:
+    model = _fp8(32, 32, 16)
+    gate_shapes(ModelView.of(model), "setup", "fix", lambda f: None)
+    explained = torch._dynamo.explain(model)(torch.randn(16, 32))
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+
+
 def test_rowwise_with_gw_hp_has_no_token_rule() -> None:
     import dataclasses
 
