@@ -47,7 +47,7 @@ from torch import nn
 from ..errors import PrecisionError
 from ..model.fp8 import MatmulFormat, matmul_format
 from ..model.view import ModelView
-from .finding import Finding
+from .finding import Finding, Severity
 
 #: the three GEMMs of a Linear, with (k, n) named by the layer's dims ("M": tokens)
 GEMMS: dict[str, tuple[str, str]] = {
@@ -303,7 +303,7 @@ def gate_shapes(
     skipped = skipped_layers(view, layers)
     if skipped:
         te = [p for p, why in skipped if why.startswith("accelerate's Transformer")]
-        severity = "warning" if te else "info"
+        severity: Severity = "warning" if te else "info"
         say(
             Finding(
                 "fp8_shapes",

@@ -45,6 +45,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..base.wrappers import unwrap_model
@@ -212,10 +213,9 @@ def guards_on(
         put.boundaries()
     for first in fp8_first_layers(view):  # model.dtype reads its fp8 storage: inputs come in fp8
         if id(first.module) not in put.wanted:
-            own = (first.compute, None)
-            put(
-                first.module, leaf_state("entry", first.path, own, policy, {}, put.move), "boundary"
-            )
+            computes: tuple[torch.dtype, None] = (first.compute, None)
+            st = leaf_state("entry", first.path, computes, policy, {}, put.move)
+            put(first.module, st, "boundary")
     exits = _put_exits(put, report)
     if leaf_groups is None:
         leaf_groups = leaf_guard_groups(policy, groups, report)
