@@ -6,7 +6,9 @@ Arms, rotated every repetition:
 
 * ``none`` — a plain emulated fp8 training step;
 * ``gated`` — the same step with the gate's per-batch token check (one forward pre-hook per
-  fp8 Linear: a token count read, a set lookup): target ≤ 1.01.
+  fp8 Linear: a token count read and one modulo): target ≤ 1.01. The hook alone is timed
+  too (microseconds per call, times the fp8 Linears per step): on a shared CPU the step
+  ratio's spread is wider than the hook's cost.
 
 The per-layer check (dimensions against the recipe's rule, the FSDP shard count, the eligible
 layers left out) runs once per guard event: its figure is seconds per event.
@@ -52,6 +54,23 @@ def _model(quick: bool) -> torch.nn.Module:
     return model.train()
 
 
+def _hook_cost(model: torch.nn.Module, tokens: int, calls: int) -> float:
+    """Seconds per call of the token check itself on one fp8 Linear (a passing count, grad
+    on; the call's hook dispatch in ``nn.Module.__call__`` is not in it)."""
+    gate_shapes(ModelView.of(model), "bench", "fix", lambda found: None)
+    layer = next(m for m in model.modules() if type(m).__name__ == "Float8Linear")
+    x = torch.randn(tokens, layer.in_features, requires_grad=True)
+    hook = next(iter(layer._forward_pre_hooks.values()))
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.process_time()
+        for _ in range(calls):
+            hook(layer, (x,))
+        best = min(best, (time.process_time() - t0) / calls)
+    remove_token_checks(model)
+    return best
+
+
 def run(quick: bool = False, reps: int | None = None) -> list[Figure]:
     start = time.perf_counter()
     model = _model(quick)
@@ -82,6 +101,7 @@ def run(quick: bool = False, reps: int | None = None) -> list[Figure]:
         arm_gated()
         best = min(best, time.process_time() - t0)
     arm_plain()
+    per_call = _hook_cost(model, int(ids.numel()), 20 if quick else 20000)
     layers = sum(1 for m in model.modules() if type(m).__name__ == "Float8Linear")
     shape = {
         "params_M": round(param_count(model) / 1e6, 1),
@@ -98,6 +118,14 @@ def run(quick: bool = False, reps: int | None = None) -> list[Figure]:
             "none",
             1.01,
             **shape,
+        ),
+        Figure(
+            "fp8_gate_hook",
+            "token check per fp8 Linear call (the hook function alone)",
+            round(per_call * 1e6, 2),
+            None,
+            unit="us",
+            detail={**shape, "per_step_ms": round(per_call * layers * 1e3, 3)},
         ),
         Figure(
             "fp8_gate_event",
