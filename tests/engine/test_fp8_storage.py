@@ -4,6 +4,7 @@ what a layer receives. Real diffusers, accelerate, PEFT and transformers models.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -202,3 +203,19 @@ def test_fully_trainable_layerwise_cast_model_is_refused() -> None:
     apply_layerwise_casting(model, storage_dtype=FP8, compute_dtype=BF16)
     with pytest.raises(PrecisionError, match=r"freeze them \(requires_grad_\(False\)\)"):
         PrecisionGuard(model, PrecisionPolicy.from_preset("bf16")).verify("setup")
+
+
+def test_the_trainer_callback_trains_beside_fp8_storage(make_trainer: Any) -> None:
+    """The callback reaches it with no edit: under ``bf16=True`` the frozen fp8-stored layers
+    and the trained rest run Trainer steps (as unguarded: autocast covers the linears); a
+    trainable fp8 tensor is refused at ``on_init_end``, before the optimizer exists."""
+    from hf_precision import PrecisionGuardCallback
+
+    model = _idefics3_trained_rest()
+    callbacks = [PrecisionGuardCallback()]
+    make_trainer(model, tiny_batch(model), callbacks=callbacks, bf16=True).train()
+    assert model.model.text_model.layers[0].mlp.up_proj.weight.dtype == FP8
+    wrong = tiny_idefics3(dtype=BF16)
+    apply_layerwise_casting(wrong, storage_dtype=FP8, compute_dtype=BF16)
+    with pytest.raises(PrecisionError, match="trainable tensor"):
+        make_trainer(wrong, tiny_batch(wrong), callbacks=[PrecisionGuardCallback()])
