@@ -7,9 +7,9 @@ forward only. Two things follow, and the guard handles both before the first ste
 
 - **no trainable fp8 tensor** (:func:`check_trainable_fp8`): a weight that requires grad and is
   stored in fp8 cannot be trained (its gradient arrives in the compute dtype, an optimizer's
-  update fails on fp8 or rounds below its 3-bit mantissa). The usual cause is the order: a PEFT
-  adapter added *after* the cast is created in its base layer's dtype, fp8. Refused with the
-  modules, the dtype and the order fix (mode ``audit``: a warning).
+  update fails on fp8 or rounds below its 2- or 3-bit mantissa). The usual cause is the
+  order: a PEFT adapter added *after* the cast is created in its base layer's dtype, fp8.
+  Refused with the modules, the dtype and the order fix (mode ``audit``: a finding).
 - **storage is not compute** (:func:`fp8_first_layers`, :func:`fp8_model_dtype_note`):
   transformers' ``model.dtype`` is the first floating parameter; where that one is stored in
   fp8, ``pixel_values.to(self.dtype)`` (Idefics2/3, SmolVLM, InternVL) makes fp8 activations
@@ -127,6 +127,11 @@ def trainable_fp8(view: ModelView) -> list[TrainableFp8]:
     return out
 
 
+def _mantissa(dtype: torch.dtype) -> int:
+    """The mantissa bits of an fp8 dtype (e5m2: 2, e4m3: 3)."""
+    return 2 if "e5m2" in dtype_name(dtype) else 3
+
+
 def _listed(names: list[str]) -> str:
     more = f" and {len(names) - _LISTED} more" if len(names) > _LISTED else ""
     return ", ".join(names[:_LISTED]) + more
@@ -178,7 +183,7 @@ def check_trainable_fp8(
         f"{_listed(modules)}). An fp8 weight cannot be trained: its gradient arrives in the "
         "compute dtype, and the optimizer's update fails on fp8 (AdamW: "
         "'\"mul_cpu_reduced_float\" not implemented for 'Float8_e4m3fn'') or is rounded away "
-        f"by its 3-bit mantissa. {_fix(found)}"
+        f"by its {_mantissa(found[0].dtype)}-bit mantissa. {_fix(found)}"
     )
     if mode != "audit":
         raise PrecisionError(msg)
@@ -244,8 +249,9 @@ def fp8_model_dtype_note(view: ModelView) -> str | None:
         f"{first.reader}.dtype reads {storage}: its first floating parameter {first.name} is "
         f"stored in {storage} by {lib}layerwise casting and computes in {compute}. Code that "
         f"casts inputs to model.dtype ({DTYPE_CONSUMERS}) rounds them to {storage} before "
-        f"any layer runs (3 mantissa bits); the guard casts them to {compute} at {first.path} "
-        f"so the run goes on, but the rounding is done. Fix: keep {first.path} out of the "
+        f"any layer runs ({_mantissa(first.storage)} mantissa bits); the guards cast them "
+        f"to {compute} (at the group boundary and at {first.path}) so the run goes on, but "
+        "the rounding is done. Fix: keep {first.path} out of the "
         f"cast (skip_modules_pattern=(..., {leaf!r}); diffusers' default patterns keep "
         "'patch_embed' and 'norm' out)."
     )
