@@ -229,9 +229,14 @@ def feed_converters(accelerator: Any, models: list[nn.Module], policy: Any) -> b
     changed. ``False`` when the accelerator converts with another backend."""
     import dataclasses
 
-    handler = getattr(accelerator, "ao_recipe_handler", None)
+    handler: Any = getattr(accelerator, "ao_recipe_handler", None)
     backend = str(getattr(accelerator, "fp8_backend", "")).rsplit(".", 1)[-1].upper()
-    if handler is None or backend != "AO" or not dataclasses.is_dataclass(handler) or not models:
+    if (
+        handler is None
+        or backend != "AO"
+        or not hasattr(handler, "__dataclass_fields__")
+        or not models
+    ):
         return False
     if getattr(handler.module_filter_func, "hf_precision_keep_out", None) is not None:
         return True  # fed already
@@ -241,6 +246,7 @@ def feed_converters(accelerator: Any, models: list[nn.Module], policy: Any) -> b
     def convert(mod: nn.Module, fqn: str) -> bool:
         return all(f(mod, fqn) for f in filters) and (base is None or base(mod, fqn))
 
-    convert.hf_precision_keep_out = sum(f.hf_precision_keep_out for f in filters)  # type: ignore[attr-defined]
+    kept = sum(getattr(f, "hf_precision_keep_out", 0) for f in filters)
+    convert.hf_precision_keep_out = kept  # type: ignore[attr-defined]
     accelerator.ao_recipe_handler = dataclasses.replace(handler, module_filter_func=convert)
     return True

@@ -326,10 +326,10 @@ def facts(module: torch.nn.Module, compute: torch.dtype | None = None) -> Facts:
     if cast is not None:
         storage, hooked_compute, lib = cast
         return Facts(storage, hooked_compute, matmul_format(module), f"layerwise casting, {lib}")
-    storage = _own_storage(module)
-    if compute is None and storage is not None and not is_fp8(storage):
-        compute = storage
-    return Facts(storage, compute, matmul_format(module))
+    own = _own_storage(module)
+    if compute is None and own is not None and not is_fp8(own):
+        compute = own
+    return Facts(own, compute, matmul_format(module))
 
 
 @dataclass
