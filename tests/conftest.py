@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +46,33 @@ def _no_leaked_mixed_precision(monkeypatch: pytest.MonkeyPatch) -> None:
     """transformers 4.x's ``TrainingArguments(bf16=True)`` exports ACCELERATE_MIXED_PRECISION,
     which every later ``Accelerator()`` in the process would read: each test starts without."""
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+
+
+class Said(logging.Handler):
+    """What the ``hf_precision`` logger said (the console channel of every finding)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def about(self, words: str) -> list[str]:
+        return [line for line in self.lines if words in line]
+
+
+@pytest.fixture
+def said() -> Any:
+    """The ``hf_precision`` logger's lines during the test (INFO and above), whatever the
+    warning filters: ``said.about("updates lost")``."""
+    logger = logging.getLogger("hf_precision")
+    handler, level = Said(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 @pytest.fixture

@@ -52,6 +52,7 @@ from ..base.wrappers import unwrap_model
 from ..errors import PrecisionError, did_you_mean
 from ..rules import flags
 from ..rules.dtypes import dtype_name
+from .finding import Finding
 
 logger = logging.getLogger("hf_precision")
 
@@ -129,6 +130,11 @@ class NonFinite:
         out = asdict(self)
         out["line"] = self.line()
         return out
+
+    def finding(self) -> Finding:
+        """This finding for :func:`~hf_precision.engine.finding.emit` (the console, the
+        reporter's ``<step>-nonfinite.json`` and trackers)."""
+        return Finding("nonfinite", "error", self.line(), numbers=self.to_dict(), detail=self)
 
 
 def _floats(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
@@ -341,8 +347,7 @@ class NonFiniteBlame:
             result = None  # "always": said once per module and pass
         if result is not None:
             self._reported.add((result.module, result.phase))
-            self.findings.append(result)
-            logger.warning("%s", result.line())
+            self.findings.append(result)  # said by the caller: emit(result.finding(), ...)
         if self.mode == "auto" and (result is not None or self._armed_steps >= ARMED_STEPS):
             if result is None:
                 logger.warning(

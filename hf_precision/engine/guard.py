@@ -57,6 +57,7 @@ from .distributed import (
     check_zero3_split,
 )
 from .enforce import EnforceReport, apply_plan, restore_values
+from .finding import Finding, emit
 from .fp8_check import check_fp8
 from .hooks import (
     GuardHandle,
@@ -326,12 +327,10 @@ class PrecisionGuard:
     def stash_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._stash.values())
 
-    def log_sections(self, event: str, *, step: int) -> None:
-        """Write an event that carries :attr:`sections` without planning or casting anything
-        (the lost-update check's result, mid-training)."""
-        if self.reporter is not None:
-            view = ModelView.of(self.model, self.groups, call=self.call)  # this event's walk
-            self._log(event, view, self._renamed(self.policy), None, step=step)
+    def emit(self, finding: Finding, *, step: int = 0) -> None:
+        """A watcher's :class:`~hf_precision.engine.finding.Finding` through this engine's
+        speaker and reporter (:func:`~hf_precision.engine.finding.emit`)."""
+        emit(finding, speaker=self.speaker, reporter=self.reporter, step=step)
 
     def _bridged(self, kind: str, path: str, what: str, src: torch.dtype, dst: torch.dtype) -> None:
         """A guard cast an input at run time (called once per kind by the hooks)."""

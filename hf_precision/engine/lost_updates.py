@@ -35,6 +35,7 @@ import torch
 
 from ..base.wrappers import is_sharded
 from ..rules.dtypes import dtype_name
+from .finding import Finding, Severity
 
 LostUpdates = Literal["auto", "off"]
 LOST_UPDATES: tuple[str, ...] = ("auto", "off")
@@ -153,6 +154,42 @@ class LostUpdateResult:
             f"+{fmt_bytes(cost['weights'])} to hold the "
             f"{self.half_numel:,} half-precision trainable elements in fp32 "
             f"(+{fmt_bytes(cost['with_grads_and_adamw'])} with their gradients and AdamW moments)."
+        )
+
+    def group_shares(self, group_of: Callable[[str], str]) -> dict[str, float]:
+        """The unchanged share per module group (``group_of``: weight name -> group), over the
+        weights with counted elements, most lost first: the finding's picture."""
+        counted: dict[str, list[int]] = {}
+        for w in self.weights:
+            if w.counted:
+                tally = counted.setdefault(group_of(w.name), [0, 0])
+                tally[0] += w.unchanged
+                tally[1] += w.counted
+        shares = {g: u / c for g, (u, c) in counted.items()}
+        return dict(sorted(shares.items(), key=lambda kv: -kv[1]))
+
+    def finding(self, fix: str, group_of: Callable[[str], str] | None = None) -> Finding:
+        """The result as one :class:`~hf_precision.engine.finding.Finding`: a warning
+        (:meth:`warning`, with ``fix``) when half-precision weights lost updates, else what was
+        measured (info)."""
+        groups = self.group_shares(group_of) if group_of is not None else {}
+        said = self.warning(fix)
+        if said is None:
+            dtypes = "/".join(sorted({w.dtype for w in self.weights if w.counted})) or "none"
+            said = (
+                f"hf-precision: update check passed: over the first {self.steps} optimizer "
+                f"step(s), "
+                f"{self.unchanged}/{self.counted} sampled trainable elements with a gradient "
+                f"({dtypes}) came out of the step unchanged"
+            )
+        severity: Severity = "warning" if self.lossy else "info"
+        return Finding(
+            "lost_updates",
+            severity,
+            said,
+            numbers=self.to_dict(),
+            groups=groups,
+            measure="share of sampled elements with a gradient left unchanged by the step",
         )
 
 
@@ -287,24 +324,28 @@ def lost_updates_fix(args: Any = None, *, tool: Any = None) -> str:
 
 
 def watch(
-    guard: Any, optimizer: Any, *, args: Any = None, tool: Any = None, steps: int = 3
+    guard: Any,
+    optimizer: Any,
+    *,
+    args: Any = None,
+    tool: Any = None,
+    steps: int = 3,
+    fix: str | None = None,
 ) -> LostUpdateCheck:
     """Start the check on ``optimizer`` for the trainable weights of ``guard``'s model (a
     :class:`~hf_precision.engine.guard.PrecisionGuard`); when the watched steps are done, the
-    result goes
-    into ``guard.sections["lost_updates"]``, a ``lost_updates`` event (its JSON and W&B) and, when
-    half-precision weights lost updates, one :class:`PrecisionWarning` with the fix for the user's
-    tool."""
+    result goes into ``guard.sections["lost_updates"]`` (every later event's JSON) and, as one
+    :class:`~hf_precision.engine.finding.Finding` through ``guard.emit`` (the console through
+    ``logging``, ``precision.log``, ``<step>-lost_updates.json`` and its picture of the
+    unchanged share per group, W&B / TensorBoard): a warning with ``fix`` (default: the fix in
+    the user's tool's words) when half-precision weights lost updates, else what was
+    measured."""
     check = LostUpdateCheck(guard.root.named_parameters(), steps=steps)
 
     def done(result: LostUpdateResult) -> None:
-        from ..errors import PrecisionWarning
-
         guard.sections["lost_updates"] = result.to_dict()
-        said = result.warning(lost_updates_fix(args, tool=tool))
-        if said:
-            warnings.warn(said, PrecisionWarning, stacklevel=2)
-        guard.log_sections("lost_updates", step=check.seen)
+        said = fix if fix is not None else lost_updates_fix(args, tool=tool)
+        guard.emit(result.finding(said, guard.groups.group_of), step=check.seen)
 
     check.on_done, check.root = done, guard.root
     return check.attach(optimizer)

@@ -36,6 +36,7 @@ from typing import Any
 from torch import nn
 
 from ..rules.dtypes import dtype_name
+from .finding import Finding
 
 ENV_ACCELERATE = "ACCELERATE_MIXED_PRECISION"
 ENV_UNSLOTH = "UNSLOTH_FORCE_FLOAT32"
@@ -179,3 +180,10 @@ def precision_provenance(
         "line": line,
         "notable": any(not c["component"].startswith(_HF_PRECISION) for c in found),
     }
+
+
+def provenance_finding(found: Mapping[str, Any]) -> Finding:
+    """A notable :func:`precision_provenance` (something beside the script set a precision) as
+    a :class:`~hf_precision.engine.finding.Finding`: its line on the console and in
+    ``precision.log``, the section in ``<step>-provenance.json``."""
+    return Finding("provenance", "warning", f"hf-precision: {found['line']}", numbers=found)

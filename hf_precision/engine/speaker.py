@@ -1,9 +1,10 @@
 """What one engine (:class:`~hf_precision.engine.guard.PrecisionGuard`) says at its events: the
 setup's cast line (or the audit's findings), drift warnings at later events, the plan's and a
 wrapper's notes, the first input a guard bridges at run time, a fused LM head read outside its
-module. Each warning once per engine. The lines themselves are :mod:`.console`'s pure
-functions; this module says them (``logging`` for what happened, ``warnings`` for what the user
-should act on).
+module, and every watcher's :class:`~hf_precision.engine.finding.Finding`. Each warning once
+per engine. The lines themselves are :mod:`.console`'s pure functions; this module says them
+(``logging`` for what happened and for every finding, which no warning filter silences;
+``warnings`` for what the user should act on at setup).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from ..errors import PrecisionWarning
 from ..rules.policy import PrecisionPolicy
 from .console import bridged_line, cast_line, kept_as_is, kept_words, memory_line
+from .finding import Finding
 from .plan import EnforceReport
 
 logger = logging.getLogger("hf_precision")
@@ -119,6 +121,14 @@ class Speaker:
         else:
             return False
         return True
+
+    def finding(self, finding: Finding) -> None:
+        """A watcher's :class:`~hf_precision.engine.finding.Finding`, through ``logging`` at its
+        severity (a warning filter does not silence it), once per source and message."""
+        key = f"finding:{finding.source}:{finding.message}"
+        if key not in self.said:
+            self.said.add(key)
+            logger.log(finding.level, "%s", finding.message)
 
     def bridged(
         self,

@@ -37,6 +37,7 @@ from torch import nn
 from ..base.wrappers import unwrap_model
 from ..rules.dtypes import dtype_name
 from ..rules.policy import is_norm_module
+from .finding import Finding
 
 logger = logging.getLogger("hf_precision")
 
@@ -110,6 +111,15 @@ class TraceResult:
         return f"{head}; the stream's dtype changes first at {first.line()}" + (
             f"; {more} later change(s) in the report" if more else ""
         )
+
+    def finding(self) -> Finding:
+        """This trace for :func:`~hf_precision.engine.finding.emit` (said at INFO: a change of
+        the stream's dtype is often chosen; the reporter writes ``<step>-trace.json``)."""
+        first = self.first_change
+        numbers = {"modules": len(self.records), "changes": len(self.changes)}
+        if first is not None:
+            numbers["first_change"] = first.line()
+        return Finding("trace", "info", self.line(), numbers=numbers, detail=self)
 
     def to_dict(self) -> dict[str, Any]:
         return {

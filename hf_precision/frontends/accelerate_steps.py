@@ -8,13 +8,12 @@ request, or by a step the GradScaler skipped) and the lost-update check on the f
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any
 
 from ..engine.blame import BlameMode, NonFinite, NonFiniteBlame
+from ..engine.finding import emit
 from ..engine.frontend import PrecisionGuard
-from ..engine.lost_updates import LostUpdateCheck, LostUpdateResult, LostUpdates, watch
-from ..errors import PrecisionWarning
+from ..engine.lost_updates import LostUpdateCheck, LostUpdates, watch
 
 logger = logging.getLogger("hf_precision")
 
@@ -63,17 +62,7 @@ class PluginSteps:
     def _watch_updates(self, guard: PrecisionGuard, optimizer: Any) -> LostUpdateCheck:
         """:func:`~hf_precision.engine.lost_updates.watch` (the ``lost_updates`` section and
         event), warning with the fix in this loop's words (:attr:`lost_updates_fix`)."""
-        check = watch(guard, optimizer, tool="accelerate")
-
-        def done(result: LostUpdateResult) -> None:
-            guard.sections["lost_updates"] = result.to_dict()
-            said = result.warning(self.lost_updates_fix)
-            if said:
-                warnings.warn(said, PrecisionWarning, stacklevel=2)
-            guard.log_sections("lost_updates", step=check.seen)
-
-        check.on_done = done
-        return check
+        return watch(guard, optimizer, tool="accelerate", fix=self.lost_updates_fix)
 
     def _trained_by(self, optimizer: Any) -> PrecisionGuard:
         """The guarded model whose weights ``optimizer`` updates (the first one otherwise)."""
@@ -126,6 +115,8 @@ class PluginSteps:
                 finding = b.collect(step=self.steps)
                 if finding is not None:
                     found.append(finding)
-                    if self._reporter is not None:
-                        self._reporter.log_nonfinite(finding, step=self.steps)
+                    speaker = self._guarded[0].speaker if self._guarded else None
+                    emit(
+                        finding.finding(), speaker=speaker, reporter=self._reporter, step=self.steps
+                    )
         return found

@@ -296,12 +296,12 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         )
 
     def _provenance(self, args: Any, model: nn.Module) -> None:
-        from ..engine.provenance import precision_provenance
+        from ..engine.provenance import precision_provenance, provenance_finding
 
         assert self.guard is not None
         found = self.guard.sections["provenance"] = precision_provenance(args, model)
         if found["notable"]:
-            logger.warning("hf-precision: %s", found["line"])
+            self.guard.emit(provenance_finding(found))
 
     def _stash(self) -> None:
         if self.guard is not None and self.policy is not None:

@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 from ..engine.blame import NonFiniteBlame
+from ..engine.finding import Finding, emit
 from ..engine.frontend import PrecisionGuard
 from ..engine.lost_updates import LostUpdateCheck, LostUpdates, watch
 
@@ -34,6 +35,11 @@ class CallbackSteps:
     def _verify(self, event: str, args: Any, state: Any, kwargs: dict[str, Any]) -> None:
         raise NotImplementedError  # the callback's
 
+    def _emit(self, finding: Finding, step: int) -> None:
+        """A watcher's finding through the engine's speaker and this callback's reporter."""
+        speaker = self.guard.speaker if self.guard is not None else None
+        emit(finding, speaker=speaker, reporter=self.reporter, step=step)
+
     def _watch_updates(self, args: Any, kwargs: dict[str, Any]) -> None:
         """Start the lost-update check on the Trainer's optimizer, once per model."""
         optimizer = kwargs.get("optimizer")
@@ -54,13 +60,11 @@ class CallbackSteps:
         step = int(getattr(state, "global_step", 0) or 0)
         if self._tracer is not None:
             self.trace_result, self._tracer = self._tracer.result(), None
-            logger.info("%s", self.trace_result.line())
-            if self.reporter is not None:
-                self.reporter.log_trace(self.trace_result, step=step)
+            self._emit(self.trace_result.finding(), step)
         if self.blame is not None and self.blame.armed:
             finding = self.blame.collect(step=step)
-            if finding is not None and self.reporter is not None:
-                self.reporter.log_nonfinite(finding, step=step)
+            if finding is not None:
+                self._emit(finding.finding(), step)
         if getattr(control, "should_evaluate", False):
             self._verify("before_evaluate", args, state, kwargs)
 

@@ -54,6 +54,18 @@ class EventPicture:
         self._cache = (key, png)
         return png
 
+    def finding(self, finding: Any, step: int) -> bytes | None:
+        """The picture of a watcher's finding (one bar per group), ``None`` when it has no
+        per-group numbers or matplotlib is missing."""
+        if not self.enabled or not getattr(finding, "groups", None):
+            return None
+        try:
+            from .plot import plot_finding
+
+            return plot_finding(finding, title=f"{finding.source}, step {step}")
+        except ImportError:
+            return None
+
     def trace(self, trace: Any, title: str) -> bytes | None:
         """The strip picture of an activation dtype trace (``None`` without matplotlib)."""
         if not self.enabled:

@@ -8,6 +8,9 @@
 * :func:`plot_group_bytes` — bytes per dtype, stacked, one bar per group ("how big is each
   group").
 
+A watcher's finding draws itself (:func:`plot_finding`: one bar per group of its numbers), and
+the activation dtype trace its strip (:func:`plot_trace`).
+
 Text tables are :mod:`hf_precision.base.tables`' (:meth:`hf_precision.DtypeMap.table`).
 
 matplotlib is imported lazily and drawn on an Agg canvas owned by the figure (no ``pyplot``, no
@@ -523,6 +526,42 @@ def plot_trace(
     if dtypes:
         ax.legend(title="output dtype", fontsize=8, title_fontsize=8, loc="lower right")
     fig.subplots_adjust(left=0.05, right=0.97, top=0.8, bottom=0.15)
+    return _png(fig, path)
+
+
+def plot_finding(
+    finding: Any,
+    path: str | os.PathLike[str] | None = None,
+    *,
+    title: str = "",
+    size: tuple[int, int] = PICTURE_SIZE,
+) -> bytes:
+    """A watcher's finding (:class:`hf_precision.engine.finding.Finding`) as PNG bytes: one
+    horizontal bar per group of its ``groups`` numbers (the unchanged share of updates per
+    group, ...), coloured by the finding's severity, its message wrapped underneath. This is
+    the picture of a finding's event, not the dtype map."""
+    import textwrap
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    color = {"info": "#4c72b0", "warning": "#dd8452", "error": "#c44e52"}[finding.severity]
+    names = list(finding.groups)
+    values = [float(finding.groups[g]) for g in names]
+    fig = Figure(figsize=(size[0] / _DPI, size[1] / _DPI), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    ax = fig.add_axes((0.25, 0.38, 0.68, 0.5))
+    ax.barh(names[::-1], values[::-1], color=color)
+    share = bool(values) and all(0.0 <= v <= 1.0 for v in values)
+    for y, v in enumerate(values[::-1]):
+        ax.annotate(f"{v:.0%}" if share else f"{v:.3g}", (v, y), va="center", fontsize=8)
+    if share:
+        ax.set_xlim(0, 1.1)
+    ax.set_xlabel(finding.measure or "value", fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.set_title(title or f"{finding.source} ({finding.severity})", fontsize=10)
+    words = "\n".join(textwrap.wrap(finding.message, 130)[:6])
+    fig.text(0.02, 0.02, words, fontsize=7, va="bottom", ha="left", wrap=False)
     return _png(fig, path)
 
 

@@ -1,6 +1,7 @@
 """The reporter's files in ``<report_dir>``: ``<step>-<event>.json`` and ``.png`` per event,
-``<step>-nonfinite.json`` / ``<step>-trace.json`` for the blame and the trace, and one block
-per event appended to ``precision.log``. A name already taken gets ``-2``, ``-3``, ...: no event
+``<step>-<source>.json`` (and ``.png``) per watcher's finding (``<step>-nonfinite.json`` /
+``<step>-trace.json`` for the blame and the trace), and one block per event, one line per
+finding, appended to ``precision.log``. A name already taken gets ``-2``, ``-3``, ...: no event
 overwrites another's files. A file that cannot be written is said through ``failed`` (the
 reporter warns once per kind) and never stops training.
 """
@@ -45,12 +46,15 @@ class ReportFiles:
         self._stems[base] = n + 1  # the next event of this name starts after this one
         return stem
 
-    def append_log(self, text: str) -> None:
-        if self.console:
+    def append_log(self, text: str, *, console: bool = True) -> None:
+        """``text`` to ``precision.log`` (and to the ``hf_precision`` logger at INFO when the
+        reporter has a console and ``console``: a finding's line is the speaker's)."""
+        if self.console and console:
             logger.info("%s", text)
         if self.report_dir is None:
             return
         try:
+            self.report_dir.mkdir(parents=True, exist_ok=True)  # a finding before any event
             with open(self.report_dir / "precision.log", "a", encoding="utf-8") as fh:
                 fh.write(text + "\n\n")
         except OSError as err:
@@ -60,7 +64,12 @@ class ReportFiles:
                 f"({type(err).__name__}: {err})",
             )
 
-    def write_event(self, snap: EventSnapshot, nonfinite: list[dict[str, Any]]) -> Path | None:
+    def write_event(
+        self,
+        snap: EventSnapshot,
+        nonfinite: list[dict[str, Any]],
+        findings: list[dict[str, Any]] | None = None,
+    ) -> Path | None:
         """The event's JSON and picture; returns the picture's path (``None``: none written).
         Raises ``OSError``."""
         assert self.report_dir is not None
@@ -71,14 +80,22 @@ class ReportFiles:
             png_path.write_bytes(snap.png)
             self.written.append(png_path)
         path = self.report_dir / f"{snap.stem}.json"
-        path.write_text(json.dumps(event_json(snap, nonfinite, png_path), indent=1))
+        path.write_text(json.dumps(event_json(snap, nonfinite, png_path, findings), indent=1))
         self.written.append(path)
         return png_path
+
+    def write_finding(self, finding: Any, step: int, png: bytes | None) -> Path | None:
+        """A watcher's finding: its words in ``precision.log`` (the console line is the
+        speaker's), ``<step>-<source>.json`` (its numbers under ``<source>``, the finding under
+        ``finding``) and its picture ``<step>-<source>.png``."""
+        self.append_log(finding.words(step), console=False)
+        body = {finding.source: dict(finding.numbers), "finding": finding.to_dict()}
+        return self.write_extra(finding.source, step, body, png=png)
 
     def write_extra(
         self, kind: str, step: int, body: dict[str, Any], png: bytes | None = None
     ) -> Path | None:
-        """``<step>-<kind>.json`` (and ``.png``) for the blame and the trace."""
+        """``<step>-<kind>.json`` (and ``.png``) for a watcher's finding."""
         if self.report_dir is None:
             return None
         stem = self.stem(kind, step)
@@ -97,10 +114,14 @@ class ReportFiles:
 
 
 def event_json(
-    snap: EventSnapshot, nonfinite: list[dict[str, Any]], png_path: Path | None
+    snap: EventSnapshot,
+    nonfinite: list[dict[str, Any]],
+    png_path: Path | None,
+    findings: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """What ``<step>-<event>.json`` holds: the full map, the drift, the policy, the mismatch
-    counts, the engine's findings, the blame's findings so far and the extra sections."""
+    counts, the engine's findings, the blame's findings so far, every watcher's finding so far
+    (``findings``) and the extra sections."""
     report = snap.report.to_dict() if snap.report is not None else {}
     return {
         "event": snap.event,
@@ -121,6 +142,7 @@ def event_json(
         "kept": report.get("kept", []),
         "outside_reads": report.get("outside_reads", []),
         "nonfinite": nonfinite,
+        "findings": list(findings or []),
         "picture": png_path.name if png_path is not None else None,
         **snap.sections,
     }

@@ -55,6 +55,7 @@ from .trackers import (
     Tracker,
     accelerator_trackers,
     event_payload,
+    finding_payload,
     make_tracker,
     nonfinite_payload,
     trace_payload,
@@ -116,6 +117,8 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
         #: the blame's findings so far (``NonFinite.to_dict()``): every later event's JSON
         #: carries them as ``nonfinite``
         self.nonfinite: list[dict[str, Any]] = []
+        #: every watcher's finding so far, with its step: each later event JSON's ``findings``
+        self.findings: list[dict[str, Any]] = []
         asked = dict(trackers or {})
         if wandb:
             asked.setdefault("wandb", wandb_run)
@@ -196,15 +199,6 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
             trackers=accelerator_trackers(accelerator),
         )
 
-    # ------------------------------------------------------------------ parts
-    def _render_png(
-        self, dmap: DtypeMap, event: str, step: int, policy: Any, report: Any, model: nn.Module
-    ) -> bytes | None:
-        return self._picture.render(dmap, event, step, policy, report, model)
-
-    def _stem(self, event: str, step: int) -> str:
-        return self.files.stem(event, step)
-
     # ------------------------------------------------------------------ event
     def log_event(
         self,
@@ -235,7 +229,7 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
         self.events.append((event, step))
         snap = self._snapshot(event, step, policy, report, dmap, diff, previous, first)
         snap.sections = json.loads(json.dumps(dict(sections or {}), default=str))
-        snap.png = self._render_png(dmap, event, step, policy, report, model)
+        snap.png = self._picture.render(dmap, event, step, policy, report, model)
         self._publish(snap)
         return dmap
 
@@ -268,7 +262,7 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
             rows,
             aggregated,
             first,
-            stem=self._stem(event, step),
+            stem=self.files.stem(event, step),
             unchanged_since=unchanged,
         )
 
@@ -278,7 +272,7 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
         png_path = None
         if self.report_dir is not None:
             try:
-                png_path = self.files.write_event(snap, self.nonfinite)
+                png_path = self.files.write_event(snap, self.nonfinite, self.findings)
             except OSError as err:  # a report is an observer: it never stops training
                 self._failed(
                     "files",
@@ -330,6 +324,25 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
             stacklevel=3,
         )
 
+    # ------------------------------------------------------------------ findings
+    def log_finding(self, finding: Any, *, step: int) -> Path | None:
+        """A watcher's :class:`~hf_precision.engine.finding.Finding` (from
+        :func:`~hf_precision.engine.finding.emit`; the console is the speaker's): its files
+        (:meth:`ReportFiles.write_finding`), the trackers, the ``findings`` of every later
+        event JSON. The blame and the trace keep their own files (:meth:`log_nonfinite`,
+        :meth:`log_trace`)."""
+        self.findings.append({**finding.to_dict(), "step": step})
+        own = {"nonfinite": self.log_nonfinite, "trace": self.log_trace}.get(finding.source)
+        if own is not None and finding.detail is not None:
+            return own(finding.detail, step=step)
+        if not self.is_main_process:
+            return None
+        png = self._picture.finding(finding, step)
+        path = self.files.write_finding(finding, step, png)
+        if self.trackers:
+            self._submit(finding_payload(finding, step, png, path))
+        return path
+
     # ------------------------------------------------------------------ blame, trace
     def log_nonfinite(self, finding: Any, *, step: int) -> Path | None:
         """A :class:`~hf_precision.engine.blame.NonFinite`: its line to the log,
@@ -339,7 +352,7 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
         self.nonfinite.append(record)
         if not self.is_main_process:
             return None
-        self.files.append_log(record["line"])
+        self.files.append_log(record["line"], console=False)  # the speaker said it
         path = self.files.write_extra("nonfinite", step, {"nonfinite": [record]})
         if self.trackers:
             self._submit(nonfinite_payload(self.nonfinite, step))
@@ -350,7 +363,7 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
         ``<step>-trace.json``, the strip picture ``<step>-trace.png`` and the trackers."""
         if not self.is_main_process:
             return None
-        self.files.append_log(trace.line())
+        self.files.append_log(trace.line(), console=False)  # the speaker said it
         png = self._picture.trace(trace, title or f"activation dtype trace, step {step}")
         path = self.files.write_extra("trace", step, {"trace": trace.to_dict()}, png=png)
         if self.trackers:

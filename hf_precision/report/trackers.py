@@ -212,6 +212,38 @@ def nonfinite_payload(records: list[dict[str, Any]], step: int) -> TrackerPayloa
     )
 
 
+def finding_payload(
+    finding: Any, step: int, png: bytes | None, path: Path | None
+) -> TrackerPayload:
+    """A watcher's :class:`~hf_precision.engine.finding.Finding` (``path``: its JSON file): its
+    numbers as ``precision/<source>/...`` scalars, its groups as the table
+    ``precision/<source>`` and its picture; the message and severity in the summary."""
+    source = finding.source
+    png_path = path.with_suffix(".png") if path is not None and png is not None else None
+    tables: dict[str, tuple[list[Any], list[list[Any]]]] = {}
+    if finding.groups:
+        rows = [[g, float(v)] for g, v in finding.groups.items()]
+        tables[f"precision/{source}"] = (["group", finding.measure or "value"], rows)
+    return TrackerPayload(
+        source,
+        step,
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+        scalars=section_scalars({source: finding.numbers}),
+        png=png,
+        png_path=png_path,
+        tables=tables,
+        summary={
+            f"precision/{source}/message": finding.message,
+            f"precision/{source}/severity": finding.severity,
+        },
+    )
+
+
 def trace_payload(
     trace: Any, step: int, png: bytes | None, png_path: Path | None
 ) -> TrackerPayload:
@@ -244,6 +276,7 @@ __all__ = [
     "accelerator_source",
     "accelerator_trackers",
     "event_payload",
+    "finding_payload",
     "make_tracker",
     "nonfinite_payload",
     "trace_payload",

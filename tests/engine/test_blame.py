@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,8 @@ def test_fp16_overflow_named_by_the_one_line_callback(
     trainer = make_trainer(model, _batch(), callbacks=[cb], max_steps=3, report_to=["wandb"])
     assert _forward_hooks(model) == 0, "auto and idle: no hook at all"
     try:
-        with caplog.at_level(logging.WARNING, logger="hf_precision"):
+        with caplog.at_level(logging.WARNING, logger="hf_precision"), warnings.catch_warnings():
+            warnings.filterwarnings("ignore")  # the finding goes through logging all the same
             trainer.train()
         summary = dict(wandb.run.summary)
         run_dir = Path(wandb.run.dir)
@@ -82,6 +84,7 @@ def test_fp16_overflow_named_by_the_one_line_callback(
     lines = [r.getMessage() for r in caplog.records if "hf-precision blame" in r.getMessage()]
     assert len(lines) == 1 and OVERFLOWING in lines[0] and "producer" in lines[0]
     assert "inputs float16, weights float16, output float16" in lines[0]
+    assert lines[0] in (Path(trainer.args.output_dir) / "precision" / "precision.log").read_text()
     # the event JSON: its own file, and the section in every later event
     out = Path(trainer.args.output_dir) / "precision"
     record = json.loads((out / "000002-nonfinite.json").read_text())["nonfinite"][0]

@@ -20,7 +20,9 @@ from hf_precision.tiny import tiny_batch, tiny_llava
 DOC = Path(__file__).resolve().parents[2] / "docs" / "updates_memory_provenance.md"
 
 
-def _train(make_trainer, dtype: torch.dtype, report_to: list[str] | None = None, **cb: object):
+def _train(
+    make_trainer, said, dtype: torch.dtype, report_to: list[str] | None = None, **cb: object
+):
     model = tiny_llava(seed=0).to(dtype)  # every weight trainable: a full fine-tune
     callback = PrecisionGuardCallback(**cb)  # no flag: the no-flag rule keeps bf16 trainables
     trainer = make_trainer(
@@ -31,11 +33,10 @@ def _train(make_trainer, dtype: torch.dtype, report_to: list[str] | None = None,
         max_steps=3,
         report_to=report_to or [],
     )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore")  # as many scripts and notebooks do
         trainer.train()
-    lost = [str(w.message) for w in caught if "updates lost" in str(w.message)]
-    return trainer, callback, model, lost
+    return trainer, callback, model, said.about("updates lost")
 
 
 def _section(trainer) -> dict:
@@ -44,21 +45,23 @@ def _section(trainer) -> dict:
 
 
 def test_a_bf16_full_fine_tune_is_warned_with_its_measured_share(
-    make_trainer, tmp_path, monkeypatch
+    make_trainer, said, tmp_path, monkeypatch
 ):
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     try:
-        trainer, callback, model, lost = _train(make_trainer, torch.bfloat16, ["wandb"])
+        trainer, callback, model, lost = _train(make_trainer, said, torch.bfloat16, ["wandb"])
         summary = dict(wandb.run.summary)
     finally:
         wandb.finish()
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # trained as loaded
-    [line] = lost
+    [line] = lost  # on the console through logging, under warnings.filterwarnings("ignore")
     section = _section(trainer)
     assert section["steps"] == 3 and section["half_share"] > 0.5, section
     assert summary["precision/lost_updates/half_share"] == section["half_share"]  # W&B
+    assert summary["precision/lost_updates/message"] == line
+    _the_finding_is_reported(trainer, line, section)
     assert section["counted"] > 1000
     share = re.search(r"(\d+)% of the sampled bfloat16 elements", line)
     assert share and int(share.group(1)) == round(100 * section["half_share"])
@@ -73,16 +76,39 @@ def test_a_bf16_full_fine_tune_is_warned_with_its_measured_share(
     assert callback._lost is not None and not callback._lost.active
 
 
-def test_an_fp32_control_run_loses_nothing_and_says_nothing(make_trainer):
-    trainer, _, _, lost = _train(make_trainer, torch.float32)
+def _the_finding_is_reported(trainer, line: str, section: dict) -> None:
+    """The finding in words in precision.log, in its event JSON (and the findings of later
+    events), and its picture draws the unchanged share per group, not the dtype chart."""
+    from hf_precision.engine.finding import Finding
+    from hf_precision.report.plot import plot_finding
+
+    folder = Path(trainer.args.output_dir) / "precision"
+    assert line in (folder / "precision.log").read_text()
+    [path] = sorted(folder.glob("*-lost_updates.json"))
+    found = json.loads(path.read_text())["finding"]
+    assert found["severity"] == "warning" and found["message"] == line
+    assert found["numbers"] == section
+    groups = found["groups"]
+    assert set(groups) >= {"vision_encoder", "language_model"} and max(groups.values()) > 0.5
+    png = path.with_suffix(".png").read_bytes()
+    title = f"lost_updates, step {json.loads(path.read_text())['step']}"
+    assert png == plot_finding(Finding(**found), title=title)  # the finding, drawn
+    later = sorted(folder.glob("*-on_train_end*.json")) or sorted(folder.glob("*.json"))[-1:]
+    assert any(f["source"] == "lost_updates" for f in json.loads(later[-1].read_text())["findings"])
+
+
+def test_an_fp32_control_run_loses_nothing_and_says_nothing(make_trainer, said):
+    trainer, _, _, lost = _train(make_trainer, said, torch.float32)
     assert lost == []
+    [line] = said.about("update check passed")  # what was measured, said at INFO
+    assert line in (Path(trainer.args.output_dir) / "precision" / "precision.log").read_text()
     section = _section(trainer)
     assert section["counted"] > 1000 and section["share"] < 0.01, section
     assert section["half_share"] == 0.0 and section["fp32_cost_bytes"]["weights"] == 0
 
 
-def test_off_watches_nothing(make_trainer):
-    trainer, callback, _, lost = _train(make_trainer, torch.bfloat16, lost_updates="off")
+def test_off_watches_nothing(make_trainer, said):
+    trainer, callback, _, lost = _train(make_trainer, said, torch.bfloat16, lost_updates="off")
     assert lost == [] and callback._lost is None
     assert not list((Path(trainer.args.output_dir) / "precision").glob("*-lost_updates.json"))
     with pytest.raises(PrecisionError, match="lost_updates='maybe'"):

@@ -6,6 +6,7 @@ bf16 stream of a real tiny LLaMA (as Gemma 4's ``std_bias``), traced to that buf
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,7 @@ def test_an_fp32_norm_in_a_bf16_model_is_named_as_a_norm() -> None:
     assert first.detail == "LlamaRMSNorm returning float32"
 
 
-def test_callback_trace_records_the_first_training_step(make_trainer: Any) -> None:
+def test_callback_trace_records_the_first_training_step(make_trainer: Any, said: Any) -> None:
     from hf_precision import PrecisionGuardCallback
 
     model = _promoting_llama()
@@ -93,7 +94,10 @@ def test_callback_trace_records_the_first_training_step(make_trainer: Any) -> No
     # to bf16 and the stream would stay bf16)
     cb = PrecisionGuardCallback(mode="audit", trace=True)
     trainer = make_trainer(model, _batch(), callbacks=[cb], max_steps=2, bf16=True)
-    trainer.train()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore")
+        trainer.train()
+    assert said.about("made by its buffer std_bias (float32)")  # logging, at INFO
     assert model.model.layers[0].mlp.std_bias.dtype == torch.float32
     first = cb.trace_result.first_change
     assert (first.module, first.cause, first.detail) == (PROMOTER, "buffer", "std_bias (float32)")
