@@ -37,6 +37,13 @@ class _AliasLoader(importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         module.__spec__ = self.spec  # the import system set the alias's spec on it
 
+    def get_code(self, fullname: str) -> Any:
+        """What ``python -m <old path>`` runs (``runpy`` asks the loader for code): the moved
+        module as ``__main__``, under its own package, so its relative imports resolve."""
+        run = f"runpy.run_module({self.target!r}, run_name='__main__', alter_sys=True)"
+        source = f"import runpy\n{run}\n"
+        return compile(source, f"<{fullname}: python -m {self.target}>", "exec")
+
 
 class _AliasFinder(importlib.abc.MetaPathFinder):
     """The module paths from before the folders (``import hf_precision.policy``) give the moved

@@ -76,3 +76,36 @@ def test_public_paths_do_not_move() -> None:
     assert importlib.import_module("hf_precision.integrations.autostart").__name__.endswith(
         "autostart"
     )
+
+
+def test_python_dash_m_on_an_old_path_runs_the_moved_module() -> None:
+    """``python -m hf_precision.cli --help`` (the CLI's old path) runs the CLI, as
+    ``python -m hf_precision`` does; an old path without a ``__main__`` block runs and ends
+    quietly. Neither ends in a traceback."""
+    env = {**__import__("os").environ, "PYTHONPATH": str(PKG.parent)}
+    old = subprocess.run(
+        [sys.executable, "-m", "hf_precision.cli", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    new = subprocess.run(
+        [sys.executable, "-m", "hf_precision", "--help"], capture_output=True, text=True, env=env
+    )
+    assert old.returncode == 0, old.stderr
+    assert "Traceback" not in old.stderr and old.stdout == new.stdout
+    assert "usage: hf-precision" in old.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "hf_precision.cli", "audit", "--policy"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr  # argparse's own exit
+    plain = subprocess.run(
+        [sys.executable, "-m", "hf_precision.doctor", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert plain.returncode == 0 and "Traceback" not in plain.stderr, plain.stderr

@@ -59,6 +59,7 @@ from .distributed import (
 )
 from .enforce import EnforceReport, apply_plan, restore_values
 from .finding import Finding, emit
+from .fp8_check import check_fp8
 from .fp8_shapes import gate_shapes
 from .fp8_storage import check_trainable_fp8
 from .hooks import (
@@ -140,6 +141,8 @@ class PrecisionGuard:
         self.notice = Notice(self._bridged)
         self._stash: dict[str, torch.Tensor] = {}
         self._unwrapped: tuple[nn.Module, nn.Module, str] | None = None
+        #: who asked for fp8 (``"Accelerator(mixed_precision='fp8')"``), ``None`` when nobody did
+        self.fp8_requested: str | None = None
         #: extra sections of every event's JSON: ``memory`` (the setup's account), ``provenance``
         #: (who chose the precision), ``lost_updates`` (the first optimizer steps)
         self.sections: dict[str, Any] = {}
@@ -206,6 +209,7 @@ class PrecisionGuard:
             wrapper = detect_wrapper(model, args=args, modules=view.every_module())
         if wrapper == "FSDP2":  # FSDP2 keeps the root unsharded after forward: read shards
             settle_shards(model, view.every_module())
+        view = self._fp8(view, policy, where)
         master = self.master_fp32(view)
         plan = plan_policy(view, policy, master_fp32=master)
         audit = apply_plan(plan, "audit")
@@ -233,6 +237,20 @@ class PrecisionGuard:
         if check_ranks:  # a collective: every rank reaches the same events
             check_model_ranks(model, self.groups, policy=policy, where=where, view=view, dmap=dmap)
         return report
+
+    def _fp8(self, view: ModelView, policy: PrecisionPolicy, where: str) -> ModelView:
+        """The event's fp8 check and manifest (:mod:`hf_precision.engine.fp8_check`); a new
+        view when it brought a module back to ``nn.Linear``."""
+        found = check_fp8(view, policy, where=where, requested=self.fp8_requested)
+        if found.manifest.modules or self.fp8_requested or found.restored:
+            self.sections["fp8"] = section = found.section()
+            line = f"hf-precision: {where}: fp8: " + "; ".join(section["lines"] or ["none"])
+            if line.split(": fp8: ")[1] not in self.speaker.said:  # each manifest once
+                self.speaker.said.add(line.split(": fp8: ")[1])
+                logger.warning(line)
+        if not found.restored:
+            return view
+        return ModelView.of(view.model, self.groups, call=self.call)
 
     def _view(self, model: nn.Module) -> ModelView:
         """The event's :class:`ModelView` of ``model``, with the unwrap :meth:`holds` made for
@@ -368,6 +386,7 @@ class PrecisionGuard:
             "deepspeed_dtype": (torch.dtype, type(None)),
             "deepspeed_stage": (int, type(None)),
             "origin": (str, type(None)),
+            "fp8_requested": (str, type(None)),
         }
         for name, value in fields.items():
             if name not in kinds:

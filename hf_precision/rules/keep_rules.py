@@ -7,9 +7,11 @@ transformers declares two lists on a model class (``PreTrainedModel``):
   guard keeps them float32 under every preset and mode (rule ``keep_fp32_strict``) and puts no
   leaf guard on the modules that hold them: a router computes in float32 on purpose.
 - ``_keep_in_fp32_modules``: kept float32 by the loader for fp16 loads only (transformers >= 5,
-  ``PreTrainedModel._get_dtype_plan``; 4.57 does the same). The guard follows the loader: such a
-  tensor stays float32 where the policy would otherwise put it in float16 (rule ``keep_fp32``),
-  and follows the other rules where it would be bfloat16. So the guard never rounds what the
+  ``PreTrainedModel._get_dtype_plan``; 4.57 does the same). The guard never rounds such a
+  tensor found in float32, under every preset (rule ``keep_fp32``: a BLIP-2 Q-Former loaded
+  with ``dtype=torch.float16`` stays float32 under ``Trainer(bf16=True)``), keeps it float32
+  where the policy would put it in float16, and lets the other rules decide a tensor found in
+  bfloat16 (a bf16 load under a bf16 policy stays bf16). So the guard never rounds what the
   loader kept, and never upcasts what the loader left in bfloat16.
 
 Patterns match as :func:`~hf_precision.rules.policy.match_pattern` does (exact name, path prefix,

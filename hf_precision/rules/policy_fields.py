@@ -92,6 +92,18 @@ def normalise(policy: Any) -> None:
                     f"{call}.keep_fp32: bad regex {pat!r}: {err}. Fix: escape it or drop "
                     "the 're:' prefix for a plain path."
                 ) from err
+    out = policy.keep_out_of_fp8
+    out = (out,) if isinstance(out, str) else tuple(out)
+    set_(policy, "keep_out_of_fp8", out)
+    for pat in out:
+        if pat.startswith("re:"):
+            try:
+                re.compile(pat[3:])
+            except re.error as err:
+                raise PrecisionError(
+                    f"{call}.keep_out_of_fp8: bad regex {pat!r}: {err}. Fix: escape it or "
+                    "drop the 're:' prefix for a plain path."
+                ) from err
     set_(policy, "mode", _choice(policy.mode, MODES, call=f"{call}.mode", what="mode"))
     set_(
         policy,

@@ -9,7 +9,9 @@ Precedence for one parameter (first that applies):
    (rule ``keep_fp32``); the model's ``_keep_in_fp32_modules_strict`` -> float32 under every
    preset (rule ``keep_fp32_strict``, :mod:`hf_precision.rules.keep_rules`); the model's
    ``_keep_in_fp32_modules`` -> float32 where the rules below would give float16 (rule
-   ``keep_fp32``: transformers' loader keeps them for fp16 loads only);
+   ``keep_fp32``: transformers' loader keeps them for fp16 loads only) and, under every preset,
+   where the tensor is found in float32 (never rounded); one found in bfloat16 follows the rules
+   below (never upcast for the list's sake);
 2. trainable parameter in the half dtype of a DeepSpeed ZeRO-3 run (the engine, its
    ``TrainingArguments``/accelerate config) -> left in that dtype (rule ``wrapper_master_fp32``:
    DeepSpeed keeps fp32 master copies in its optimizer, and TRL passes PEFT
@@ -167,9 +169,9 @@ def keep_fp32_reason(
 ) -> str | None:
     """Why ``name`` must stay fp32 whatever its group (a rotary table, a ``keep_fp32``
     pattern, the model's ``_keep_in_fp32_modules_strict`` (``strict_patterns``) or
-    ``_keep_in_fp32_modules`` (``model_patterns``; :func:`decide` holds those in fp32 only
-    where the weight would be fp16)), or ``None``. ``role`` is :func:`tensor_role`'s answer
-    where the caller knows the module."""
+    ``_keep_in_fp32_modules`` (``model_patterns``; :func:`decide` holds those in fp32 where
+    the weight would be fp16 or is found in fp32)), or ``None``. ``role`` is
+    :func:`tensor_role`'s answer where the caller knows the module."""
     if is_buffer:
         for pat in DEFAULT_KEEP_FP32_BUFFERS:
             if match_pattern(pat, name):
@@ -233,12 +235,31 @@ def decide(
             f"{dtype_name(master_fp32)} buffer: {how} (TRL's autocast_adapter_dtype=False)",
         )
     decision = _decide_unkept(policy, name, group, trainable, current, role, group_dtype)
-    if decision.dtype == torch.float16 and policy.honour_model_keep_fp32:
-        for pat in model_patterns:  # the loader keeps them fp32 for fp16 loads
-            if match_pattern(pat, name):
-                why = f"model._keep_in_fp32_modules {pat!r} (fp32 where fp16 would be)"
-                return Decision(torch.float32, "keep_fp32", why)
-    return decision
+    return _model_kept(policy, name, current, decision, model_patterns) or decision
+
+
+def _model_kept(
+    policy: PolicyFields,
+    name: str,
+    current: torch.dtype | None,
+    decision: Decision,
+    model_patterns: Iterable[str],
+) -> Decision | None:
+    """The model's ``_keep_in_fp32_modules`` against the other rules' ``decision``: float32
+    where that would be float16 (the loader keeps them for fp16 loads), and float32 when found
+    in float32 (never rounded, under every preset); one found in bfloat16 follows the rules."""
+    if decision.dtype == torch.float32 or not policy.honour_model_keep_fp32:
+        return None
+    fp16, found_fp32 = decision.dtype == torch.float16, current == torch.float32
+    if not (fp16 or found_fp32):
+        return None
+    for pat in model_patterns:
+        if match_pattern(pat, name):
+            why = "fp32 where fp16 would be" if fp16 else "found in float32: kept, never rounded"
+            return Decision(
+                torch.float32, "keep_fp32", f"model._keep_in_fp32_modules {pat!r} ({why})"
+            )
+    return None
 
 
 def _decide_unkept(

@@ -366,3 +366,77 @@ def test_a_whole_tower_kept_fp32_is_not_handed_over_in_half() -> None:
         remove_guards(model)
     assert torch.isfinite(out.loss)
     assert model.model.vision_model.encoder.layers[0].mlp.fc1.weight.dtype == torch.float32
+
+
+# ---------------------------------------------------------------- found fp32: never rounded
+def _saved(tmp_path: Path, name: str) -> Path:
+    """A tiny BLIP-2 (``_keep_in_fp32_modules = ["query_tokens", "qformer"]``) or T5 (``["wo"]``)
+    saved in float32, loaded back as a user would."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from hf_precision.tiny import tiny_blip2
+
+    torch.manual_seed(0)
+    if name == "blip2":
+        model = tiny_blip2()
+    else:
+        config = T5Config(
+            vocab_size=64,
+            d_model=16,
+            d_kv=4,
+            d_ff=32,
+            num_layers=1,
+            num_heads=2,
+            decoder_start_token_id=0,
+        )
+        model = T5ForConditionalGeneration(config)
+    model.save_pretrained(tmp_path / name)
+    return tmp_path / name
+
+
+def _kept_names(model: Any, name: str) -> list[str]:
+    if name == "blip2":
+        return [n for n, _ in model.named_parameters() if n.startswith(("query_tokens", "qformer"))]
+    return [n for n, _ in model.named_parameters() if ".wo." in n]
+
+
+@pytest.mark.parametrize("name", ["blip2", "t5"])
+@pytest.mark.parametrize("load", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("flag", ["bf16", "fp16"])
+def test_a_keep_module_found_fp32_stays_fp32_under_a_real_trainer(
+    tmp_path: Path, make_trainer: Any, name: str, load: str, flag: str
+) -> None:
+    """``_keep_in_fp32_modules`` found in float32 (the loader kept it for an fp16 load, or the
+    model was loaded in float32) stays float32, bit for bit, under ``bf16=True`` and
+    ``fp16=True``; found in bfloat16 under a bf16 policy it stays bfloat16 (never upcast)."""
+    import warnings
+
+    from transformers import Blip2ForConditionalGeneration, T5ForConditionalGeneration
+
+    from hf_precision.tiny import tiny_batch
+
+    cls = Blip2ForConditionalGeneration if name == "blip2" else T5ForConditionalGeneration
+    model = cls.from_pretrained(_saved(tmp_path, name), dtype=getattr(torch, load))
+    kept = _kept_names(model, name)
+    params = dict(model.named_parameters())
+    found = {params[n].dtype for n in kept}
+    assert found == {torch.float32 if load != "bfloat16" else torch.bfloat16}  # the loader
+    exact = {n: params[n].detach().clone() for n in kept}
+    for n in kept:  # the kept modules frozen: what the policy decides for them is the rule's
+        params[n].requires_grad_(False)
+    if name == "blip2":
+        model.vision_model.requires_grad_(False)
+        batch = tiny_batch(model, 2)
+    else:
+        ids = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+        batch = {"input_ids": ids, "labels": ids.clone()}
+    callback = PrecisionGuardCallback()
+    trainer = make_trainer(model, batch, callbacks=[callback], max_steps=1, **{flag: True})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    want = torch.bfloat16 if (load, flag) == ("bfloat16", "bf16") else torch.float32
+    wrong = {n: params[n].dtype for n in kept if params[n].dtype != want}
+    assert not wrong, f"{name} loaded {load}, {flag}=True: {wrong}"
+    if want == torch.float32 and load != "bfloat16":  # found fp32: not rounded on the way
+        assert all(torch.equal(params[n], exact[n]) for n in kept)
