@@ -48,6 +48,7 @@ from ..errors import PrecisionError
 from ..model.fp8 import MatmulFormat, matmul_format
 from ..model.view import ModelView
 from .finding import Finding, Severity
+from .fp8_storage import check_trainable_fp8
 
 #: the three GEMMs of a Linear, with (k, n) named by the layer's dims ("M": tokens)
 GEMMS: dict[str, tuple[str, str]] = {
@@ -317,9 +318,21 @@ def gate_shapes(
     return layers
 
 
+def fp8_gates(
+    view: ModelView, where: str, mode: str, say: Callable[[Finding], None]
+) -> list[Fp8Layer]:
+    """What the guard checks of fp8 at every event, before step one and before it casts
+    anything: no trainable fp8 tensor
+    (:func:`~hf_precision.engine.fp8_storage.check_trainable_fp8`), then the shape gate
+    (:func:`gate_shapes`); ``say`` is the engine's findings channel."""
+    check_trainable_fp8(view, where, mode, say)
+    return gate_shapes(view, where, mode, say)
+
+
 __all__ = [
     "GEMMS",
     "Fp8Layer",
+    "fp8_gates",
     "fp8_layers",
     "gate_shapes",
     "install_token_checks",

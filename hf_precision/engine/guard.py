@@ -60,8 +60,7 @@ from .distributed import (
 from .enforce import EnforceReport, apply_plan, restore_values
 from .finding import Finding, emit
 from .fp8_check import check_fp8
-from .fp8_shapes import gate_shapes
-from .fp8_storage import check_trainable_fp8
+from .fp8_shapes import fp8_gates
 from .hooks import (
     GuardHandle,
     Notice,
@@ -203,13 +202,12 @@ class PrecisionGuard:
         first = not self.events
         view = self._view(model)  # the event's one check, unwrap and walk: every step reads it
         check_zero3_split(view, where, policy.mode)
-        say = functools.partial(self.emit, step=step)  # the findings channel
-        check_trainable_fp8(view, where, policy.mode, say)  # before any step: no fp8 weight trains
         if wrapper == "auto":
             wrapper = detect_wrapper(model, args=args, modules=view.every_module())
         if wrapper == "FSDP2":  # FSDP2 keeps the root unsharded after forward: read shards
             settle_shards(model, view.every_module())
         view = self._fp8(view, policy, where)
+        fp8_gates(view, where, policy.mode, functools.partial(self.emit, step=step))
         master = self.master_fp32(view)
         plan = plan_policy(view, policy, master_fp32=master)
         audit = apply_plan(plan, "audit")
@@ -224,7 +222,6 @@ class PrecisionGuard:
         self._account(report, view, first=first)
         self.last_report = report
         self.handle = guards_on(view, policy, report, notice=self.notice)
-        gate_shapes(view, where, policy.mode, say)
         self._outside_reads(report, where, view)
         self.params = tuple(view.parameters())
         self.dtypes = tuple(p.dtype for p in self.params)
