@@ -18,7 +18,6 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
 from hf_precision import PrecisionGuardPlugin
 from hf_precision.engine.fp8_check import module_filter, skip_modules_pattern
-from hf_precision.errors import PrecisionWarning
 from hf_precision.model import fp8
 from hf_precision.tiny import tiny_batch, tiny_llava
 
@@ -132,20 +131,28 @@ def test_the_filter_feeds_torchao_directly_and_first_last_blocks_is_an_option() 
     assert converted(("vision_encoder", "projector", "lm_head", "first_last_blocks")) == []
 
 
-def test_unused_entry_and_zero_converted_are_named(tmp_path) -> None:
+def test_unused_entry_and_zero_converted_are_named(tmp_path, said) -> None:
     model = tiny_llava()
     guard = PrecisionGuardPlugin(
         PrecisionGuardPlugin("bf16").policy.replace(
             keep_out_of_fp8=("lm_head", "model.no_such_block")
         ),
-        report=False,
+        report_dir=tmp_path,
     )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the findings channel is not a warning
         guard.prepare(_accelerator(module_filter_func=lambda mod, fqn: False), model)
-    said = [str(w.message) for w in caught if issubclass(w.category, PrecisionWarning)]
-    assert any("'model.no_such_block' matched no module" in s for s in said), said
-    assert any("fp8 requested (Accelerator(mixed_precision='fp8')) but 0 of 29" in s for s in said)
+    [line] = said.about(": fp8: ")
+    assert "'model.no_such_block' matched no module" in line
+    assert "fp8 requested (Accelerator(mixed_precision='fp8')) but 0 of 29" in line
+    assert "no component recorded choosing another precision" in line  # no provenance here
+    [found] = [json.loads(p.read_text()) for p in tmp_path.glob("*-fp8.json")]
+    assert found["finding"]["severity"] == "warning"
+    assert found["fp8"]["unused_keep_out"] == ["model.no_such_block"]
+    assert found["finding"]["groups"]["language_model"] == 0.0
+    assert (tmp_path / "000000-fp8.png").read_bytes()[:4] == b"\x89PNG"
+    event = json.loads((tmp_path / "000000-after_prepare.json").read_text())
+    assert [f["source"] for f in event["findings"]] == ["fp8"]
 
 
 def test_skip_modules_pattern_feeds_layerwise_casting() -> None:
