@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..rules.dtypes import dtype_name
+from ..rules.group_spec import OTHER
 from .finding import Finding, Severity
 
 __all__ = ["ComputeSeen", "ComputeWatch", "Ran", "WhatRan"]
@@ -236,6 +237,8 @@ class ComputeWatch:
                 continue
             for mod in mods:
                 add(mod, "group", g)
+        if not groups.names:  # no group found: the whole model is "other"
+            add(root, "group", OTHER)
         for name, mod in fp8_modules.items():
             add(mod, "fp8", name)
         add(root, "root", "")

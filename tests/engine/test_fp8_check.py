@@ -70,6 +70,14 @@ def test_accelerate_fp8_keeps_the_vision_side_projector_and_head_out(tmp_path) -
     ]
     up = "model.language_model.layers.0.mlp.up_proj"
     assert event["dtype_map"]["records"][up]["fp8"].startswith("weights fp32, matmuls fp8 e4m3")
+    # the step's forward ran under accelerate's bf16 autocast: the compute fact says what ran
+    [engine] = guard.guards
+    assert engine.sections["fp8"]["lines"] == [
+        f"weights fp32, compute bf16, matmuls fp8 e4m3 tensorwise (torchao), {len(names)} of "
+        "29 Linears"
+    ]
+    assert engine.sections["fp8"]["modules"][up]["compute"] == "bfloat16"
+    assert engine.sections["compute"]["fp8_modules"][up]["autocast"] == "bfloat16"
 
 
 def test_lora_adapters_stay_out_of_fp8_under_accelerate() -> None:
