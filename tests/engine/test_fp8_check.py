@@ -174,3 +174,39 @@ def test_skip_modules_pattern_feeds_layerwise_casting() -> None:
     man = fp8.manifest(model.named_modules())
     assert man.modules and all(".language_model.layers." in n for n in man.modules)
     assert not any("norm" in n for n in man.modules)
+
+
+def test_fp8_turned_off_by_trls_bf16_default_is_named(tmp_path, monkeypatch, said) -> None:
+    # TRL 3860: ACCELERATE_MIXED_PRECISION=fp8, and SFTConfig turns bf16 on by itself
+    trl = pytest.importorskip("trl")
+    from transformers import Trainer
+
+    from hf_precision import PrecisionGuardCallback
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to=[],
+        max_steps=1,
+        gradient_checkpointing=False,
+        save_strategy="no",
+    )
+    assert args.bf16 and args.mixed_precision == "bf16"  # fp8 is gone before any model
+    model = tiny_llava()
+    cb = PrecisionGuardCallback(report_dir=tmp_path / "precision")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Trainer(model=model, args=args, train_dataset=[tiny_batch(model)], callbacks=[cb])
+    [line] = said.about(": fp8: ")
+    assert "fp8 requested (ACCELERATE_MIXED_PRECISION=fp8) but 0 of 29 Linears run fp8" in line
+    assert "fp8 was turned off: script decided the precision (bf16 — SFTConfig's bf16=True" in line
+    assert "trl turns it on when neither bf16 nor fp16 is given" in line
+    assert "Fix: drop bf16 where it was set" in line
+    [found] = [json.loads(p.read_text()) for p in (tmp_path / "precision").glob("*-fp8.json")]
+    assert found["fp8"]["requested"] == "ACCELERATE_MIXED_PRECISION=fp8"
+    assert found["fp8"]["chosen_by"] == "script" and found["finding"]["severity"] == "warning"
+    # the event JSON carries the manifest with no edit beyond the callback
+    event = json.loads(next((tmp_path / "precision").glob("*-on_init_end.json")).read_text())
+    assert event["fp8"]["fp8_modules"] == 0 and event["fp8"]["linears"] == 29
+    assert "fp8" in [f["source"] for f in event["findings"]]
