@@ -5,34 +5,37 @@
   (and for Linears whose dimensions are not multiples of 16, as accelerate's own filter);
 - :func:`skip_modules_pattern` is diffusers' ``enable_layerwise_casting(skip_modules_pattern=)``
   and accelerate's ``attach_layerwise_casting_hooks``;
-- :func:`check_fp8` runs at each guard event: it builds the fp8 manifest (the three facts of
-  every fp8 module, :mod:`hf_precision.model.fp8`), brings a torchao ``Float8Linear`` the policy
-  keeps out back to ``nn.Linear`` with the same parameters (never a copy), refuses what cannot
-  be brought back, names a ``keep_out_of_fp8`` entry that matched nothing, and warns when fp8
-  was asked for and no module runs it.
+- :func:`check_fp8` runs at each guard event (:func:`fp8_event`): it builds the fp8 manifest
+  (the three facts of every fp8 module, :mod:`hf_precision.model.fp8`), brings a torchao
+  ``Float8Linear`` the policy keeps out back to ``nn.Linear`` with the same parameters (never a
+  copy), refuses what cannot be brought back, names a ``keep_out_of_fp8`` entry that matched
+  nothing, and, when fp8 was asked for and no module runs it, who turned it off (the
+  provenance record). :func:`fp8_finding` says it all through the findings channel
+  (:mod:`hf_precision.engine.finding`): the console, ``precision.log``, ``<step>-fp8.json``
+  and its picture (per group, the share of Linears running fp8), the trackers.
 """
 
 from __future__ import annotations
 
-import logging
-import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
-from ..errors import PrecisionError, PrecisionWarning
+from ..errors import PrecisionError
 from ..model import fp8
 from ..model.view import ModelView
 from ..rules.fp8_rules import DEFAULT_KEEP_OUT_OF_FP8, WORDS, keep_out_reason, language_edge_blocks
-
-logger = logging.getLogger("hf_precision")
+from .finding import Finding
 
 __all__ = [
     "Fp8Check",
     "check_fp8",
     "feed_converters",
+    "fp8_event",
+    "fp8_finding",
     "keep_out",
     "module_filter",
     "skip_modules_pattern",
@@ -119,6 +122,7 @@ class Fp8Check:
     restored: list[str] = field(default_factory=list)  # Float8Linear -> nn.Linear, same params
     kept_out: dict[str, str] = field(default_factory=dict)  # fp8 modules the policy keeps out
     unused: list[str] = field(default_factory=list)  # keep_out_of_fp8 entries matching nothing
+    kept: int = 0  # modules with weights the policy keeps out of fp8
 
     def section(self) -> dict[str, Any]:
         out = self.manifest.as_dict()
@@ -160,11 +164,17 @@ def _unused(view: ModelView, policy: Any, hits: set[str]) -> list[str]:
 
 
 def check_fp8(
-    view: ModelView, policy: Any, *, where: str, requested: str | None = None
+    view: ModelView,
+    policy: Any,
+    *,
+    where: str,
+    requested: str | None = None,
+    compute: Mapping[str, torch.dtype] | None = None,
 ) -> Fp8Check:
     """The event's fp8 check (see the module docstring). ``requested``: who asked for fp8
-    (``"Accelerator(mixed_precision='fp8')"``), ``None`` when nobody did."""
-    manifest = fp8.manifest((p, m) for p, _, m in view.modules)
+    (``"Accelerator(mixed_precision='fp8')"``), ``None`` when nobody did; ``compute``: the
+    dtype each fp8 module's activations ran in at the last forward the guard watched."""
+    manifest = fp8.manifest(((p, m) for p, _, m in view.modules), compute)
     result = Fp8Check(manifest)
     if not manifest.modules and requested is None:
         return result
@@ -189,37 +199,115 @@ def check_fp8(
             "hf_precision.engine.fp8_check.module_filter(model, policy) as the converter's "
             "filter, or drop them from keep_out_of_fp8 (docs/fp8.md)."
         )
-    _say(result, where, requested, len(out))
+    result.kept = len(out)
     return result
 
 
-def _say(result: Fp8Check, where: str, requested: str | None, out: int) -> None:
-    """The check's findings, in one place (to the findings channel when it lands)."""
+def _turned_off(requested: str, provenance: Mapping[str, Any] | None) -> tuple[str, str]:
+    """(who decided the precision instead of fp8, the fix), from the provenance record."""
+    resolved = str((provenance or {}).get("resolved") or "")
+    if provenance and resolved and resolved != "fp8":
+        line = str(provenance.get("line", "")).removeprefix("precision: ")
+        return (
+            f"fp8 was turned off: {provenance.get('chosen_by')} decided the precision ({line})",
+            f"drop {resolved} where it was set ({provenance.get('chosen_by')}) so {requested} "
+            "reaches accelerate, or convert with torchao's convert_to_float8_training",
+        )
+    return (
+        "no component recorded choosing another precision: the converter converted nothing",
+        "check the fp8 backend is installed and its filter converts something "
+        "(hf_precision.engine.fp8_check.module_filter(model, policy))",
+    )
+
+
+def _shares(view: ModelView, manifest: fp8.Manifest) -> dict[str, float]:
+    """Per group with Linears: the share of them whose matmuls run fp8 (0: all kept out)."""
+    linears: dict[str, int] = {}
+    hits: dict[str, int] = {}
+    for path, group, mod in view.modules:
+        if isinstance(mod, nn.Linear):
+            linears[group] = linears.get(group, 0) + 1
+            facts = manifest.modules.get(path)
+            if facts is not None and facts.matmul is not None:
+                hits[group] = hits.get(group, 0) + 1
+    return {g: hits.get(g, 0) / n for g, n in linears.items()}
+
+
+def fp8_finding(
+    result: Fp8Check,
+    where: str,
+    *,
+    view: ModelView,
+    requested: str | None = None,
+    kept: int = 0,
+    provenance: Mapping[str, Any] | None = None,
+) -> Finding:
+    """The event's fp8 :class:`~hf_precision.engine.finding.Finding` (``fp8``): the manifest,
+    what was brought back, a ``keep_out_of_fp8`` entry that matched nothing, and fp8 requested
+    with nothing converted (naming who turned it off, from the ``provenance`` record), in one
+    line; a warning when any of the last three, else what runs (info). Its picture: per group,
+    the share of its Linears whose matmuls run fp8."""
+    man = result.manifest
+    said = [f"hf-precision: {where}: fp8: " + ("; ".join(man.lines()) or "none")]
     if result.restored:
-        logger.warning(
-            f"hf-precision: {where}: {len(result.restored)} module(s) the policy keeps out of fp8 "
-            f"were converted to Float8Linear and are back to nn.Linear (same parameters): "
-            f"{', '.join(result.restored[:3])}"
-            + (f" and {len(result.restored) - 3} more" if len(result.restored) > 3 else "")
-            + "; keep_out_of_fp8 decides (docs/fp8.md)."
+        more = len(result.restored) - 3
+        said.append(
+            f"{len(result.restored)} module(s) the policy keeps out of fp8 were converted to "
+            f"Float8Linear and are back to nn.Linear (same parameters): "
+            f"{', '.join(result.restored[:3])}{f' and {more} more' if more > 0 else ''}; "
+            "keep_out_of_fp8 decides (docs/fp8.md)"
         )
     if result.unused:
-        warnings.warn(
-            f"{where}: keep_out_of_fp8 entr{'y' if len(result.unused) == 1 else 'ies'} "
+        said.append(
+            f"keep_out_of_fp8 entr{'y' if len(result.unused) == 1 else 'ies'} "
             f"{', '.join(map(repr, result.unused))} matched no module: the filter did nothing. "
             "Fix: use a group name, a word (embeddings, norms, routers, adapters, "
-            "first_last_blocks) or a module path of this model.",
-            PrecisionWarning,
-            stacklevel=4,
+            "first_last_blocks) or a module path of this model"
         )
-    if requested is not None and not result.manifest.modules:
-        warnings.warn(
-            f"{where}: fp8 requested ({requested}) but 0 of {result.manifest.linears} Linears run "
-            f"fp8 ({out} kept out by the policy): the run computes in its autocast dtype. "
-            "Fix: check the fp8 backend is installed and its filter converts something.",
-            PrecisionWarning,
-            stacklevel=4,
+    if requested is not None and not man.modules:
+        who, fix = _turned_off(requested, provenance)
+        said.append(
+            f"fp8 requested ({requested}) but 0 of {man.linears} Linears run fp8 ({kept} kept "
+            f"out by the policy): {who}; the run computes in its autocast dtype. Fix: {fix}"
         )
+    numbers = {**result.section(), "requested": requested}
+    if provenance:
+        numbers["chosen_by"] = provenance.get("chosen_by")
+    return Finding(
+        "fp8",
+        "warning" if len(said) > 1 else "info",
+        ". ".join(said) + ".",
+        numbers=numbers,
+        groups=_shares(view, man),
+        measure="share of the group's Linears whose matmuls run fp8",
+    )
+
+
+def fp8_event(guard: Any, view: ModelView, policy: Any, where: str) -> ModelView:
+    """A :class:`~hf_precision.engine.guard.PrecisionGuard` event's fp8 step: the check, the
+    ``fp8`` section of every later event JSON, the finding (each new one once) and the fp8
+    modules the guard watches at the next forward (``guard.ran``). A new view when the check
+    brought a module back to ``nn.Linear``."""
+    requested = guard.fp8_requested
+    found = check_fp8(view, policy, where=where, requested=requested, compute=guard.ran.fp8_compute)
+    names = found.manifest.modules
+    guard.ran.fp8_modules = {p: m for p, _, m in view.modules if p in names}
+    if names or requested or found.restored:
+        guard.sections["fp8"] = found.section()
+        finding = fp8_finding(
+            found,
+            where,
+            view=view,
+            requested=requested,
+            kept=found.kept,
+            provenance=guard.sections.get("provenance"),
+        )
+        if finding.message.split(": fp8: ", 1)[1] != guard.ran.fp8_said:  # each one once
+            guard.ran.fp8_said = finding.message.split(": fp8: ", 1)[1]
+            guard.emit(finding)
+    if not found.restored:
+        return view
+    return ModelView.of(view.model, guard.groups, call=guard.call)
 
 
 def feed_converters(accelerator: Any, models: list[nn.Module], policy: Any) -> bool:

@@ -51,6 +51,7 @@ from ..errors import PrecisionWarning
 from ..model.view import ModelView
 from ..rules.groups import ModuleGroups, find_module_groups
 from ..rules.policy import PrecisionPolicy
+from .compute_seen import WhatRan
 from .console import cast_line, flag_conflict, kept_as_is, kept_words, memory_line, policy_origin
 from .deepspeed_config import zero3_master_dtype
 from .distributed import (
@@ -59,7 +60,7 @@ from .distributed import (
 )
 from .enforce import EnforceReport, apply_plan, restore_values
 from .finding import Finding, emit
-from .fp8_check import check_fp8
+from .fp8_check import fp8_event
 from .fp8_shapes import fp8_gates
 from .hooks import (
     GuardHandle,
@@ -143,8 +144,11 @@ class PrecisionGuard:
         #: who asked for fp8 (``"Accelerator(mixed_precision='fp8')"``), ``None`` when nobody did
         self.fp8_requested: str | None = None
         #: extra sections of every event's JSON: ``memory`` (the setup's account), ``provenance``
-        #: (who chose the precision), ``lost_updates`` (the first optimizer steps)
+        #: (who chose the precision), ``lost_updates`` (the first optimizer steps), ``fp8``
+        #: (the manifest), ``compute`` (what ran at the first forward after the last event)
         self.sections: dict[str, Any] = {}
+        #: what each part computed in at the first forward after an event (``compute_seen``)
+        self.ran = WhatRan(self)
         if claim:
             claim_model(self.root, self.owner, policy, self.call)
 
@@ -206,10 +210,9 @@ class PrecisionGuard:
             wrapper = detect_wrapper(model, args=args, modules=view.every_module())
         if wrapper == "FSDP2":  # FSDP2 keeps the root unsharded after forward: read shards
             settle_shards(model, view.every_module())
-        view = self._fp8(view, policy, where)
+        view = fp8_event(self, view, policy, where)
         fp8_gates(view, where, policy.mode, functools.partial(self.emit, step=step))
-        master = self.master_fp32(view)
-        plan = plan_policy(view, policy, master_fp32=master)
+        plan = plan_policy(view, policy, master_fp32=self.master_fp32(view))
         audit = apply_plan(plan, "audit")
         # built under deepspeed.zero.Init, no engine yet: the plan left the partitions
         # (DeepSpeed's) alone; what is not partitioned yet is cast like any weight
@@ -223,6 +226,7 @@ class PrecisionGuard:
         self.last_report = report
         self.handle = guards_on(view, policy, report, notice=self.notice)
         self._outside_reads(report, where, view)
+        self.ran.arm(view, policy, event, step)
         self.params = tuple(view.parameters())
         self.dtypes = tuple(p.dtype for p in self.params)
         self.events.append((event, found))
@@ -234,20 +238,6 @@ class PrecisionGuard:
         if check_ranks:  # a collective: every rank reaches the same events
             check_model_ranks(model, self.groups, policy=policy, where=where, view=view, dmap=dmap)
         return report
-
-    def _fp8(self, view: ModelView, policy: PrecisionPolicy, where: str) -> ModelView:
-        """The event's fp8 check and manifest (:mod:`hf_precision.engine.fp8_check`); a new
-        view when it brought a module back to ``nn.Linear``."""
-        found = check_fp8(view, policy, where=where, requested=self.fp8_requested)
-        if found.manifest.modules or self.fp8_requested or found.restored:
-            self.sections["fp8"] = section = found.section()
-            line = f"hf-precision: {where}: fp8: " + "; ".join(section["lines"] or ["none"])
-            if line.split(": fp8: ")[1] not in self.speaker.said:  # each manifest once
-                self.speaker.said.add(line.split(": fp8: ")[1])
-                logger.warning(line)
-        if not found.restored:
-            return view
-        return ModelView.of(view.model, self.groups, call=self.call)
 
     def _view(self, model: nn.Module) -> ModelView:
         """The event's :class:`ModelView` of ``model``, with the unwrap :meth:`holds` made for
@@ -367,6 +357,7 @@ class PrecisionGuard:
         """Take the guards off and release the model."""
         remove_guards(self.model)  # the fp8 shape gate's hooks too
         self.wrapper_step.teardown()
+        self.ran.remove()
         release_model(self.root, self.owner)
 
     def __repr__(self) -> str:
@@ -375,16 +366,10 @@ class PrecisionGuard:
     def configure(self, **fields: Any) -> None:
         """What a front end learns after it built the engine, said before an event: ``policy``
         (a :class:`PrecisionPolicy`; a restored checkpoint's), ``reporter``, ``deepspeed_dtype``,
-        ``deepspeed_stage`` and ``origin`` (the constructor's meanings). Another name, or a
+        ``deepspeed_stage``, ``origin`` (the constructor's meanings) and ``fp8_requested``
+        (who asked for fp8: ``"ACCELERATE_MIXED_PRECISION=fp8"``). Another name, or a
         value of the wrong kind, raises :class:`TypeError` naming it."""
-        kinds: dict[str, tuple[type, ...]] = {
-            "policy": (PrecisionPolicy,),
-            "reporter": (object,),
-            "deepspeed_dtype": (torch.dtype, type(None)),
-            "deepspeed_stage": (int, type(None)),
-            "origin": (str, type(None)),
-            "fp8_requested": (str, type(None)),
-        }
+        kinds = _CONFIGURABLE
         for name, value in fields.items():
             if name not in kinds:
                 raise TypeError(
@@ -395,6 +380,17 @@ class PrecisionGuard:
                 raise TypeError(f"{self.name}.configure({name}={value!r}): expected {want}")
         for name, value in fields.items():
             setattr(self, name, value)
+
+
+#: what :meth:`PrecisionGuard.configure` sets, and the kinds of value each takes
+_CONFIGURABLE: dict[str, tuple[type, ...]] = {
+    "policy": (PrecisionPolicy,),
+    "reporter": (object,),
+    "deepspeed_dtype": (torch.dtype, type(None)),
+    "deepspeed_stage": (int, type(None)),
+    "origin": (str, type(None)),
+    "fp8_requested": (str, type(None)),
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -177,13 +177,16 @@ class DtypeMap:
                 "quantized": g.quantized,
                 "modules": g.modules,
                 "fp8": "; ".join(g.fp8),
+                "compute": g.compute,
                 **{f"numel/{d}": n for d, n in sorted(g.numel.items())},
             }
             for g in self.groups.values()
         ]
 
     def table_rows(self) -> list[list[str]]:
-        """One row per group: dtypes (params), devices, params, bytes, trainable."""
+        """One row per group: dtypes (params), devices, params, bytes, trainable; and what it
+        computed in (``compute (ran)``) once a forward was watched."""
+        ran = any(g.compute for g in self.groups.values())
         return [
             [
                 g.group,
@@ -193,15 +196,26 @@ class DtypeMap:
                 fmt_bytes(sum(g.bytes.values())),
                 f"{g.trainable:,}",
             ]
+            + ([g.compute or "-"] if ran else [])
             for g in self.groups.values()
         ]
+
+    def note_compute(self, ran: Mapping[str, Mapping[str, Any]]) -> None:
+        """Each group's :attr:`GroupSummary.compute` from what a watched forward ran
+        (``group -> {"compute": ..., "autocast": ...}``, the guard's ``compute`` section)."""
+        for group, seen in ran.items():
+            summary = self.groups.get(group)
+            if summary is not None and seen.get("compute"):
+                auto = seen.get("autocast")
+                summary.compute = str(seen["compute"]) + (f" (autocast {auto})" if auto else "")
 
     def table(self, *, title: str = "", use_rich: bool | None = False, width: int = 110) -> str:
         """The per-group table as text (plain by default; ``use_rich=None``: rich when
         installed), drawn by :func:`hf_precision.base.tables.render_table`; a line per group
         with fp8 modules under it (their three facts: the dtypes column is their storage)."""
+        ran = ["compute (ran)"] if any(g.compute for g in self.groups.values()) else []
         text = render_table(
-            ["group", "dtypes (params)", "devices", "params", "bytes", "trainable"],
+            ["group", "dtypes (params)", "devices", "params", "bytes", "trainable", *ran],
             self.table_rows(),
             title=title,
             right=(3, 4, 5),

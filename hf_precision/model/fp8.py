@@ -23,7 +23,7 @@ and module names), nothing is cast. Read by the dtype map, the reports and the f
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -126,6 +126,8 @@ class Facts:
         ``"weights fp8 e4m3, compute bf16 (layerwise casting, diffusers)"``."""
         parts = [f"weights {short(self.storage)}"]
         if self.matmul is not None:
+            if self.compute is not None and self.compute != self.storage:
+                parts.append(f"compute {short(self.compute)}")  # what ran: autocast's
             parts.append(f"matmuls {self.matmul}")
         elif self.compute != self.storage or self.cast_by:
             parts.append(f"compute {short(self.compute)}")
@@ -398,11 +400,15 @@ def might_be_fp8(module: torch.nn.Module) -> bool:
 
 
 def manifest(
-    named_modules: Iterable[tuple[str, torch.nn.Module]], compute: torch.dtype | None = None
+    named_modules: Iterable[tuple[str, torch.nn.Module]],
+    compute: torch.dtype | Mapping[str, torch.dtype] | None = None,
 ) -> Manifest:
     """Walk ``(name, module)`` pairs once (``model.named_modules()`` or a view's list) and keep
-    the modules whose matmuls or own weights are fp8."""
+    the modules whose matmuls or own weights are fp8. ``compute``: the activations' dtype of
+    every module, or by name (what the guard saw them run in at a forward)."""
     out = Manifest()
+    by_name = compute if isinstance(compute, Mapping) else {}
+    every = compute if isinstance(compute, torch.dtype) else None
     for name, mod in named_modules:
         if isinstance(mod, torch.nn.Linear):
             out.linears += 1
@@ -410,7 +416,7 @@ def manifest(
             out.layers += 1
         if not might_be_fp8(mod):
             continue
-        f = facts(mod, compute)
+        f = facts(mod, by_name.get(name, every))
         if f.fp8:
             out.modules[name] = f
     return out

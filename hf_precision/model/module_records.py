@@ -92,6 +92,10 @@ class GroupSummary:
     #: the group's fp8 modules by their facts: ``"weights fp32, matmuls fp8 e4m3 tensorwise
     #: (torchao), 14 of 21 Linears"`` (:mod:`hf_precision.model.fp8`)
     fp8: list[str] = field(default_factory=list)
+    #: the dtype it computed in at the first forward the guard watched (``"float32"``; with
+    #: ``" (autocast bfloat16)"`` under autocast), ``""`` before any forward ran: what ran, not
+    #: what the policy means (:mod:`hf_precision.engine.compute_seen`)
+    compute: str = ""
 
     @property
     def dtypes(self) -> tuple[str, ...]:

@@ -217,10 +217,10 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
         ``report`` is the :class:`~hf_precision.engine.enforce.EnforceReport` of this event when the
         model did not match the policy (its changes become drift rows); ``view`` the event's
         walk of the model (:class:`~hf_precision.model.view.ModelView`), when the caller has one;
-        ``sections`` more top-level keys of the event JSON (``memory``, ``provenance``,
-        ``lost_updates``), their numbers also logged to W&B as ``precision/<section>/...``.
-        """
+        ``sections`` more keys of the event JSON (``memory``, ``provenance``, ``compute``: the
+        groups' ``compute`` column, ...), their numbers logged to W&B as ``precision/<key>/...``."""
         dmap = dtype_map(model, groups, policy=policy, view=view)
+        dmap.note_compute(dict(sections or {}).get("compute", {}).get("groups", {}))
         diff = self.last_map.diff(dmap) if self.last_map is not None else None
         previous, first = self.last_event, self.last_map is None
         self.last_map, self.last_event = dmap, event

@@ -38,6 +38,7 @@ GROUP_COLUMNS = (
     "quantized",
     "modules",
     "fp8",
+    "compute",
 )
 NONFINITE_COLUMNS = (
     "step",

@@ -18,7 +18,6 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
 from hf_precision import PrecisionGuardPlugin
 from hf_precision.engine.fp8_check import module_filter, skip_modules_pattern
-from hf_precision.errors import PrecisionWarning
 from hf_precision.model import fp8
 from hf_precision.tiny import tiny_batch, tiny_llava
 
@@ -71,6 +70,14 @@ def test_accelerate_fp8_keeps_the_vision_side_projector_and_head_out(tmp_path) -
     ]
     up = "model.language_model.layers.0.mlp.up_proj"
     assert event["dtype_map"]["records"][up]["fp8"].startswith("weights fp32, matmuls fp8 e4m3")
+    # the step's forward ran under accelerate's bf16 autocast: the compute fact says what ran
+    [engine] = guard.guards
+    assert engine.sections["fp8"]["lines"] == [
+        f"weights fp32, compute bf16, matmuls fp8 e4m3 tensorwise (torchao), {len(names)} of "
+        "29 Linears"
+    ]
+    assert engine.sections["fp8"]["modules"][up]["compute"] == "bfloat16"
+    assert engine.sections["compute"]["fp8_modules"][up]["autocast"] == "bfloat16"
 
 
 def test_lora_adapters_stay_out_of_fp8_under_accelerate() -> None:
@@ -132,20 +139,28 @@ def test_the_filter_feeds_torchao_directly_and_first_last_blocks_is_an_option() 
     assert converted(("vision_encoder", "projector", "lm_head", "first_last_blocks")) == []
 
 
-def test_unused_entry_and_zero_converted_are_named(tmp_path) -> None:
+def test_unused_entry_and_zero_converted_are_named(tmp_path, said) -> None:
     model = tiny_llava()
     guard = PrecisionGuardPlugin(
         PrecisionGuardPlugin("bf16").policy.replace(
             keep_out_of_fp8=("lm_head", "model.no_such_block")
         ),
-        report=False,
+        report_dir=tmp_path,
     )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the findings channel is not a warning
         guard.prepare(_accelerator(module_filter_func=lambda mod, fqn: False), model)
-    said = [str(w.message) for w in caught if issubclass(w.category, PrecisionWarning)]
-    assert any("'model.no_such_block' matched no module" in s for s in said), said
-    assert any("fp8 requested (Accelerator(mixed_precision='fp8')) but 0 of 29" in s for s in said)
+    [line] = said.about(": fp8: ")
+    assert "'model.no_such_block' matched no module" in line
+    assert "fp8 requested (Accelerator(mixed_precision='fp8')) but 0 of 29" in line
+    assert "no component recorded choosing another precision" in line  # no provenance here
+    [found] = [json.loads(p.read_text()) for p in tmp_path.glob("*-fp8.json")]
+    assert found["finding"]["severity"] == "warning"
+    assert found["fp8"]["unused_keep_out"] == ["model.no_such_block"]
+    assert found["finding"]["groups"]["language_model"] == 0.0
+    assert (tmp_path / "000000-fp8.png").read_bytes()[:4] == b"\x89PNG"
+    event = json.loads((tmp_path / "000000-after_prepare.json").read_text())
+    assert [f["source"] for f in event["findings"]] == ["fp8"]
 
 
 def test_skip_modules_pattern_feeds_layerwise_casting() -> None:
@@ -159,3 +174,39 @@ def test_skip_modules_pattern_feeds_layerwise_casting() -> None:
     man = fp8.manifest(model.named_modules())
     assert man.modules and all(".language_model.layers." in n for n in man.modules)
     assert not any("norm" in n for n in man.modules)
+
+
+def test_fp8_turned_off_by_trls_bf16_default_is_named(tmp_path, monkeypatch, said) -> None:
+    # TRL 3860: ACCELERATE_MIXED_PRECISION=fp8, and SFTConfig turns bf16 on by itself
+    trl = pytest.importorskip("trl")
+    from transformers import Trainer
+
+    from hf_precision import PrecisionGuardCallback
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to=[],
+        max_steps=1,
+        gradient_checkpointing=False,
+        save_strategy="no",
+    )
+    assert args.bf16 and args.mixed_precision == "bf16"  # fp8 is gone before any model
+    model = tiny_llava()
+    cb = PrecisionGuardCallback(report_dir=tmp_path / "precision")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Trainer(model=model, args=args, train_dataset=[tiny_batch(model)], callbacks=[cb])
+    [line] = said.about(": fp8: ")
+    assert "fp8 requested (ACCELERATE_MIXED_PRECISION=fp8) but 0 of 29 Linears run fp8" in line
+    assert "fp8 was turned off: script decided the precision (bf16 — SFTConfig's bf16=True" in line
+    assert "trl turns it on when neither bf16 nor fp16 is given" in line
+    assert "Fix: drop bf16 where it was set" in line
+    [found] = [json.loads(p.read_text()) for p in (tmp_path / "precision").glob("*-fp8.json")]
+    assert found["fp8"]["requested"] == "ACCELERATE_MIXED_PRECISION=fp8"
+    assert found["fp8"]["chosen_by"] == "script" and found["finding"]["severity"] == "warning"
+    # the event JSON carries the manifest with no edit beyond the callback
+    event = json.loads(next((tmp_path / "precision").glob("*-on_init_end.json")).read_text())
+    assert event["fp8"]["fp8_modules"] == 0 and event["fp8"]["linears"] == 29
+    assert "fp8" in [f["source"] for f in event["findings"]]
