@@ -41,6 +41,7 @@ FAMILIES: dict[str, str] = {
     "rl_watch": "benchmarks.rl_watch_cost",
     "launcher": "benchmarks.launcher_step",
     "fp16": "benchmarks.fp16_range",
+    "fp8_gate": "benchmarks.fp8_gate",
 }
 CPU_FAMILIES = (
     "step",
@@ -55,6 +56,7 @@ CPU_FAMILIES = (
     "rl_watch",
     "launcher",
     "fp16",
+    "fp8_gate",
 )
 
 

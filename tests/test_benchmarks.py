@@ -85,6 +85,16 @@ def test_updates_cost_quick_times_the_lost_update_sample() -> None:
     assert all(f.value is not None and f.value >= 0 for f in figs.values())
 
 
+def test_fp8_gate_quick_times_the_token_check() -> None:
+    pytest.importorskip("torchao")
+    from benchmarks import fp8_gate
+
+    figs = _by_id(fp8_gate.run(quick=True, reps=1))
+    assert set(figs) == {"fp8_gate_step", "fp8_gate_hook", "fp8_gate_event"}
+    assert figs["fp8_gate_step"].detail["fp8_linears"] == 14  # 2 layers x 7, the head kept out
+    assert all(f.value is not None and f.value >= 0 for f in figs.values())
+
+
 def test_launcher_step_goes_through_the_plugin(monkeypatch: Any, tmp_path: Any) -> None:
     pytest.importorskip("diffusers")
     monkeypatch.chdir(tmp_path)  # the plugin reports into ./precision

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..errors import PrecisionError, check_model
 from ..rules.batch_keys import batch_key_kind, notice_unknown
-from ..rules.dtypes import dtype_name, is_castable, narrows_range
+from ..rules.dtypes import dtype_name, is_castable, is_castable_input, narrows_range
 from ..rules.policy import Mode, PrecisionPolicy
 from .range_check import Site, clamp_on_device, say_clamped
 
@@ -60,7 +60,7 @@ def cast_tensor(
     its warning can come at the guard's next read, with no host sync per cast
     (:mod:`hf_precision.engine.range_check`); without, it is read at once.
     """
-    if not is_castable(t):
+    if not is_castable_input(t):
         # ids and bool masks keep their dtype but follow the device, like the floats beside them
         return t if device is None or t.device == device else t.to(device)
     same_dev = device is None or t.device == device

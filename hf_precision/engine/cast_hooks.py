@@ -18,7 +18,7 @@ from torch import nn
 
 from ..errors import PrecisionError
 from ..rules.batch_keys import batch_key_kind, is_metadata_key, notice_unknown
-from ..rules.dtypes import dtype_name, is_castable
+from ..rules.dtypes import dtype_name, is_castable, is_castable_input
 from ..rules.policy import Mode
 from .batch import cast_batch, cast_tensor, eager_when_compiled_alone
 from .range_check import Site
@@ -100,7 +100,9 @@ def _fix_error(st: GuardState, module: nn.Module, what: str, t: torch.Tensor) ->
 
 def _cast_value(st: GuardState, module: nn.Module, value: Any, key: str) -> Any:
     if isinstance(value, torch.Tensor):
-        wrong_dtype = value.dtype != st.dtype and value.is_floating_point() and is_castable(value)
+        wrong_dtype = (
+            value.dtype != st.dtype and value.is_floating_point() and is_castable_input(value)
+        )
         wrong_device = st.device is not None and value.device != st.device
         if not (wrong_dtype or wrong_device):
             return value

@@ -37,6 +37,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from typing import Any
@@ -56,6 +57,7 @@ from ..errors import PrecisionWarning
 from ..model.view import ModelView
 from ..rules.groups import ModuleGroups, find_module_groups
 from ..rules.policy import PrecisionPolicy
+from .compute_seen import WhatRan
 from .console import cast_line, flag_conflict, kept_as_is, kept_words, memory_line, policy_origin
 from .deepspeed_config import zero3_master_dtype
 from .distributed import (
@@ -64,6 +66,8 @@ from .distributed import (
 )
 from .enforce import EnforceReport, apply_plan, restore_values
 from .finding import Finding, emit
+from .fp8_check import fp8_event
+from .fp8_shapes import fp8_gates
 from .hooks import (
     GuardHandle,
     Notice,
@@ -144,10 +148,15 @@ class PrecisionGuard:
         self.notice = Notice(self._bridged)
         self._stash: dict[str, torch.Tensor] = {}
         self._unwrapped: tuple[nn.Module, nn.Module, str] | None = None
+        #: who asked for fp8 (``"Accelerator(mixed_precision='fp8')"``), ``None`` when nobody did
+        self.fp8_requested: str | None = None
         #: extra sections of every event's JSON: ``memory`` (the setup's account), ``provenance``
         #: (who chose the precision), ``lost_updates`` (the first optimizer steps), ``hooks``
-        #: (the guards installed on the model at the event, by kind)
+        #: (the guards installed on the model at the event, by kind), ``fp8`` (the manifest),
+        #: ``compute`` (what ran at the first forward after the last event)
         self.sections: dict[str, Any] = {}
+        #: what each part computed in at the first forward after an event (``compute_seen``)
+        self.ran = WhatRan(self)
         if claim:
             claim_model(self.root, self.owner, policy, self.call)
 
@@ -211,8 +220,9 @@ class PrecisionGuard:
         kind = wrapper_kind(wrapper) or WrapperKind("none")
         if kind.reshards:  # FSDP2 keeps the root unsharded after forward: read shards
             settle_shards(model, view.every_module())
-        master = self.master_fp32(view)
-        plan = plan_policy(view, policy, master_fp32=master)
+        view = fp8_event(self, view, policy, where)
+        fp8_gates(view, where, policy.mode, functools.partial(self.emit, step=step))
+        plan = plan_policy(view, policy, master_fp32=self.master_fp32(view))
         audit = apply_plan(plan, "audit")
         # built under deepspeed.zero.Init, no engine yet: the plan left the partitions
         # (DeepSpeed's) alone; what is not partitioned yet is cast like any weight
@@ -227,6 +237,7 @@ class PrecisionGuard:
         self.handle = guards_on(view, policy, report, notice=self.notice)
         self.sections["hooks"] = self.handle.counts()
         self._outside_reads(report, where, view)
+        self.ran.arm(view, policy, event, step)
         self.params = tuple(view.parameters())
         self.dtypes = tuple(p.dtype for p in self.params)
         self.events.append((event, found))
@@ -355,8 +366,9 @@ class PrecisionGuard:
 
     def teardown(self) -> None:
         """Take the guards off and release the model."""
-        remove_guards(self.model)
+        remove_guards(self.model)  # the fp8 shape gate's hooks too
         self.wrapper_step.teardown()
+        self.ran.remove()
         release_model(self.root, self.owner)
 
     def __repr__(self) -> str:
@@ -365,15 +377,10 @@ class PrecisionGuard:
     def configure(self, **fields: Any) -> None:
         """What a front end learns after it built the engine, said before an event: ``policy``
         (a :class:`PrecisionPolicy`; a restored checkpoint's), ``reporter``, ``deepspeed_dtype``,
-        ``deepspeed_stage`` and ``origin`` (the constructor's meanings). Another name, or a
+        ``deepspeed_stage``, ``origin`` (the constructor's meanings) and ``fp8_requested``
+        (who asked for fp8: ``"ACCELERATE_MIXED_PRECISION=fp8"``). Another name, or a
         value of the wrong kind, raises :class:`TypeError` naming it."""
-        kinds: dict[str, tuple[type, ...]] = {
-            "policy": (PrecisionPolicy,),
-            "reporter": (object,),
-            "deepspeed_dtype": (torch.dtype, type(None)),
-            "deepspeed_stage": (int, type(None)),
-            "origin": (str, type(None)),
-        }
+        kinds = _CONFIGURABLE
         for name, value in fields.items():
             if name not in kinds:
                 raise TypeError(
@@ -384,6 +391,17 @@ class PrecisionGuard:
                 raise TypeError(f"{self.name}.configure({name}={value!r}): expected {want}")
         for name, value in fields.items():
             setattr(self, name, value)
+
+
+#: what :meth:`PrecisionGuard.configure` sets, and the kinds of value each takes
+_CONFIGURABLE: dict[str, tuple[type, ...]] = {
+    "policy": (PrecisionPolicy,),
+    "reporter": (object,),
+    "deepspeed_dtype": (torch.dtype, type(None)),
+    "deepspeed_stage": (int, type(None)),
+    "origin": (str, type(None)),
+    "fp8_requested": (str, type(None)),
+}
 
 
 __all__ = [

@@ -13,10 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..rules.dtypes import is_castable, quantized_compute_dtype
+from ..rules.dtypes import is_castable
 from ..rules.groups import OTHER, ModuleGroups, hidden_module, leaf_guarded_groups
 from ..rules.policy import PrecisionPolicy, is_norm_module
 from .cast_hooks import GuardKind, GuardState, Weight
+from .fp8_storage import stored_compute
 
 #: The attribute of the model's root listing the guarded modules held outside its module tree
 #: (see :func:`group_roots`), so that removing the guards reaches them.
@@ -44,7 +45,8 @@ def _arg_names(module: nn.Module) -> tuple[str, ...]:
 def own_weight(mod: nn.Module) -> tuple[torch.dtype, torch.Tensor | None] | None:
     """The dtype a leaf computes in and the weight to follow if it is cast later: a quantized
     weight's compute dtype first (torchao, optimum-quanto, bitsandbytes 4-bit kernels expect
-    their input in it), else the first floating weight's dtype."""
+    their input in it; a layerwise casting hook's compute dtype for the fp8 weights it stores),
+    else the first floating weight's dtype."""
     castable = None
     for p in mod._parameters.values():
         if p is None:
@@ -52,7 +54,7 @@ def own_weight(mod: nn.Module) -> tuple[torch.dtype, torch.Tensor | None] | None
         if is_castable(p):
             castable = castable if castable is not None else p
             continue
-        compute = quantized_compute_dtype(p, mod)
+        compute = stored_compute(p, mod)  # layerwise casting's compute dtype, a library's
         if compute is not None:  # a library tensor reporting its compute dtype can lead too
             return compute, p if p.dtype == compute else None
     return (castable.dtype, castable) if castable is not None else None

@@ -45,6 +45,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
 from ..base.wrappers import unwrap_model
@@ -76,6 +77,8 @@ from .cast_hooks import Notice as Notice
 from .claims import claim_model as claim_model
 from .claims import claimed_by as claimed_by
 from .claims import release_model as release_model
+from .fp8_shapes import uninstall_token_check
+from .fp8_storage import fp8_first_layers
 from .hook_targets import (
     HIDDEN_ATTR,
     SKIP_LEAVES,
@@ -160,6 +163,7 @@ def remove_guards(model: nn.Module) -> int:
     root, _ = unwrap_model(model)
     n = 0
     for mod in list(_all_modules(root)):
+        n += uninstall_token_check(mod)  # the fp8 shape gate's (engine.fp8_shapes)
         if GUARD_ATTR in mod.__dict__ or EXIT_ATTR in mod.__dict__:
             uninstall_hook(mod)
             uninstall_exit(mod)
@@ -224,6 +228,11 @@ def guards_on(
         put(root, st, "batch")
     if policy.boundary_guards:
         put.boundaries()
+    for first in fp8_first_layers(view):  # model.dtype reads its fp8 storage: inputs come in fp8
+        if id(first.module) not in put.wanted:
+            computes: tuple[torch.dtype, None] = (first.compute, None)
+            st = leaf_state("entry", first.path, computes, policy, {}, put.move)
+            put(first.module, st, "boundary")
     exits = _put_exits(put, report)
     if leaf_groups is None:
         leaf_groups = leaf_guard_groups(policy, groups, report)

@@ -35,13 +35,12 @@ from ..rules.dtypes import (
     dtype_name,
     is_castable,
     narrows_range,
-    quantized_compute_dtype,
-    quantized_format,
     zero3_dtype,
 )
 from ..rules.groups import ModuleGroups, hidden_module
 from ..rules.keep_rules import model_dtype_note, model_keep_lists
 from ..rules.policy import PrecisionPolicy, Role, tensor_role
+from .fp8_storage import fp8_model_dtype_note, stored_compute, stored_format
 from .records import Change, Decided, EnforceReport, Plan, PlannedCast, TensorKind
 from .rotary import rounded_rotary
 
@@ -121,6 +120,9 @@ def plan_policy(
     note = model_dtype_note(root, view.modules, found.kept, policy.frozen_dtype)
     if note is not None:  # a keep rule on the first floating parameter: model.dtype says fp32
         found.warnings.append(note)
+    fp8_note = fp8_model_dtype_note(view)  # fp8 storage there: model.dtype says fp8
+    if fp8_note is not None:
+        found.warnings.append(fp8_note)
     return Plan(
         view,
         policy,
@@ -254,26 +256,28 @@ class _Planner:
             for pname, p in mod._parameters.items():
                 if p is None or is_castable(p):
                     continue
-                compute = quantized_compute_dtype(p, mod)
+                compute = stored_compute(p, mod)
                 full = f"{path}.{pname}" if path else pname
                 self.quantized_groups.add(groups.by_path.get(full, group))
                 if compute is None or group in self.quantized:
                     continue
-                self.quantized[groups.by_path.get(full, group)] = (
-                    compute,
-                    quantized_format(p, mod),
-                )
+                self.quantized[groups.by_path.get(full, group)] = (compute, stored_format(p, mod))
         for group, (compute, fmt) in self.quantized.items():
             wanted = self.policy.group_dtype(group)
             if wanted != compute:
                 tool = flags.detect_tool()
                 half = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compute)
                 theirs = f" ({flags.flag(half, tool=tool)})" if half else ""
+                theirs_fix = (  # layerwise casting: its hook's compute_dtype decides
+                    f"compute_dtype=torch.{dtype_name(wanted)} in the layerwise cast"
+                    if " layerwise:" in fmt
+                    else flags.quantized_compute(wanted, tool=tool)
+                )
                 self.report.warnings.append(
                     f"{group}: its quantized layers ({fmt}) compute in {dtype_name(compute)}, "
                     f"not the policy's {dtype_name(wanted)}; the group's other frozen weights "
                     f"follow them, so its activations keep one dtype. Fix: "
-                    f"{flags.quantized_compute(wanted, tool=tool)} so they compute in "
+                    f"{theirs_fix} so they compute in "
                     f"{dtype_name(wanted)}, or train in {dtype_name(compute)}{theirs}."
                 )
 
@@ -426,8 +430,8 @@ class _Planner:
         """Quantized storage is never cast; its layer computes in its compute dtype, which is
         where the leaf guards send inputs."""
         if t.is_floating_point() or kind == "param":
-            self.report.skipped.append((full, f"quantized storage ({quantized_format(t, mod)})"))
-            compute = quantized_compute_dtype(t, mod)
+            self.report.skipped.append((full, f"quantized storage ({stored_format(t, mod)})"))
+            compute = stored_compute(t, mod)
             if compute is not None:
                 self.report.group_dtypes.setdefault(group, set()).add(compute)
 

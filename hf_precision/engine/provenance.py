@@ -139,12 +139,36 @@ def _components(args: Any, model: Any, env: Mapping[str, str]) -> list[dict[str,
     return found
 
 
+def _flag_words(args: Any, flag: str) -> str:
+    """``the script's bf16=True``; a config class whose ``bf16`` defaults to ``None`` (TRL's
+    ``SFTConfig``: its ``__post_init__`` turns bf16 on unless fp16 is set) is named, since the
+    script may not have set it at all."""
+    fields = getattr(type(args), "__dataclass_fields__", {})
+    lib = type(args).__module__.split(".", 1)[0]
+    if flag in fields and fields[flag].default is None and lib != "transformers":
+        return (
+            f"{type(args).__name__}'s {flag}=True ({lib} turns it on when neither bf16 nor "
+            "fp16 is given)"
+        )
+    return f"the script's {flag}=True"
+
+
+def requested_fp8(found: Mapping[str, Any]) -> str | None:
+    """Who asked for fp8 in a :func:`precision_provenance` section (``"ACCELERATE_MIXED_PRECISION
+    =fp8"``, a framework's recorded setting), ``None`` when nobody did."""
+    for c in found.get("components", ()):
+        said = c.get("set")
+        if said == "fp8" or (isinstance(said, Mapping) and "fp8" in map(str, said.values())):
+            return f"{c['component']}=fp8" if said == "fp8" else str(c["component"])
+    return None
+
+
 def _winner(args: Any, found: list[dict[str, Any]], env: Mapping[str, str]) -> tuple[str, str]:
     """(component that decided the compute precision, the line)."""
     script = _script_flag(args)
     # transformers: the script's flag wins, else args.mixed_precision (read from the variable)
     resolved = str(script or getattr(args, "mixed_precision", None) or "no")
-    said = f"the script's {script}=True" if script else "the script set neither bf16 nor fp16"
+    said = _flag_words(args, script) if script else "the script set neither bf16 nor fp16"
     framework = next((c for c in found if c["component"] in _RECORDED), None)
     if framework is not None:
         flags = ", ".join(f"{k}={v}" for k, v in framework["set"].items())

@@ -50,6 +50,7 @@ from ..engine.console import policy_origin
 from ..engine.deepspeed_config import check_deepspeed_config, deepspeed_config_of, zero_stage
 from ..engine.distributed import rank
 from ..engine.enforce import EnforceReport
+from ..engine.fp8_check import feed_converters
 from ..engine.guard import PrecisionGuard
 from ..engine.lost_updates import LostUpdateCheck, LostUpdates, check_option
 from ..errors import PrecisionError
@@ -174,6 +175,10 @@ class PrecisionGuardPlugin(PluginSteps, PluginCheckpointing, GuardFrontEnd):
         self._bind(accelerator, models[0] if models else None)
         for m in models:
             self.setup(m)
+        if str(getattr(accelerator, "mixed_precision", "no")) == "fp8":
+            feed_converters(accelerator, models, self.policy)
+            for g in self._guarded:
+                g.configure(fp8_requested="Accelerator(mixed_precision='fp8')")
         objects = tuple(self._wrap_loader(o) for o in objects)
         result = accelerator.prepare(*objects, **kwargs)
         out = result if len(objects) > 1 else (result,)

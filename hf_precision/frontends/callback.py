@@ -309,12 +309,15 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         )
 
     def _provenance(self, args: Any, model: nn.Module) -> None:
-        from ..engine.provenance import precision_provenance, provenance_finding
+        from ..engine.provenance import precision_provenance, provenance_finding, requested_fp8
 
         assert self.guard is not None
         found = self.guard.sections["provenance"] = precision_provenance(args, model)
         if found["notable"]:
             self.guard.emit(provenance_finding(found))
+        fp8 = requested_fp8(found)  # asked for: the fp8 check says if nothing runs it, and who
+        if fp8 is not None:
+            self.guard.configure(fp8_requested=fp8)
 
     def _stash(self) -> None:
         if self.guard is not None and self.policy is not None:

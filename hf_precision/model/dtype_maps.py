@@ -28,6 +28,7 @@ from ..base.tables import fmt_bytes, render_table
 from ..base.wrappers import clean_name, unwrap_model
 from ..errors import check_model
 from ..rules.groups import ModuleGroups, find_module_groups
+from . import fp8
 from .module_records import DtypeTally, GroupSummary, ModuleRecord
 from .view import ModelView, receiving
 
@@ -159,6 +160,7 @@ class DtypeMap:
                 "trainable": r.trainable,
                 "quantized": r.quantized,
                 "kept_fp32": r.kept_fp32 or "",
+                "fp8": r.fp8 or "",
             }
             for r in self.records.values()
         ]
@@ -174,13 +176,17 @@ class DtypeMap:
                 "trainable": g.trainable,
                 "quantized": g.quantized,
                 "modules": g.modules,
+                "fp8": "; ".join(g.fp8),
+                "compute": g.compute,
                 **{f"numel/{d}": n for d, n in sorted(g.numel.items())},
             }
             for g in self.groups.values()
         ]
 
     def table_rows(self) -> list[list[str]]:
-        """One row per group: dtypes (params), devices, params, bytes, trainable."""
+        """One row per group: dtypes (params), devices, params, bytes, trainable; and what it
+        computed in (``compute (ran)``) once a forward was watched."""
+        ran = any(g.compute for g in self.groups.values())
         return [
             [
                 g.group,
@@ -190,19 +196,34 @@ class DtypeMap:
                 fmt_bytes(sum(g.bytes.values())),
                 f"{g.trainable:,}",
             ]
+            + ([g.compute or "-"] if ran else [])
             for g in self.groups.values()
         ]
 
+    def note_compute(self, ran: Mapping[str, Mapping[str, Any]]) -> None:
+        """Each group's :attr:`GroupSummary.compute` from what a watched forward ran
+        (``group -> {"compute": ..., "autocast": ...}``, the guard's ``compute`` section)."""
+        for group, seen in ran.items():
+            summary = self.groups.get(group)
+            if summary is not None and seen.get("compute"):
+                auto = seen.get("autocast")
+                summary.compute = str(seen["compute"]) + (f" (autocast {auto})" if auto else "")
+
     def table(self, *, title: str = "", use_rich: bool | None = False, width: int = 110) -> str:
         """The per-group table as text (plain by default; ``use_rich=None``: rich when
-        installed), drawn by :func:`hf_precision.base.tables.render_table`."""
-        return render_table(
-            ["group", "dtypes (params)", "devices", "params", "bytes", "trainable"],
+        installed), drawn by :func:`hf_precision.base.tables.render_table`; a line per group
+        with fp8 modules under it (their three facts: the dtypes column is their storage)."""
+        ran = ["compute (ran)"] if any(g.compute for g in self.groups.values()) else []
+        text = render_table(
+            ["group", "dtypes (params)", "devices", "params", "bytes", "trainable", *ran],
             self.table_rows(),
             title=title,
             right=(3, 4, 5),
             use_rich=use_rich,
             width=width,
+        )
+        return text + "".join(
+            f"\nfp8 {g.group}: {line}" for g in self.groups.values() for line in g.fp8
         )
 
     def __str__(self) -> str:
@@ -281,13 +302,44 @@ def _dtype_map(
         root, _ = unwrap_model(model)
     if view is not None and view.root is root:  # the event's walk
         tally = DtypeTally(root, view.groups, policy)
-        tally.count(
+        entries = [
             (clean_name(raw) if "_orig_mod" in raw or "wrapped_module" in raw else raw, mod, group)
             for raw, group, mod in view.modules
             if mod._parameters or mod._buffers
-        )
+        ]
     else:
         tally = DtypeTally(root, groups if groups is not None else find_module_groups(root), policy)
-        tally.count(tally.walk(root))
+        entries = tally.walk(root)
+    tally.count(entries)
     records, summaries = tally.result()
+    _fp8_facts(entries, records, summaries)
     return DtypeMap(records, summaries, tally.groups.rule, tally.groups.model_type)
+
+
+def _fp8_facts(
+    entries: list[tuple[str, nn.Module, str]],
+    records: dict[str, ModuleRecord],
+    summaries: dict[str, GroupSummary],
+) -> None:
+    """Each fp8 module's record says its three facts; each group, its fp8 modules counted
+    against its Linears (or its layers, for fp8 storage): ``"weights fp32, matmuls fp8 e4m3
+    tensorwise (torchao), 14 of 21 Linears"``. A cheap look per module; facts only for fp8."""
+    found: dict[str, fp8.Manifest] = {}
+    for path, mod, _ in entries:
+        if not fp8.might_be_fp8(mod):
+            continue
+        facts = fp8.facts(mod)
+        if facts.fp8 and path in records:
+            records[path].fp8 = facts.text()
+            found.setdefault(records[path].group, fp8.Manifest()).modules[path] = facts
+    if not found:
+        return
+    for path, mod, _ in entries:
+        rec = records.get(path)
+        if rec is not None and rec.group in found:
+            man = found[rec.group]
+            man.layers += 1
+            man.linears += isinstance(mod, nn.Linear)
+    for group, man in found.items():
+        if group in summaries:
+            summaries[group].fp8 = man.lines()

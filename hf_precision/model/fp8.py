@@ -23,7 +23,7 @@ and module names), nothing is cast. Read by the dtype map, the reports and the f
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -126,6 +126,8 @@ class Facts:
         ``"weights fp8 e4m3, compute bf16 (layerwise casting, diffusers)"``."""
         parts = [f"weights {short(self.storage)}"]
         if self.matmul is not None:
+            if self.compute is not None and self.compute != self.storage:
+                parts.append(f"compute {short(self.compute)}")  # what ran: autocast's
             parts.append(f"matmuls {self.matmul}")
         elif self.compute != self.storage or self.cast_by:
             parts.append(f"compute {short(self.compute)}")
@@ -326,10 +328,10 @@ def facts(module: torch.nn.Module, compute: torch.dtype | None = None) -> Facts:
     if cast is not None:
         storage, hooked_compute, lib = cast
         return Facts(storage, hooked_compute, matmul_format(module), f"layerwise casting, {lib}")
-    storage = _own_storage(module)
-    if compute is None and storage is not None and not is_fp8(storage):
-        compute = storage
-    return Facts(storage, compute, matmul_format(module))
+    own = _own_storage(module)
+    if compute is None and own is not None and not is_fp8(own):
+        compute = own
+    return Facts(own, compute, matmul_format(module))
 
 
 @dataclass
@@ -371,18 +373,50 @@ class Manifest:
         }
 
 
+_CLASS_FP8: dict[type, bool] = {}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _class_fp8(cls: type) -> bool:
+    found = _CLASS_FP8.get(cls)
+    if found is None:
+        names = [c.__name__.lower() for c in cls.__mro__]
+        found = _CLASS_FP8[cls] = any(
+            "float8" in n or "fp8" in n for n in names
+        ) or cls.__module__.startswith(("transformer_engine", "optimum.quanto"))
+    return found
+
+
+def might_be_fp8(module: torch.nn.Module) -> bool:
+    """A cheap first look (a class lookup, two dict reads, one weight's type and dtype): only
+    modules it lets through can have fp8 facts. The dtype map asks it of every module."""
+    if _class_fp8(type(module)):
+        return True
+    d = module.__dict__
+    if "_hf_hook" in d or "_diffusers_hook" in d:
+        return True
+    w = module._parameters.get("weight")
+    return w is not None and (type(w) not in _PLAIN or w.dtype in FP8_DTYPES)
+
+
 def manifest(
-    named_modules: Iterable[tuple[str, torch.nn.Module]], compute: torch.dtype | None = None
+    named_modules: Iterable[tuple[str, torch.nn.Module]],
+    compute: torch.dtype | Mapping[str, torch.dtype] | None = None,
 ) -> Manifest:
     """Walk ``(name, module)`` pairs once (``model.named_modules()`` or a view's list) and keep
-    the modules whose matmuls or own weights are fp8."""
+    the modules whose matmuls or own weights are fp8. ``compute``: the activations' dtype of
+    every module, or by name (what the guard saw them run in at a forward)."""
     out = Manifest()
+    by_name = compute if isinstance(compute, Mapping) else {}
+    every = compute if isinstance(compute, torch.dtype) else None
     for name, mod in named_modules:
         if isinstance(mod, torch.nn.Linear):
             out.linears += 1
         if any(p is not None for p in mod._parameters.values()):
             out.layers += 1
-        f = facts(mod, compute)
+        if not might_be_fp8(mod):
+            continue
+        f = facts(mod, by_name.get(name, every))
         if f.fp8:
             out.modules[name] = f
     return out

@@ -57,6 +57,9 @@ class ModuleRecord:
     sharded: int = 0  # numel held as DTensor (FSDP2) or ZeRO-3 partitions: the wrapper's dtype
     tied: list[str] = field(default_factory=list)  # "name -> first owner"
     kept_fp32: str | None = None
+    #: its three precision facts when its matmuls or weights are fp8
+    #: (``"weights fp32, matmuls fp8 e4m3 tensorwise (torchao)"``, :mod:`hf_precision.model.fp8`)
+    fp8: str | None = None
 
     @property
     def dtypes(self) -> tuple[str, ...]:
@@ -69,6 +72,7 @@ class ModuleRecord:
             tuple(sorted(self.buffers.items())),
             tuple(self.devices),
             self.trainable,
+            self.fp8,
         )
 
 
@@ -85,6 +89,13 @@ class GroupSummary:
     modules: int = 0
     #: dtype -> numel of the trainable parameters (the rest of :attr:`numel` is frozen)
     trainable_numel: dict[str, int] = field(default_factory=dict)
+    #: the group's fp8 modules by their facts: ``"weights fp32, matmuls fp8 e4m3 tensorwise
+    #: (torchao), 14 of 21 Linears"`` (:mod:`hf_precision.model.fp8`)
+    fp8: list[str] = field(default_factory=list)
+    #: the dtype it computed in at the first forward the guard watched (``"float32"``; with
+    #: ``" (autocast bfloat16)"`` under autocast), ``""`` before any forward ran: what ran, not
+    #: what the policy means (:mod:`hf_precision.engine.compute_seen`)
+    compute: str = ""
 
     @property
     def dtypes(self) -> tuple[str, ...]:

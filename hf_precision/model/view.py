@@ -19,6 +19,7 @@ from ..base.wrappers import unwrap_model, wrapper_compute_dtypes
 from ..errors import check_model
 from ..rules.dtypes import is_castable, majority_dtype
 from ..rules.groups import OTHER, ModuleGroups, find_module_groups, hidden_module
+from .fp8 import layerwise_cast
 
 
 def walk_modules(root: nn.Module, groups: ModuleGroups) -> Iterator[tuple[str, str, nn.Module]]:
@@ -181,12 +182,31 @@ class ModelView:
             self._cache["compute"] = found
         return found  # type: ignore[no-any-return]
 
+    @property
+    def layerwise(self) -> dict[int, torch.dtype]:
+        """``id(parameter) -> dtype`` a layerwise casting hook (diffusers, accelerate) computes
+        a weight it stores in fp8 in (empty without one): the storage dtype never decides what
+        a layer receives (:func:`layerwise_compute_dtype`)."""
+        found = self._cache.get("layerwise")
+        if found is None:
+            found = self._cache["layerwise"] = {
+                id(p): dt
+                for _, _, mod in self.modules
+                if "_diffusers_hook" in mod.__dict__ or "_hf_hook" in mod.__dict__
+                for p in mod._parameters.values()
+                if p is not None and (dt := layerwise_compute_dtype(p, mod)) is not None
+            }
+        return found  # type: ignore[no-any-return]
+
     def receiving_of(self, mod: nn.Module) -> tuple[torch.dtype | None, torch.device | None]:
-        """:func:`receiving` of ``mod`` under this walk's FSDP compute dtypes (cached)."""
+        """:func:`receiving` of ``mod`` under this walk's FSDP compute dtypes and layerwise
+        casting (cached)."""
         key = ("receiving", id(mod))
         found = self._cache.get(key)
         if found is None:
-            found = self._cache[key] = receiving(mod, self.compute, self.parameters_of(mod))
+            params = self.parameters_of(mod)
+            found = receiving(mod, self.compute, params, layerwise=self.layerwise)
+            self._cache[key] = found
         return found  # type: ignore[no-any-return]
 
     def receiving_dtypes(self) -> dict[str, torch.dtype]:
@@ -237,23 +257,38 @@ def _weights_per_device(params: Iterable[torch.Tensor]) -> dict[torch.device, in
     return counts
 
 
+def layerwise_compute_dtype(tensor: torch.Tensor, mod: nn.Module | None) -> torch.dtype | None:
+    """The dtype ``tensor``, a weight of ``mod``, is computed in when a layerwise casting hook
+    on ``mod`` (diffusers, accelerate: :func:`~hf_precision.model.fp8.layerwise_cast`) stores it
+    in its storage dtype; ``None`` otherwise."""
+    cast = layerwise_cast(mod) if mod is not None else None
+    if cast is None or tensor.dtype != cast[0]:
+        return None
+    return cast[1]
+
+
 def receiving(
     mod: nn.Module,
     compute: Mapping[int, torch.dtype] | None = None,
     params: Iterable[torch.Tensor] | None = None,
+    *,
+    layerwise: Mapping[int, torch.dtype] | None = None,
 ) -> tuple[torch.dtype | None, torch.device | None]:
     """The dtype a module's inputs must have (the majority dtype of its frozen floating
     weights, of all of them when none is frozen; FSDP's compute dtype where ``compute`` says
-    so) and the device most of its weights are on (``None`` on meta). ``params``: the module's
-    parameters when the caller has them."""
+    so, a layerwise casting hook's compute dtype for the fp8 weights it stores:
+    :attr:`ModelView.layerwise`) and the device most of its weights are on (``None`` on meta).
+    ``params``: the module's parameters when the caller has them."""
     frozen: list[tuple[torch.dtype, int]] = []
     every: list[tuple[torch.dtype, int]] = []
     devices: dict[torch.device, int] = {}
     for p in params if params is not None else mod.parameters():
         if not is_castable(p):
-            continue
-        # FSDP computes in its MixedPrecisionPolicy.param_dtype, not the storage dtype
-        dt = compute.get(id(p), p.dtype) if compute else p.dtype
+            if not layerwise or id(p) not in layerwise:
+                continue
+            dt = layerwise[id(p)]  # stored in fp8, computed in this
+        else:  # FSDP computes in its MixedPrecisionPolicy.param_dtype, not the storage dtype
+            dt = compute.get(id(p), p.dtype) if compute else p.dtype
         every.append((dt, p.numel()))
         if not p.requires_grad:
             frozen.append((dt, p.numel()))

@@ -234,10 +234,10 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
         ``report`` is the :class:`~hf_precision.engine.enforce.EnforceReport` of this event when the
         model did not match the policy (its changes become drift rows); ``view`` the event's
         walk of the model (:class:`~hf_precision.model.view.ModelView`), when the caller has one;
-        ``sections`` more top-level keys of the event JSON (``memory``, ``provenance``,
-        ``lost_updates``), their numbers also logged to W&B as ``precision/<section>/...``.
-        """
+        ``sections`` more keys of the event JSON (``memory``, ``provenance``, ``compute``: the
+        groups' ``compute`` column, ...), their numbers logged to W&B as ``precision/<key>/...``."""
         dmap = dtype_map(model, groups, policy=policy, view=view)
+        dmap.note_compute(dict(sections or {}).get("compute", {}).get("groups", {}))
         # the view's root when the engine walked it (no second unwrap), else the object given
         root = view.root if view is not None else model
         base = self._baselines.get(root)

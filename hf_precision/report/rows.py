@@ -25,6 +25,7 @@ MODULE_COLUMNS = (
     "trainable",
     "quantized",
     "kept_fp32",
+    "fp8",
     "modules",
 )
 GROUP_COLUMNS = (
@@ -36,6 +37,8 @@ GROUP_COLUMNS = (
     "trainable",
     "quantized",
     "modules",
+    "fp8",
+    "compute",
 )
 NONFINITE_COLUMNS = (
     "step",
@@ -96,6 +99,7 @@ def module_table_rows(
                 r["buffer_dtypes"],
                 r["devices"],
                 r["kept_fp32"],
+                r["fp8"],
             )
             m = merged.get(key)
             if m is None:

@@ -234,6 +234,16 @@ def is_castable(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() and not is_quantized(tensor)
 
 
+def is_castable_input(tensor: torch.Tensor) -> bool:
+    """An input a guard may cast at run time: a castable tensor, or a plain fp8 one (an
+    activation code cast to ``model.dtype`` where that reads a layer's fp8 storage: nothing
+    owns it, and no layer takes an fp8 input as it is)."""
+    if is_castable(tensor):
+        return True
+    plain = type(tensor) in (torch.Tensor, torch.nn.Parameter)
+    return plain and tensor.is_floating_point() and tensor.dtype in _QUANT_DTYPES
+
+
 def zero3_dtype(p: torch.Tensor) -> torch.dtype | None:
     """The storage dtype of a parameter DeepSpeed ZeRO-3 partitioned (its ``ds_tensor``, the
     local partition), or ``None`` for any other tensor. Metadata only: nothing is gathered."""

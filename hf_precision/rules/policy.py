@@ -34,6 +34,7 @@ from ..errors import PrecisionError
 from . import inference, policy_fields, policy_json, precedence
 from .batch_keys import DEFAULT_KEY_GROUPS, DEFAULT_SKIP_KEYS
 from .dtypes import dtype_name, parse_dtype
+from .fp8_rules import DEFAULT_KEEP_OUT_OF_FP8
 from .inference import infer_preset, loaded_dtype
 from .policy_fields import LEAF_GUARDS, MODES, LeafGuards, Mode
 from .policy_json import POLICY_VERSION, as_kwargs, reject_unknown_fields
@@ -139,6 +140,13 @@ class PrecisionPolicy:
         metadata={
             "help": "an fp32 lm_head beside half weights stays fp32 (TRL's "
             "cast_lm_head_to_fp32; set from the trainer's arguments)"
+        },
+    )
+    keep_out_of_fp8: tuple[str, ...] = field(
+        default=DEFAULT_KEEP_OUT_OF_FP8,
+        metadata={
+            "help": "groups, words (embeddings, norms, routers, adapters, first_last_blocks) "
+            "and path patterns whose matmuls never run fp8 (docs/fp8.md)"
         },
     )
     mode: Mode = field(default="fix", metadata={"help": "audit | fix | raise"})

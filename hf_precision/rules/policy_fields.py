@@ -53,6 +53,21 @@ def _choice(value: str, allowed: Iterable[str], *, call: str, what: str) -> str:
     )
 
 
+def _patterns(value: str | Iterable[str], *, call: str) -> tuple[str, ...]:
+    """Path patterns as a tuple (one string is one pattern); a bad ``re:`` regex raises."""
+    out = (value,) if isinstance(value, str) else tuple(value)
+    for pat in out:
+        if pat.startswith("re:"):
+            try:
+                re.compile(pat[3:])
+            except re.error as err:
+                raise PrecisionError(
+                    f"{call}: bad regex {pat!r}: {err}. Fix: escape it or drop the 're:' "
+                    "prefix for a plain path."
+                ) from err
+    return out
+
+
 def normalise(policy: Any) -> None:
     """Check and normalise the fields of a new :class:`~hf_precision.rules.policy.PrecisionPolicy`
     in place (it is frozen: once, from its ``__post_init__``)."""
@@ -81,17 +96,8 @@ def normalise(policy: Any) -> None:
             parse_dtype(policy.full_eval_dtype, call=f"{call}.full_eval_dtype"),
         )
     set_(policy, "group_dtypes", _parse_mapping(policy.group_dtypes, call=f"{call}.group_dtypes"))
-    keep = (policy.keep_fp32,) if isinstance(policy.keep_fp32, str) else tuple(policy.keep_fp32)
-    set_(policy, "keep_fp32", keep)
-    for pat in keep:
-        if pat.startswith("re:"):
-            try:
-                re.compile(pat[3:])
-            except re.error as err:
-                raise PrecisionError(
-                    f"{call}.keep_fp32: bad regex {pat!r}: {err}. Fix: escape it or drop "
-                    "the 're:' prefix for a plain path."
-                ) from err
+    for name in ("keep_fp32", "keep_out_of_fp8"):
+        set_(policy, name, _patterns(getattr(policy, name), call=f"{call}.{name}"))
     set_(policy, "mode", _choice(policy.mode, MODES, call=f"{call}.mode", what="mode"))
     set_(
         policy,

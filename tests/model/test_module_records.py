@@ -117,14 +117,14 @@ def _blank_record(path: str, group: str, type_name: str) -> dict[str, Any]:
     return {
         **{"path": path, "group": group, "type": type_name, "params": {}, "bytes": {}},
         **{"buffers": {}, "devices": [], "trainable": 0, "quantized": 0, "sharded": 0},
-        **{"tied": [], "kept_fp32": None},
+        **{"tied": [], "kept_fp32": None, "fp8": None},
     }
 
 
 def _blank_summary(group: str) -> dict[str, Any]:
     return {
         **{"group": group, "numel": {}, "bytes": {}, "devices": [], "trainable": 0},
-        **{"quantized": 0, "modules": 0, "trainable_numel": {}},
+        **{"quantized": 0, "modules": 0, "trainable_numel": {}, "fp8": []},
     }
 
 
