@@ -231,7 +231,7 @@ def guards_on(
     for first in fp8_first_layers(view):  # model.dtype reads its fp8 storage: inputs come in fp8
         if id(first.module) not in put.wanted:
             computes: tuple[torch.dtype, None] = (first.compute, None)
-            st = leaf_state("entry", first.path, computes, policy, {}, put.move)
+            st = leaf_state("entry", first.path, first.module, computes, policy, {}, put.move)
             put(first.module, st, "boundary")
     exits = _put_exits(put, report)
     if leaf_groups is None:

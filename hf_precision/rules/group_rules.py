@@ -112,12 +112,11 @@ def _registry() -> list[GroupRule]:
                 for rule in read_rules(text, RULES_FILE):
                     call = f"{RULES_FILE}, rule {rule.name!r}"
                     _check_groups(rule, call)
-                    add_entry(
-                        call,
-                        rule.name,
-                        **_rule_naming(_RULES),
-                        add=lambda _, r=rule: _RULES.append(r),
-                    )
+
+                    def add(_: str, r: GroupRule = rule) -> None:
+                        _RULES.append(r)
+
+                    add_entry(call, rule.name, **_rule_naming(_RULES), add=add)
                 _loaded = True
     return _RULES
 
