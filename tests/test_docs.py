@@ -61,6 +61,10 @@ def test_python_blocks_of_the_readme_and_docs_run(page, index, tmp_path, monkeyp
         if marker in block:
             pytest.skip(reason)
     monkeypatch.chdir(tmp_path)
+    if "Accelerator(" in block:  # each block runs as in a fresh process: no accelerate state
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
     if "register_group_rule" in block:
         from hf_precision.rules.groups import unregister_group_rule
 

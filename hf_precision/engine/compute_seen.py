@@ -288,7 +288,8 @@ class WhatRan:
     """A :class:`~hf_precision.engine.guard.PrecisionGuard`'s side of the watch: armed at each
     event (:meth:`arm`); what the next forward ran becomes the ``compute`` section of every
     later event JSON (and the group table's ``compute`` column), the compute fact of the fp8
-    manifest (and of the next event's), and one ``compute`` finding per new set of dtypes."""
+    manifest (and of the next event's), and, where a group ran another dtype than the policy
+    means, one ``compute`` finding per new set of dtypes."""
 
     def __init__(self, guard: Any) -> None:
         self.guard = guard
@@ -324,7 +325,7 @@ class WhatRan:
             found = fp8.manifest(self.fp8_modules.items(), self.fp8_compute)
             found.linears, found.layers = section["linears"], section["layers"]
             section.update(found.as_dict(), lines=found.lines())
-        if seen.key() != self._said:
+        if seen.differs and seen.key() != self._said:  # what ran as meant is only recorded
             self._said = seen.key()
             guard.emit(seen.finding(), step=seen.step)
 
