@@ -30,7 +30,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,9 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..base.wrappers import unwrap_model
-from ..errors import PrecisionWarning
 from ..rules.dtypes import is_castable
 from .cast_hooks import EXIT_ATTR, GUARD_ATTR
+from .finding import Finding
 
 logger = logging.getLogger("hf_precision")
 
@@ -275,18 +274,20 @@ def _fp8_compare(
 
 def headroom_event(guard: Any, batch: Any, *, step: int = 0) -> HeadroomResult:
     """The opt-in headroom event: :func:`probe_headroom` on the guard's model and ``batch``,
-    said on the console (a warning when an activation leaves float16) and written as the
-    ``headroom`` section of an event (``guard.log_sections``)."""
+    said through the findings channel (:meth:`PrecisionGuard.emit`: the console through
+    ``logging``, a warning when an activation leaves float16; ``<step>-headroom.json`` with the
+    per-module numbers; a picture of the largest activations against float16's range)."""
     result = probe_headroom(guard.model, batch)
-    guard.sections["headroom"] = result.to_dict()
-    say_headroom(result)
-    guard.log_sections("headroom", step=step)
+    beyond = result.beyond("float16")
+    guard.emit(
+        Finding(
+            "headroom",
+            "warning" if beyond else "info",
+            "hf-precision: " + result.line(),
+            numbers=result.to_dict(),
+            groups={m.path or "<model>": m.amax / RANGES["float16"] for m in result.worst()},
+            measure="largest |activation| ÷ float16's range",
+        ),
+        step=step,
+    )
     return result
-
-
-def say_headroom(result: HeadroomResult) -> None:
-    """Where the probe's finding goes (one function: the findings channel takes it from here)."""
-    if result.beyond("float16"):
-        warnings.warn("hf-precision: " + result.line(), PrecisionWarning, stacklevel=3)
-    else:
-        logger.info("hf-precision: %s", result.line())

@@ -25,6 +25,19 @@ EMULATED = Float8LinearConfig(emulate=True)
 LM_ATTN = r".*language_model.*\.(q_proj|v_proj)"
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerator_state():
+    """fp8 is set when accelerate's state is first built: each test starts from a fresh one
+    (an earlier test's Accelerator in the same process would fix its mixed precision)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 def _accelerator(**kwargs) -> Accelerator:
     return Accelerator(
         mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs(config=EMULATED, **kwargs)]

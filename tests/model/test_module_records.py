@@ -124,7 +124,7 @@ def _blank_record(path: str, group: str, type_name: str) -> dict[str, Any]:
 def _blank_summary(group: str) -> dict[str, Any]:
     return {
         **{"group": group, "numel": {}, "bytes": {}, "devices": [], "trainable": 0},
-        **{"quantized": 0, "modules": 0, "trainable_numel": {}, "fp8": []},
+        **{"quantized": 0, "modules": 0, "trainable_numel": {}, "fp8": [], "compute": ""},
     }
 
 
