@@ -173,7 +173,8 @@ test-diffusers: setup $(DIFFUSERS_SITE)/.installed
 # diffusers 0.42. open-clip-torch pulls torchvision, whose PyPI wheel is a CUDA build: its
 # compiled ops go, as in test-diffusers. xformers, bitsandbytes and the UI are not imported on
 # the training path. The tests put this checkout on PYTHONPATH (hf_precision is not installed).
-UPSTREAM ?= $(abspath ../shared/upstream)
+# the first upstream/ folder beside the checkout that holds the snapshots (or set UPSTREAM)
+UPSTREAM ?= $(patsubst %/,%,$(dir $(firstword $(wildcard $(abspath ..)/*/upstream/onetrainer-*.tar.gz))))
 OT2024_VENV ?= .venv-onetrainer2024
 OT2024_PINS ?= "transformers==4.57.6" "accelerate==1.10.1" "diffusers==0.30.3" \
 	"huggingface-hub<1.0" "open-clip-torch==2.24.0" pooch

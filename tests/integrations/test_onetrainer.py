@@ -4,7 +4,7 @@ test-onetrainer``, marker ``onetrainer``) OneTrainer's own ``scripts/train.py`` 
 inpainting model, unguarded and under ``hf-precision run``, in its own venvs.
 
 The leg unpacks snapshots of OneTrainer and mgds (``git archive`` tarballs, AGPL: run, never
-copied into this repository) from ``$HF_PRECISION_UPSTREAM`` (default: ``shared/upstream``
+copied into this repository) from ``$HF_PRECISION_UPSTREAM`` (default: an ``upstream/`` folder
 beside this checkout); absent, the leg skips and says so.
 """
 
@@ -135,7 +135,16 @@ def test_start_is_wrapped_once_and_guards_after_the_original(monkeypatch):
 
 
 # ======================================================================= OneTrainer's own code
-UPSTREAM = Path(os.environ.get("HF_PRECISION_UPSTREAM", ROOT.parent / "shared" / "upstream"))
+def _upstream() -> Path:
+    """``$HF_PRECISION_UPSTREAM``, else the first ``upstream/`` folder beside the checkout that
+    holds a OneTrainer snapshot."""
+    if os.environ.get("HF_PRECISION_UPSTREAM"):
+        return Path(os.environ["HF_PRECISION_UPSTREAM"])
+    found = sorted(ROOT.parent.glob("*/upstream/onetrainer-*.tar.gz"))
+    return found[0].parent if found else ROOT.parent / "upstream"
+
+
+UPSTREAM = _upstream()
 OT_2024, OT_TODAY = "onetrainer-889ddd21", "onetrainer-23df3832"
 #: mgds before its GenerateImageLike dtype fix (latent_mask fp32), the fix, today's
 MGDS_2024, MGDS_FIXED, MGDS_TODAY = "mgds-5ea389a", "mgds-901d076", "mgds-3a6994a"
