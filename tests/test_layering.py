@@ -218,3 +218,31 @@ def test_no_integration_module_shadows_a_package() -> None:
         if p.stem != "__init__" and importlib.util.find_spec(p.stem) is not None
     ]
     assert shadows == [], f"rename these (e.g. <tool>_models.py): {shadows}"
+
+
+def test_the_layout_table_names_every_module_of_its_folder() -> None:
+    """docs/architecture.md's layout table cannot drift from the tree: each folder's row names
+    every module of that folder (``module`` or ``sub/module``), and nothing it names as a
+    module is missing from the tree."""
+    text = (PKG.parent / "docs" / "architecture.md").read_text()
+    table = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)/` \|(.*)$", table, flags=re.M)}
+    problems = []
+    for folder, row in rows.items():
+        named = set(re.findall(r"`([\w/]+)`", row))
+        root = PKG / folder
+        modules = {
+            p.relative_to(root).with_suffix("").as_posix()
+            for p in root.rglob("*.py")
+            if p.name != "__init__.py"
+        }
+        missing = sorted(modules - named)
+        if missing:
+            problems.append(f"{folder}/: the row does not name {missing}")
+        ghosts = sorted(
+            n for n in named if "/" in n and n not in modules and not (root / n).is_dir()
+        )
+        if ghosts:
+            problems.append(f"{folder}/: the row names modules that do not exist: {ghosts}")
+    assert set(rows) == set(FOLDERS[1:])
+    assert not problems, "\n".join(problems)
