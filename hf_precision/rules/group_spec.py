@@ -46,8 +46,8 @@ def register_group(name: str, *, leaf_guarded: bool = False) -> str:
     leaves are guarded under ``leaf_guards="auto"`` even when its weights agree). Declaring a
     known group again keeps it (and may mark it leaf-guarded).
 
-    >>> register_group("depth_encoder")
-    'depth_encoder'
+    >>> register_group("resampler")  # a known group is kept as it is
+    'resampler'
     """
 
     def add(group: str) -> str:
