@@ -30,6 +30,7 @@ GROUP_NAMES = (
     "unet",
     "transformer",
     "vae",
+    "lora_network",
 )
 #: --trainable words besides group names
 TRAINABLE_WORDS = ("all", "none", "other")

@@ -34,6 +34,7 @@ import os
 import sys
 from typing import Any
 
+from ..rules.diffusion_rules import LORA_NETWORK, is_lora_network
 from .framework_runs import FrameworkRun
 
 #: sd-scripts' LoRA entry points (their trainers all derive from ``NetworkTrainer``)
@@ -44,7 +45,7 @@ ENTRY_POINTS = (
     "sd3_train_network.py",
 )
 #: the group of kohya's LoRA network (``networks.lora.LoRANetwork`` and its siblings)
-GROUP = "lora_network"
+GROUP = LORA_NETWORK
 #: floating batch keys of sd-scripts' datasets: per-sample loss weights and network multipliers
 METADATA_KEYS = ("loss_weights", "network_multipliers")
 _FULL = {"full_bf16": "bf16", "full_fp16": "fp16"}
@@ -95,38 +96,12 @@ def _refusal(args: argparse.Namespace, accelerator: Any, program: str) -> str | 
     )
 
 
-def _register_group() -> None:
-    from ..rules.group_rules import register_group_rule
-    from ..rules.group_spec import GroupRule, group_names, register_group
-
-    if GROUP in group_names():
-        return
-    register_group(GROUP)
-    register_group_rule(
-        GroupRule(
-            name="kohya_lora_network",
-            paths={GROUP: ("",)},
-            required=(GROUP,),
-            match=is_lora_network,
-            note="kohya sd-scripts' LoRA networks (networks.lora, lora_flux, lora_sd3, ...)",
-        ),
-        first=True,
-    )
-
-
-def is_lora_network(module: Any) -> bool:
-    """A network of sd-scripts' ``networks`` package (``LoRANetwork`` and its siblings)."""
-    cls = type(module)
-    return cls.__module__.split(".")[0] == "networks" and cls.__name__.endswith("Network")
-
-
 def detect(accelerator: Any = None) -> FrameworkRun | None:
     """The :class:`~.framework_runs.FrameworkRun` of the sd-scripts run on the call stack, or
     ``None`` when there is none."""
     args = run_args()
     if args is None:
         return None
-    _register_group()
     program = _program()
     settings: dict[str, Any] = {"--mixed_precision": args.mixed_precision}
     for name in (*_FULL, *_FP8):

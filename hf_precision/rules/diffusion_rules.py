@@ -78,6 +78,19 @@ _TEXT_ENCODER_CLASSES = frozenset(
 for _group in DIFFUSION_GROUPS:
     register_group(_group, leaf_guarded=_group in ("unet", "transformer"))
 
+#: A LoRA network trained as its own module beside a frozen denoiser (kohya sd-scripts'
+#: ``networks.lora.LoRANetwork`` and its siblings): its own group, so its weights are reported
+#: and kept apart from the UNet's. Built in, so the registries are the same whatever a process
+#: imports (the sd-scripts adapter, :mod:`hf_precision.integrations.kohya`, reads it).
+LORA_NETWORK = register_group("lora_network")
+
+
+def is_lora_network(module: Any) -> bool:
+    """A network of sd-scripts' ``networks`` package (``LoRANetwork`` and its siblings), read by
+    its class's module and name (nothing imported)."""
+    cls = type(module)
+    return cls.__module__.split(".")[0] == "networks" and cls.__name__.endswith("Network")
+
 
 # ------------------------------------------------------------------------------ recognition
 
@@ -188,6 +201,17 @@ _known = {r.name for r in group_rules()}
 for _rule in _RULES:
     if _rule.name not in _known:
         register_group_rule(_rule)
+if "diffusion_lora_network" not in _known:  # first: a network matches before any model rule
+    register_group_rule(
+        GroupRule(
+            "diffusion_lora_network",
+            required=(LORA_NETWORK,),
+            paths={LORA_NETWORK: ("",)},
+            match=is_lora_network,
+            note="kohya sd-scripts' LoRA networks (networks.lora, lora_flux, lora_sd3, ...)",
+        ),
+        first=True,
+    )
 
 
 def pipeline_components(obj: Any, call: str = "find_diffusion_groups") -> dict[str, nn.Module]:

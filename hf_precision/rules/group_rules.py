@@ -185,7 +185,8 @@ def architecture_table(rules: Iterable[GroupRule] | None = None) -> str:
     it matches and, per group, its candidate paths (the first that exists wins), ``+`` modules
     it adds when present, and direct parameters.
 
-    >>> row = architecture_table([group_rules()[0]]).splitlines()[2].split(" | ")
+    >>> llava = next(r for r in group_rules() if r.name == "llava")
+    >>> row = architecture_table([llava]).splitlines()[2].split(" | ")
     >>> row[0], row[2]
     ('| llava', '`model.vision_tower`')
     """
