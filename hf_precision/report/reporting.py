@@ -308,8 +308,11 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
         if self.trackers:
             self._submit(event_payload(snap, png_path), first_event=snap.first)
 
-    def _submit(self, payload: Any, *, first_event: bool = False) -> None:
-        """To every tracker; a tracker's own errors warn once, the files still go on."""
+    def _submit(self, payload: Any, *, first_event: bool = True) -> None:
+        """To every tracker; a tracker's own errors warn once, the files still go on. Only a
+        dtype-map event after the first (``first_event=False``) may say that no tracker run is
+        active: a finding made before the script's run starts (at ``on_init_end``, before
+        ``WandbCallback`` makes the run) waits for it quietly."""
         for name, tracker in self.trackers.items():
             try:
                 tracker.submit(payload, first_event=first_event)
