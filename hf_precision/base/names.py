@@ -2,6 +2,10 @@
 names, what other tools call them, the group names and the ``--trainable`` words. An argument
 error is then answered at once, with no torch import.
 
+It also holds the attribute names under which the engine's hooks keep their state on a module
+(:data:`GUARD_ATTR`, :data:`EXIT_ATTR`): a watcher that copies a model drops them by name
+without importing the engine.
+
 These lists are the registries' contents in a command-line process (nothing there registers
 presets or groups of its own); tests/tools/test_cli.py checks them against ``policy.PRESETS`` and
 ``groups.group_names()`` after the engine has loaded.
@@ -15,6 +19,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..errors import did_you_mean
+
+#: where :mod:`hf_precision.engine.cast_hooks` keeps a guard's state on the module it guards
+GUARD_ATTR = "_hf_precision_guard"
+#: where it keeps an exit guard's state (a group's outputs cast back)
+EXIT_ATTR = "_hf_precision_exit"
 
 PRESET_NAMES = ("bf16", "bf16-true", "fp16", "fp16-true", "fp32", "fp16-vae32", "bf16-vae32")
 GROUP_NAMES = (

@@ -16,6 +16,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 from torch import nn
 
+from ..base.names import EXIT_ATTR, GUARD_ATTR
 from ..errors import PrecisionError
 from ..rules.batch_keys import batch_key_kind, is_metadata_key, notice_unknown
 from ..rules.dtypes import dtype_name, is_castable, is_castable_input
@@ -27,8 +28,6 @@ from .range_check import Site
 #: group (entry), any weighted leaf of a mixed group (leaf).
 GuardKind = Literal["batch", "boundary", "entry", "leaf"]
 
-GUARD_ATTR = "_hf_precision_guard"
-EXIT_ATTR = "_hf_precision_exit"
 #: Modules whose whole forward is one op autocast runs in its own dtype (F.linear, F.conv*).
 _AUTOCAST_OPS: frozenset[type[nn.Module]] = frozenset((nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
 

@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..base.names import EXIT_ATTR, GUARD_ATTR
 from ..base.wrappers import unwrap_model
 from ..rules.dtypes import is_castable
-from .cast_hooks import EXIT_ATTR, GUARD_ATTR
 from .finding import Finding
 
 logger = logging.getLogger("hf_precision")
