@@ -62,9 +62,9 @@ test: setup
 # 5.x leg is `make test`.
 TF4_VENV ?= .venv-tf4
 TF4_PINS ?= "transformers==4.57.6" "peft==0.17.1"
-TF4_TESTS ?= tests/engine/test_enforce.py tests/engine/test_plan.py tests/rules/test_groups.py tests/model/test_view.py \
+TF4_TESTS ?= tests/engine/test_enforce.py tests/engine/test_plan.py tests/rules/groups/test_module_groups.py tests/model/test_view.py \
 	tests/engine/test_guard.py tests/engine/test_hooks.py tests/engine/test_batch.py \
-	tests/rules/test_policy.py tests/model/test_dtype_maps.py tests/rules/test_dtypes.py tests/frontends/test_callback.py \
+	tests/rules/policy/test_precision_policy.py tests/model/test_dtype_maps.py tests/rules/test_dtypes.py tests/frontends/test_callback.py \
 	tests/scenarios tests/tiny tests/test_docs.py::test_compatibility_table_matches_what_runs
 
 $(TF4_VENV)/.installed: pyproject.toml

@@ -33,7 +33,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks.common import Figure, interleave, ratio_figure, smoke
 from benchmarks.models import build_meta, llava15_7b_config
 from hf_precision import PrecisionPolicy, dtype_map, find_module_groups
-from hf_precision.report.reporting import PrecisionReporter, module_table_rows
+from hf_precision.report.reporter import PrecisionReporter
+from hf_precision.report.rows import module_table_rows
 
 FAMILY = "reporting"
 TARGET_EVENT_S = 0.5

@@ -7,7 +7,7 @@ on a CUDA machine ``python benchmarks/fp16_range.py [OUT.json]`` times the same 
    one run. The check runs on the device and is read at a site's first cast and every 64th
    (``hf_precision/engine/range_check.py``): no host read per step. On a GPU this is the figure
    that a sync per cast would blow up (wall clock there, after ``torch.cuda.synchronize()``).
-2. ``headroom_probe``: :func:`~hf_precision.engine.headroom.probe_headroom` (one float32
+2. ``headroom_probe``: :func:`~hf_precision.watch.headroom.probe_headroom` (one float32
    forward with a recording hook on every module, read once) ÷ one plain no-grad forward of the
    same float32 model.
 """
@@ -78,7 +78,7 @@ def fp16_step(quick: bool, reps: int | None, device: str) -> Figure:
 
 
 def probe_cost(quick: bool, reps: int | None, device: str) -> Figure:
-    from hf_precision.engine.headroom import probe_headroom
+    from hf_precision.watch.headroom import probe_headroom
 
     config = quick_llava_config() if quick else llava_100m_config()
     model = build(config, device=device).eval()

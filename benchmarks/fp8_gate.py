@@ -1,4 +1,4 @@
-"""What the fp8 shape gate costs on CPU (``hf_precision.engine.fp8_shapes``).
+"""What the fp8 shape gate costs on CPU (``hf_precision.engine.fp8.shapes``).
 
 A LLaMA-shaped text model (fp32, 4 layers, hidden 256) whose Linears (the LM head aside) are
 torchao ``Float8Linear`` with ``emulate=True`` (what a CPU can run), full fine-tune with AdamW.
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from hf_precision.engine.fp8_shapes import gate_shapes, remove_token_checks
+from hf_precision.engine.fp8.shapes import gate_shapes, remove_token_checks
 from hf_precision.model.view import ModelView
 
 from .common import Figure, interleave, param_count, ratio_figure, smoke

@@ -2,7 +2,7 @@
 
 Two copies of one LLaVA-shaped model (same seed), each converted by torchao's
 ``convert_to_float8_training`` with the same filter
-(``hf_precision.engine.fp8_check.module_filter``: the vision side, projector and head stay
+(``hf_precision.engine.fp8.converters.module_filter``: the vision side, projector and head stay
 out). One is guarded (``PrecisionGuardPlugin.setup``: the fp8 check, the manifest, the
 guards), the other is not; their steps take turns.
 
@@ -30,7 +30,7 @@ import torch
 def _models(gpu: bool, quick: bool) -> tuple[Any, Any, dict[str, torch.Tensor]]:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from hf_precision.engine.fp8_check import module_filter
+    from hf_precision.engine.fp8.converters import module_filter
 
     from .models import build, llava_100m_config, quick_llava_config, vlm_batch
 

@@ -4,7 +4,7 @@ DeepSpeed >= 0.17.2 owns autocast (its ``torch_autocast`` section). With an auto
 outside the engine it asserts ``torch.autocast is enabled outside DeepSpeed`` (0.17.x) or, from
 0.19.8, warns and switches autocast off inside the engine; its check reads CUDA autocast only
 (``torch.is_autocast_enabled()`` without a device). The guard never opens one (the CPU test
-``tests/engine/test_distributed.py::test_deepspeed_zero3_keeps_bf16_adapters_and_opens_no_autocast``);
+``tests/engine/wrappers/test_ranks.py::test_deepspeed_zero3_keeps_bf16_adapters_and_opens_no_autocast``);
 this script records, on a GPU, what the same ZeRO-3 step does in three arms:
 
 * ``plain``: the guard's setup and wrap events, then ``engine(**batch)``, backward, step;
@@ -62,7 +62,7 @@ def _arm(name: str, outer: bool, ds_autocast: bool) -> dict[str, Any]:
     import deepspeed
 
     from hf_precision.engine.guard import PrecisionGuard
-    from hf_precision.rules.policy import PrecisionPolicy
+    from hf_precision.rules.policy.precision_policy import PrecisionPolicy
     from hf_precision.tiny import tiny_batch
 
     model = _model()

@@ -3,7 +3,7 @@
 The ~107M-parameter LLaVA-shaped model of ``step_overhead`` (fp32 weights, a full fine-tune,
 the trainer's numerics bf16 autocast). Figures:
 
-* ``rl_attribution`` — seconds of one :func:`~hf_precision.engine.rl_attribution.attribute_gap`
+* ``rl_attribution`` — seconds of one :func:`~hf_precision.watch.rl_attribution.attribute_gap`
   on a GRPO-sized batch (2 sequences, the image's tokens + 32 text tokens, the last 16 scored):
   the sampler and trainer passes plus one pass per group switched (lm_head, norms,
   vision_encoder, projector here), all under ``torch.no_grad``; its detail gives the ratio to
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from hf_precision.engine.rl_attribution import attribute_gap, token_log_probs
 from hf_precision.engine.sync_integrity import SyncIntegrity
+from hf_precision.watch.rl_attribution import attribute_gap, token_log_probs
 
 from .common import Figure, param_count, smoke
 from .models import build, llava_100m_config, quick_llava_config, vlm_batch

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from hf_precision.engine.blame import NonFiniteBlame
-from hf_precision.engine.trace import DtypeTrace
+from hf_precision.watch.blame import NonFiniteBlame
+from hf_precision.watch.trace import DtypeTrace
 
 from .common import Figure, interleave, param_count, ratio_figure, smoke
 from .models import build, llava_100m_config, quick_llava_config, vlm_batch

@@ -1,7 +1,7 @@
 """The blame on a GPU (``python benchmarks/silent_gpu.py [OUT.json]`` on a CUDA machine):
 
 1. a real fp16 overflow under ``Trainer(fp16=True)`` (autocast + GradScaler): the tiny LLaMA of
-   ``tests/engine/test_blame.py``, every weight trained in fp32, layer 1's MLP made to pass 65504 in
+   ``tests/watch/test_blame.py``, every weight trained in fp32, layer 1's MLP made to pass 65504 in
    float16; the one-line callback must name ``model.layers.1.mlp.down_proj``;
 2. the step cost on the GPU of the ~107M LLaVA-shaped model of ``benchmarks/step_overhead.py``
    (fp32 weights, bf16 autocast, AdamW): no blame, ``auto`` idle, armed; wall clock after
@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hf_precision.engine.blame import NonFiniteBlame  # noqa: E402
+from hf_precision.watch.blame import NonFiniteBlame  # noqa: E402
 
 
 def overflow_on_gpu() -> dict[str, Any]:

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from hf_precision import PrecisionPolicy, enforce_policy
-from hf_precision.engine.lost_updates import LostUpdateCheck
 from hf_precision.engine.memory_account import memory_account
-from hf_precision.engine.provenance import precision_provenance
+from hf_precision.watch.lost_updates import LostUpdateCheck
+from hf_precision.watch.provenance import precision_provenance
 
 from .common import Figure, interleave, param_count, ratio_figure, smoke
 from .models import build, llava_100m_config, quick_llava_config, vlm_batch

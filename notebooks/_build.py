@@ -348,7 +348,7 @@ from IPython.display import Image, display
 from torch import nn
 
 from hf_precision.report.plot import plot_trace
-from hf_precision.engine.trace import trace_forward
+from hf_precision.watch.trace import trace_forward
 
 
 class StdBiasMLP(nn.Module):

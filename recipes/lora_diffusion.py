@@ -353,13 +353,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from accelerate.utils import set_seed
 
     from hf_precision import PrecisionGuardPlugin, PrecisionPolicy, dtype_map
-    from hf_precision.frontends.diffusion import diffusion_batch_rules, guard_diffusion
+    from hf_precision.frontends.diffusion import guard_diffusion
+    from hf_precision.rules.groups.diffusion import diffusion_batch_rules
 
     args = parse_args(argv)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if args.report_to == "wandb":
-        from hf_precision.report.report_wandb import wandb_offline_unless_logged_in
+        from hf_precision.report.wandb_tracker import wandb_offline_unless_logged_in
 
         wandb_offline_unless_logged_in()  # no login: offline, one line, no traceback
     accelerator = Accelerator(

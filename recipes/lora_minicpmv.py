@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 from hf_precision import PrecisionGuardCallback, dtype_map
-from hf_precision.report.report_wandb import wandb_offline_unless_logged_in
+from hf_precision.report.wandb_tracker import wandb_offline_unless_logged_in
 
 # ----------------------------------------------------------------------------- 1. arguments
 

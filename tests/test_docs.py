@@ -66,7 +66,7 @@ def test_python_blocks_of_the_readme_and_docs_run(page, index, tmp_path, monkeyp
 
         AcceleratorState._reset_state(reset_partial_state=True)
     if "register_group_rule" in block:
-        from hf_precision.rules.groups import unregister_group_rule
+        from hf_precision.rules.groups.registry import unregister_group_rule
 
         unregister_group_rule("my_vlm")
     exec(compile(block, f"{page} block {index}", "exec"), {})
@@ -123,7 +123,7 @@ def test_compatibility_table_matches_what_runs() -> None:
 
 
 def test_the_architecture_table_is_generated_from_the_rules(capsys):
-    from hf_precision.rules.groups import architecture_table, group_rules
+    from hf_precision.rules.groups.registry import architecture_table, group_rules
     from hf_precision.tools.cli import main
 
     text = (ROOT / "docs" / "api.md").read_text()
@@ -214,7 +214,7 @@ def test_the_inference_table_is_from_training_args() -> None:
 def test_the_rules_table_is_the_precedence() -> None:
     from typing import get_args
 
-    from hf_precision.rules.policy import Rule
+    from hf_precision.rules.policy.precedence import Rule
 
     rows = _table(_readme_section("The rules"))
     order = [r[1] for r in rows if r[0].isdigit()]

@@ -103,12 +103,14 @@ def test_no_import_cycles() -> None:
 
 #: The folders of docs/architecture.md ("Layout"), bottom first: a module imports only modules of
 #: its own folder or of the folders below it. "" is the package's top level, which holds only
-#: the foundation (errors, the alias table) and ``python -m hf_precision`` (above everything).
+#: the foundation (errors) and ``python -m hf_precision`` (above everything).
 FOLDERS: tuple[str, ...] = (
     "",
     "base",
     "rules",
     "model",
+    # what observes a run and changes nothing (imports no engine module)
+    "watch",
     "engine",
     "report",
     "frontends",
@@ -116,7 +118,7 @@ FOLDERS: tuple[str, ...] = (
     "integrations",
     "tools",
 )
-TOP_LEVEL = ("errors", "_aliases")
+TOP_LEVEL = ("errors",)
 
 
 def _folder(module: str) -> str:
@@ -246,3 +248,127 @@ def test_the_layout_table_names_every_module_of_its_folder() -> None:
             problems.append(f"{folder}/: the row names modules that do not exist: {ghosts}")
     assert set(rows) == set(FOLDERS[1:])
     assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------------------------ one home per name
+
+
+def _defined(tree: ast.Module) -> set[str]:
+    """The names a module defines at its top level (``if``/``try`` blocks included)."""
+    out: set[str] = set()
+    body = list(tree.body)
+    while body:
+        node = body.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.If):
+            body.extend(node.body + node.orelse)
+        elif isinstance(node, ast.Try):
+            body.extend(node.body + node.orelse + [s for h in node.handlers for s in h.body])
+    return out
+
+
+_FILES = {_module_name(p): p for p in PKG.rglob("*.py")}
+_DEFINED = {m: _defined(ast.parse(p.read_text())) for m, p in _FILES.items()}
+
+
+def _facade(module: str) -> bool:
+    """A package's ``__init__``: its façade may re-export (the top level's public names)."""
+    return _FILES[module].name == "__init__.py"
+
+
+def _imported_names(path: Path, module: str | None) -> list[tuple[int, str, str, str | None]]:
+    """``(line, source module, name, alias)`` for every ``from hf_precision... import name`` in
+    ``path`` (relative ones resolved for a package module), lazy imports included."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level and module is not None:
+            package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            source = ".".join(base + ([node.module] if node.module else []))
+        elif (node.module or "").startswith("hf_precision"):
+            source = node.module or ""
+        else:
+            continue
+        out.extend((node.lineno, source, a.name, a.asname) for a in node.names)
+    return out
+
+
+def _python_files() -> list[tuple[Path, str | None]]:
+    root = PKG.parent
+    files: list[tuple[Path, str | None]] = [(p, _module_name(p)) for p in sorted(PKG.rglob("*.py"))]
+    for folder in ("tests", "benchmarks", "recipes", "notebooks"):
+        files += [(p, None) for p in sorted((root / folder).rglob("*.py"))]
+    return files
+
+
+def test_every_name_is_imported_from_its_home() -> None:
+    """A name has one home: the module that defines it. Only a package's ``__init__`` (the top
+    level's public names, a package's façade) re-exports; ``from hf_precision.engine.hooks import
+    Notice`` (a name ``hooks`` only imported) is refused, and so is the explicit re-export form
+    ``from .a import b as b`` outside an ``__init__``."""
+    wrong = []
+    for path, module in _python_files():
+        for line, source, name, alias in _imported_names(path, module):
+            where = f"{path.relative_to(PKG.parent)}:{line}"
+            if source not in _FILES or _facade(source) or f"{source}.{name}" in _FILES:
+                continue
+            if name not in _DEFINED[source]:
+                wrong.append(f"{where}: {name} is not defined in {source}")
+            if alias == name and module is not None and path.name != "__init__.py":
+                wrong.append(f"{where}: 'import {name} as {name}' re-exports it from {module}")
+    assert not wrong, "\n".join(wrong)
+
+
+_TEXT_IMPORT = re.compile(r"from (hf_precision[\w.]*) import \(?([\w, \n]+?)\)?(?:$|#|\\n)", re.M)
+
+
+def test_examples_import_each_name_from_its_home() -> None:
+    """The same rule for the examples a reader copies: README, docs, notebooks, recipes'
+    READMEs and the doctests in docstrings."""
+    root = PKG.parent
+    texts = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    texts += sorted((root / "notebooks").glob("*.ipynb")) + sorted((root / "recipes").rglob("*.md"))
+    texts += sorted(PKG.rglob("*.py"))
+    wrong = []
+    for path in texts:
+        for m in _TEXT_IMPORT.finditer(path.read_text()):
+            source = m.group(1)
+            if source not in _FILES or _facade(source):
+                continue
+            for item in m.group(2).replace("\n", " ").split(","):
+                name = item.split(" as ")[0].strip()
+                if name and name not in _DEFINED[source] and f"{source}.{name}" not in _FILES:
+                    wrong.append(f"{path.relative_to(root)}: {name} is not defined in {source}")
+    assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+def test_no_module_reads_a_name_through_a_sibling() -> None:
+    """``checkpoint.torch_dtypes`` where ``checkpoint`` only imported it: the package's code
+    reads a name from its home module (tests may patch a name where it is used)."""
+    wrong = []
+    for path, module in _python_files():
+        if module is None:
+            continue
+        tree = ast.parse(path.read_text())
+        modules = {
+            a.asname or a.name: source
+            for line, src, name, alias in _imported_names(path, module)
+            for a in [ast.alias(name=name, asname=alias)]
+            if (source := f"{src}.{name}") in _FILES
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                source = modules.get(node.value.id)
+                if source is None or _facade(source) or node.attr.startswith("__"):
+                    continue
+                if node.attr not in _DEFINED[source] and f"{source}.{node.attr}" not in _FILES:
+                    wrong.append(
+                        f"{path.relative_to(PKG.parent)}:{node.lineno}: {source}.{node.attr}"
+                    )
+    assert not wrong, "\n".join(wrong)

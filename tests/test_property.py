@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_precision import PrecisionPolicy, enforce_policy, install_guards, remove_guards
-from hf_precision.engine.hooks import receiving_dtypes
-from hf_precision.rules.policy import PRESETS
+from hf_precision.model.dtype_maps import receiving_dtypes
+from hf_precision.rules.policy.presets import PRESETS
 from hf_precision.tiny import tiny_batch, tiny_idefics2, tiny_llava
 
 EXAMPLES = int(os.environ.get("HF_PRECISION_PROPERTY_EXAMPLES", "50"))

@@ -23,7 +23,8 @@ from torch import nn
 from ..errors import PrecisionError, check_model
 from ..rules.batch_keys import batch_key_kind, notice_unknown
 from ..rules.dtypes import dtype_name, is_castable, is_castable_input, narrows_range
-from ..rules.policy import Mode, PrecisionPolicy
+from ..rules.policy.fields import Mode
+from ..rules.policy.precision_policy import PrecisionPolicy
 from .range_check import Site, clamp_on_device, say_clamped
 
 _MASK_HINTS = ("mask", "bias")

@@ -20,7 +20,7 @@ from ..base.names import EXIT_ATTR, GUARD_ATTR
 from ..errors import PrecisionError
 from ..rules.batch_keys import batch_key_kind, is_metadata_key, notice_unknown
 from ..rules.dtypes import dtype_name, is_castable, is_castable_input
-from ..rules.policy import Mode
+from ..rules.policy.fields import Mode
 from .batch import cast_batch, cast_tensor, eager_when_compiled_alone
 from .range_check import Site
 

@@ -10,7 +10,7 @@ import weakref
 from torch import nn
 
 from ..errors import PrecisionError
-from ..rules.policy import PrecisionPolicy
+from ..rules.policy.precision_policy import PrecisionPolicy
 
 _OWNER_ATTR = "_hf_precision_owner"
 

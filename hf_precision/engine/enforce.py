@@ -29,34 +29,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base.wrappers import owning_wrapper, unwrap_model
+from ..base.wrapper_kinds import owning_wrapper, unwrap_model
 from ..errors import PrecisionError, PrecisionWarning, check_model
 from ..model.view import ModelView
-from ..rules.groups import ModuleGroups
-from ..rules.policy import MODES, Mode, PrecisionPolicy
-from .plan import (
-    Change,
-    EnforceReport,
-    Plan,
-    PlannedCast,
-    TensorKind,
-    model_device,
-    plan_policy,
-)
+from ..rules.groups.module_groups import ModuleGroups
+from ..rules.policy.fields import MODES, Mode
+from ..rules.policy.precision_policy import PrecisionPolicy
+from .plan import plan_policy
+from .records import EnforceReport, Plan, TensorKind
 
-#: The plan's records, importable from here as before the plan had a module of its own.
-__all__ = [
-    "Change",
-    "EnforceReport",
-    "Plan",
-    "PlannedCast",
-    "TensorKind",
-    "apply_plan",
-    "check_policy",
-    "enforce_policy",
-    "model_device",
-    "restore_values",
-]
+__all__ = ["apply_plan", "check_policy", "enforce_policy", "restore_values"]
 
 
 def _cast_optimizer_state(

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base.wrappers import (
+from ..base.wrapper_kinds import (
     HOLDING_WRAPPERS,
     WrapperKind,
     detect_wrapper,
@@ -55,34 +55,30 @@ from ..base.wrappers import (
 )
 from ..errors import PrecisionWarning
 from ..model.view import ModelView
-from ..rules.groups import ModuleGroups, find_module_groups
-from ..rules.policy import PrecisionPolicy
-from .compute_seen import WhatRan
-from .console import cast_line, flag_conflict, kept_as_is, kept_words, memory_line, policy_origin
-from .deepspeed_config import zero3_master_dtype
-from .distributed import (
-    check_model_ranks,
-    check_zero3_split,
-)
-from .enforce import EnforceReport, apply_plan, restore_values
-from .finding import Finding, emit
-from .fp8_check import fp8_event
-from .fp8_shapes import fp8_gates
-from .hooks import (
-    GuardHandle,
-    Notice,
-    claim_model,
-    guards_on,
-    release_model,
-    remove_guards,
-)
+from ..rules.deepspeed_config import zero3_master_dtype
+from ..rules.groups.module_groups import ModuleGroups, find_module_groups
+from ..rules.policy.precision_policy import PrecisionPolicy
+from ..watch.finding import Finding, emit
+from ..watch.what_ran import WhatRan
+from .cast_hooks import Notice
+from .claims import claim_model, release_model
+from .enforce import apply_plan, restore_values
+from .fp8.converters import fp8_event
+from .fp8.shapes import fp8_gates
+from .hooks import GuardHandle, guards_on, remove_guards
+from .lines import kept_as_is
 from .memory_account import account_line, memory_account
 from .outside_reads import find_outside_reads, install_fused_head_check
 from .plan import plan_policy
 from .range_check import read_deferred
+from .records import EnforceReport
 from .speaker import Speaker, report_dir_of
 from .stash import stash_tensors
-from .wrapper_step import WrapperStep
+from .wrappers.ranks import (
+    check_model_ranks,
+    check_zero3_split,
+)
+from .wrappers.step import WrapperStep
 
 logger = logging.getLogger("hf_precision")
 
@@ -98,7 +94,7 @@ class PrecisionGuard:
         owner: who claims the model (two front ends with different policies on one model
             raise); defaults to the guard.
         groups: the model's groups, when the front end found them already.
-        reporter: a :class:`~hf_precision.report.reporting.PrecisionReporter`, or ``None``.
+        reporter: a :class:`~hf_precision.report.reporter.PrecisionReporter`, or ``None``.
         deepspeed_dtype: the dtype a DeepSpeed config holds the model in, when one is used.
         deepspeed_stage: its ZeRO stage; under ZeRO-3 in a half dtype trainable weights in that
             dtype are left as they are (rule ``wrapper_master_fp32``).
@@ -286,7 +282,7 @@ class PrecisionGuard:
     def master_fp32(self, view: ModelView | None = None) -> torch.dtype | None:
         """The half dtype DeepSpeed ZeRO-3 holds this run's trainable weights in, whose fp32
         master copies live in its optimizer (rule ``wrapper_master_fp32``), or ``None``
-        (:func:`~hf_precision.engine.deepspeed_config.zero3_master_dtype`)."""
+        (:func:`~hf_precision.rules.deepspeed_config.zero3_master_dtype`)."""
         params = view.parameters() if view is not None else self.root.parameters()
         return zero3_master_dtype(self.deepspeed_dtype, self.deepspeed_stage, params)
 
@@ -332,8 +328,8 @@ class PrecisionGuard:
         return sum(t.numel() * t.element_size() for t in self._stash.values())
 
     def emit(self, finding: Finding, *, step: int = 0) -> None:
-        """A watcher's :class:`~hf_precision.engine.finding.Finding` through this engine's
-        speaker and reporter (:func:`~hf_precision.engine.finding.emit`)."""
+        """A watcher's :class:`~hf_precision.watch.finding.Finding` through this engine's
+        speaker and reporter (:func:`~hf_precision.watch.finding.emit`)."""
         emit(finding, speaker=self.speaker, reporter=self.reporter, step=step)
 
     def _bridged(self, kind: str, path: str, what: str, src: torch.dtype, dst: torch.dtype) -> None:
@@ -404,15 +400,7 @@ _CONFIGURABLE: dict[str, tuple[type, ...]] = {
 }
 
 
-__all__ = [
-    "HOLDING_WRAPPERS",
-    "PrecisionGuard",
-    "cast_line",
-    "flag_conflict",
-    "kept_words",
-    "memory_line",
-    "policy_origin",
-]
+__all__ = ["PrecisionGuard"]
 
 
 def _zero_init_only(view: ModelView, event: str, mode: str) -> bool:
@@ -443,7 +431,7 @@ def renamed_policy(
     policy: PrecisionPolicy, groups: ModuleGroups, call: str, model_type: str
 ) -> tuple[PrecisionPolicy, str | None]:
     """``policy`` with the former group names the model's rule renamed
-    (:attr:`~hf_precision.rules.groups.ModuleGroups.renamed`) said under their names now, and
+    (:attr:`ModuleGroups.renamed`) said under their names now, and
     the warning that says so (``None`` when nothing was renamed)."""
     renamed = {
         old: new

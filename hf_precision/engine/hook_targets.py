@@ -14,10 +14,12 @@ import torch
 from torch import nn
 
 from ..rules.dtypes import is_castable
-from ..rules.groups import OTHER, ModuleGroups, hidden_module, leaf_guarded_groups
-from ..rules.policy import PrecisionPolicy, is_norm_module
+from ..rules.groups.group_rule import OTHER, leaf_guarded_groups
+from ..rules.groups.module_groups import ModuleGroups, hidden_module
+from ..rules.policy.precision_policy import PrecisionPolicy
+from ..rules.roles import is_norm_module
 from .cast_hooks import GuardKind, GuardState, Weight
-from .fp8_storage import stored_compute
+from .fp8.storage import stored_compute
 
 #: The attribute of the model's root listing the guarded modules held outside its module tree
 #: (see :func:`group_roots`), so that removing the guards reaches them.

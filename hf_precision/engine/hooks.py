@@ -48,37 +48,26 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..base.wrappers import unwrap_model
-from ..model.dtype_maps import receiving, receiving_dtypes
+from ..base.names import EXIT_ATTR, GUARD_ATTR
+from ..base.wrapper_kinds import unwrap_model
 from ..model.view import ModelView
 from ..rules.dtypes import dtype_name
-from ..rules.groups import ModuleGroups
+from ..rules.groups.module_groups import ModuleGroups
 from ..rules.keep_rules import first_parameter_kept, strict_modules
-from ..rules.policy import PrecisionPolicy
+from ..rules.policy.precision_policy import PrecisionPolicy
 from .batch import key_dtypes_for
-
-# the run-time hooks and their state (hf_precision.engine.cast_hooks) and the targets chosen at
-# install time (hf_precision.engine.hook_targets), importable from here as before
 from .cast_hooks import (
-    EXIT_ATTR,
-    GUARD_ATTR,
     ExitState,
     GuardState,
+    Notice,
     eager_hooks,
     install_exit,
     install_hook,
     uninstall_exit,
     uninstall_hook,
 )
-from .cast_hooks import GuardKind as GuardKind
-from .cast_hooks import Notice as Notice
-
-# moved to hf_precision.engine.claims; still importable from here
-from .claims import claim_model as claim_model
-from .claims import claimed_by as claimed_by
-from .claims import release_model as release_model
-from .fp8_shapes import uninstall_token_check
-from .fp8_storage import fp8_first_layers
+from .fp8.shapes import uninstall_token_check
+from .fp8.storage import fp8_first_layers
 from .hook_targets import (
     HIDDEN_ATTR,
     SKIP_LEAVES,
@@ -96,20 +85,7 @@ from .hook_targets import (
     weight_of,
 )
 
-__all__ = [
-    "GuardHandle",
-    "GuardKind",
-    "Notice",
-    "claim_model",
-    "claimed_by",
-    "guard_targets",
-    "install_guards",
-    "installed_guards",
-    "receiving",
-    "receiving_dtypes",
-    "release_model",
-    "remove_guards",
-]
+__all__ = ["GuardHandle", "guard_targets", "install_guards", "installed_guards", "remove_guards"]
 
 
 @dataclass

@@ -29,7 +29,7 @@ from torch import nn
 from ..base.tables import fmt_bytes
 from ..model.view import ModelView
 from ..rules.dtypes import dtype_name
-from .plan import EnforceReport
+from .records import EnforceReport
 
 
 def _itemsize(dtype: torch.dtype | str) -> int | None:

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..base.wrappers import WRAPPERS, WrapperKind
+from ..base.wrapper_kinds import WRAPPERS, WrapperKind
 from ..errors import did_you_mean
-from ..model.view import ModelView, model_device
+from ..model.view import ModelView
 from ..rules import flags
 from ..rules.dtypes import (
     dtype_name,
@@ -37,25 +37,15 @@ from ..rules.dtypes import (
     narrows_range,
     zero3_dtype,
 )
-from ..rules.groups import ModuleGroups, hidden_module
+from ..rules.groups.module_groups import ModuleGroups, hidden_module
 from ..rules.keep_rules import model_dtype_note, model_keep_lists
-from ..rules.policy import PrecisionPolicy, Role, tensor_role
-from .fp8_storage import fp8_model_dtype_note, stored_compute, stored_format
+from ..rules.policy.precision_policy import PrecisionPolicy
+from ..rules.roles import Role, tensor_role
+from .fp8.storage import fp8_model_dtype_note, stored_compute, stored_format
 from .records import Change, Decided, EnforceReport, Plan, PlannedCast, TensorKind
 from .rotary import rounded_rotary
 
-#: the records live in :mod:`hf_precision.engine.records`; importable from here as before
-__all__ = [
-    "Change",
-    "Decided",
-    "EnforceReport",
-    "Plan",
-    "PlannedCast",
-    "TensorKind",
-    "group_compute_dtypes",
-    "model_device",
-    "plan_policy",
-]
+__all__ = ["group_compute_dtypes", "plan_policy"]
 
 #: Adapter weights whose layers cast their own input to the adapter dtype and the result back
 #: (peft LoRA's ``_cast_input_dtype``): fp32 LoRA beside bf16 base weights does not make a group
@@ -69,7 +59,7 @@ def _unmatched_patterns(
     """One message per ``keep_fp32`` pattern that selects nothing and per ``group_dtypes``
     group the model does not have (a typo such as ``model.vison_tower`` is silent otherwise)."""
 
-    from ..rules.policy import PRESET_DEFAULTS
+    from ..rules.policy.presets import PRESET_DEFAULTS
 
     root, groups = view.root, view.groups
     preset = PRESET_DEFAULTS.get(policy.name or "", {})  # a preset's own rules (vae32) are general
@@ -436,7 +426,7 @@ class _Planner:
                 self.report.group_dtypes.setdefault(group, set()).add(compute)
 
     def _skip_wrapper_owned(self, t: torch.Tensor, full: str, group: str, kind: TensorKind) -> bool:
-        """A wrapper owns this tensor (:attr:`~hf_precision.base.wrappers.WrapperKind.owned_test`:
+        """A wrapper owns this tensor (:attr:`WrapperKind.owned_test`:
         FSDP2's shards, ZeRO-3's partitions): writing .data would desynchronise it from the wrapper.
         Verified elsewhere, never cast."""
         owner = next((k for k in self.owners if k.owned_test(t, kind)), None)  # type: ignore[misc]

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from ..model.view import ModelView
-from ..rules.groups import ModuleGroups
-from ..rules.policy import PrecisionPolicy, Rule
+from ..rules.groups.module_groups import ModuleGroups
+from ..rules.policy.precedence import Rule
+from ..rules.policy.precision_policy import PrecisionPolicy
 
 __all__ = ["Change", "Decided", "EnforceReport", "Plan", "PlannedCast", "TensorKind"]
 
@@ -46,7 +47,8 @@ class Change:
 
 class Decided(NamedTuple):
     """One parameter as the plan decided it, cast or not: what the wrapper check
-    (:func:`hf_precision.engine.wrapped.classify`) sorts into expected, noted and violations."""
+    (:func:`~hf_precision.engine.wrappers.check.classify`)
+    sorts into expected, noted and violations."""
 
     name: str  # its path in the model (FSDP1's segments still in it)
     group: str
@@ -83,7 +85,7 @@ class EnforceReport:
     kept_fp32: list[tuple[str, str]] = field(default_factory=list)
     #: every tensor a keep rule held on purpose: (name, group, rule, reason), the rule one of
     #: ``rotary``, ``keep_fp32``, ``keep_fp32_strict``, ``deliberate_fp32`` (float32,
-    #: :data:`~hf_precision.rules.policy.KEEP_RULES`) or ``wrapper_master_fp32`` (a trainable half
+    #: :data:`KEEP_RULES`) or ``wrapper_master_fp32`` (a trainable half
     #: weight DeepSpeed ZeRO-3 keeps fp32 master copies of, left in its dtype)
     kept: list[tuple[str, str, Rule, str]] = field(default_factory=list)
     overflow: list[tuple[str, float]] = field(default_factory=list)

@@ -1,7 +1,7 @@
 """What one engine (:class:`~hf_precision.engine.guard.PrecisionGuard`) says at its events: the
 setup's cast line (or the audit's findings), drift warnings at later events, the plan's and a
 wrapper's notes, the first input a guard bridges at run time, a fused LM head read outside its
-module, and every watcher's :class:`~hf_precision.engine.finding.Finding`. Each warning once
+module, and every watcher's :class:`~hf_precision.watch.finding.Finding`. Each warning once
 per engine. The lines themselves are :mod:`.console`'s pure functions; this module says them
 (``logging`` for what happened and for every finding, which no warning filter silences;
 ``warnings`` for what the user should act on at setup).
@@ -17,10 +17,10 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import PrecisionWarning
-from ..rules.policy import PrecisionPolicy
-from .console import bridged_line, cast_line, kept_as_is, kept_words, memory_line
-from .finding import Finding
-from .plan import EnforceReport
+from ..rules.policy.precision_policy import PrecisionPolicy
+from ..watch.finding import Finding
+from .lines import bridged_line, cast_line, kept_as_is, kept_words, memory_line
+from .records import EnforceReport
 
 logger = logging.getLogger("hf_precision")
 
@@ -123,7 +123,7 @@ class Speaker:
         return True
 
     def finding(self, finding: Finding) -> None:
-        """A watcher's :class:`~hf_precision.engine.finding.Finding`, through ``logging`` at its
+        """A watcher's :class:`~hf_precision.watch.finding.Finding`, through ``logging`` at its
         severity (a warning filter does not silence it), once per source and message."""
         key = f"finding:{finding.source}:{finding.message}"
         if key not in self.said:

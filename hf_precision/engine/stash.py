@@ -21,7 +21,7 @@ from torch import nn
 
 from ..rules.dtypes import dtype_name
 from ..rules.keep_rules import model_keep_lists
-from ..rules.policy import PrecisionPolicy
+from ..rules.policy.precision_policy import PrecisionPolicy
 
 __all__ = ["stash_tensors"]
 

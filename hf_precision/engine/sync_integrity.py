@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base.wrappers import is_sharded
+from ..base.wrapper_kinds import is_sharded
 from ..rules.dtypes import dtype_name
 
 logger = logging.getLogger("hf_precision")

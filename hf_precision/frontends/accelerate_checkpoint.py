@@ -14,8 +14,8 @@ from torch import nn
 
 from ..engine.guard import PrecisionGuard
 from ..errors import PrecisionError, PrecisionWarning
-from ..rules.policy import PrecisionPolicy
-from ..rules.policy_spec import parse_policy
+from ..rules.policy.parse import parse_policy
+from ..rules.policy.precision_policy import PrecisionPolicy
 
 #: Written beside every ``accelerator.save_state`` checkpoint (``PrecisionPolicy.from_json``).
 POLICY_FILE = "precision_policy.json"

@@ -43,23 +43,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base.wrappers import unwrap_model
+from ..base.wrapper_kinds import unwrap_model
 from ..engine.batch import PrecisionCollator
-from ..engine.blame import BlameMode, NonFiniteBlame, check_mode
-from ..engine.console import policy_origin
-from ..engine.deepspeed_config import check_deepspeed_config, deepspeed_config_of, zero_stage
-from ..engine.distributed import rank
-from ..engine.enforce import EnforceReport
-from ..engine.fp8_check import feed_converters
+from ..engine.fp8.converters import feed_converters
 from ..engine.guard import PrecisionGuard
-from ..engine.lost_updates import LostUpdateCheck, LostUpdates, check_option
+from ..engine.lines import policy_origin
+from ..engine.records import EnforceReport
+from ..engine.wrappers.ranks import rank
 from ..errors import PrecisionError
-from ..report.reporting import PrecisionReporter
+from ..report.reporter import PrecisionReporter
 from ..rules import flags
+from ..rules.deepspeed_config import check_deepspeed_config, deepspeed_config_of, zero_stage
 from ..rules.dtypes import dtype_name
-from ..rules.policy import LeafGuards, Mode, PrecisionPolicy
-from ..rules.policy_spec import refuse_fp16_trainables
-from .accelerate_checkpoint import POLICY_FILE, PluginCheckpointing, policy_from_checkpoint
+from ..rules.policy.fields import LeafGuards, Mode
+from ..rules.policy.parse import refuse_fp16_trainables
+from ..rules.policy.precision_policy import PrecisionPolicy
+from ..watch.blame import BlameMode, NonFiniteBlame, check_mode
+from ..watch.lost_updates import LostUpdateCheck, LostUpdates, check_option
+from .accelerate_checkpoint import PluginCheckpointing
 from .accelerate_steps import PluginSteps
 from .frontend import GuardFrontEnd
 
@@ -80,12 +81,12 @@ class PrecisionGuardPlugin(PluginSteps, PluginCheckpointing, GuardFrontEnd):
         leaf_guards: override the policy's ``leaf_guards`` (``"auto"``, ``"on"``, ``"off"``).
         report: write dtype maps (files, and W&B when the accelerator logs with wandb).
         report_dir: where the files go (default ``<project_dir or .>/precision``).
-        blame: who made the NaN (:mod:`hf_precision.engine.blame`): ``"auto"`` (default: no hook
+        blame: who made the NaN (:mod:`hf_precision.watch.blame`): ``"auto"`` (default: no hook
             until :meth:`observe` sees a non-finite loss or gradient norm, or the GradScaler
             skipped a step; then the next step is inspected), ``"always"`` or ``"off"``;
             :meth:`blame_next_step` arms it on request.
         lost_updates: ``"auto"`` watches the first optimizer steps of half-precision trainable
-            weights and warns when their updates round away (``hf_precision.engine.lost_updates``);
+            weights and warns when their updates round away (``hf_precision.watch.lost_updates``);
             ``"off"``.
         keep_fp32: extra ``keep_fp32`` patterns added to the policy, given or inferred (the
             launcher's ``--keep-fp32``).
@@ -109,7 +110,7 @@ class PrecisionGuardPlugin(PluginSteps, PluginCheckpointing, GuardFrontEnd):
     ) -> None:
         self.extra_keep_fp32 = tuple(keep_fp32)
         self.blame_mode = check_mode(blame, call="PrecisionGuardPlugin")
-        #: one blame per guarded model (:mod:`hf_precision.engine.blame`)
+        #: one blame per guarded model (:mod:`hf_precision.watch.blame`)
         self.blames: list[NonFiniteBlame] = []
         if not isinstance(check_every, int) or check_every < 0:
             raise PrecisionError(
@@ -143,7 +144,7 @@ class PrecisionGuardPlugin(PluginSteps, PluginCheckpointing, GuardFrontEnd):
 
     @property
     def reporter(self) -> Any:
-        """The :class:`~hf_precision.report.reporting.PrecisionReporter` the events write to
+        """The :class:`~hf_precision.report.reporter.PrecisionReporter` the events write to
         (``None`` before :meth:`prepare`, or with ``report=False``); a launcher may set its own."""
         return self._reporter
 
@@ -370,4 +371,4 @@ class PrecisionGuardPlugin(PluginSteps, PluginCheckpointing, GuardFrontEnd):
         return f"PrecisionGuardPlugin({policy}, models={len(self._guarded)})"
 
 
-__all__ = ["POLICY_FILE", "PrecisionGuardPlugin", "policy_from_checkpoint"]
+__all__ = ["PrecisionGuardPlugin"]

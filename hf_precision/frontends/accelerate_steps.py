@@ -1,8 +1,8 @@
 """The optimizer step of a :class:`~hf_precision.PrecisionGuardPlugin` loop: a cheap dtype check
 before every N-th step (``register_step_pre_hook``; the full verify runs only on a change), the
-non-finite blame (:mod:`hf_precision.engine.blame`: armed by :meth:`PluginSteps.observe`, on
+non-finite blame (:mod:`hf_precision.watch.blame`: armed by :meth:`PluginSteps.observe`, on
 request, or by a step the GradScaler skipped) and the lost-update check on the first steps
-(:mod:`hf_precision.engine.lost_updates`: its result is the ``lost_updates`` section and event).
+(:mod:`hf_precision.watch.lost_updates`: its result is the ``lost_updates`` section and event).
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..engine.blame import BlameMode, NonFinite, NonFiniteBlame
-from ..engine.finding import emit
 from ..engine.guard import PrecisionGuard
-from ..engine.lost_updates import LostUpdateCheck, LostUpdates, watch
+from ..watch.blame import BlameMode, NonFinite, NonFiniteBlame
+from ..watch.finding import emit
+from ..watch.lost_updates import LostUpdateCheck, LostUpdates, watch
 
 logger = logging.getLogger("hf_precision")
 
@@ -60,7 +60,7 @@ class PluginSteps:
             self._handles.append(inner.register_step_pre_hook(self._step_pre_hook))
 
     def _watch_updates(self, guard: PrecisionGuard, optimizer: Any) -> LostUpdateCheck:
-        """:func:`~hf_precision.engine.lost_updates.watch` (the ``lost_updates`` section and
+        """:func:`~hf_precision.watch.lost_updates.watch` (the ``lost_updates`` section and
         event), warning with the fix in this loop's words (:attr:`lost_updates_fix`)."""
         return watch(guard, optimizer, tool="accelerate", fix=self.lost_updates_fix)
 

@@ -28,21 +28,21 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from ..base.wrappers import unwrap_model
-from ..engine.blame import BlameMode, NonFiniteBlame, check_mode
-from ..engine.console import policy_origin
-from ..engine.deepspeed_config import check_training_args, zero_stage
-from ..engine.enforce import EnforceReport
+from ..base.wrapper_kinds import unwrap_model
 from ..engine.guard import PrecisionGuard
 from ..engine.hooks import GuardHandle
-from ..engine.lost_updates import LostUpdateCheck, LostUpdates, check_option
+from ..engine.lines import policy_origin
+from ..engine.records import EnforceReport
 from ..errors import PrecisionError, PrecisionWarning
 from ..rules import flags
-from ..rules.groups import ModuleGroups
-from ..rules.policy import LeafGuards, Mode, PrecisionPolicy
-from ..rules.policy_spec import refuse_fp16_trainables
+from ..rules.deepspeed_config import check_training_args, zero_stage
+from ..rules.groups.module_groups import ModuleGroups
+from ..rules.policy.fields import LeafGuards, Mode
+from ..rules.policy.parse import refuse_fp16_trainables
+from ..rules.policy.precision_policy import PrecisionPolicy
+from ..watch.blame import BlameMode, NonFiniteBlame, check_mode
+from ..watch.lost_updates import LostUpdateCheck, LostUpdates, check_option
 from .callback_steps import CallbackSteps
-from .trainer_adapters import TRAINER_ADAPTERS as TRAINER_ADAPTERS  # the old path
 from .trainer_adapters import TrainerModels, check_rl, find_trainer, trainer_models
 
 logger = logging.getLogger("hf_precision")
@@ -68,14 +68,14 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
             ``False`` turns reporting off.
         report_dir: where the files go (default ``<output_dir>/precision``).
         report_to: the trackers to log to (default: ``TrainingArguments.report_to``).
-        blame: who made the NaN (:mod:`hf_precision.engine.blame`): ``"auto"`` (default: no hook
+        blame: who made the NaN (:mod:`hf_precision.watch.blame`): ``"auto"`` (default: no hook
             until a logged ``loss``/``grad_norm`` is non-finite, then the next step is
             inspected), ``"always"`` or ``"off"``.
         trace: record the first training step's forward, module by module, and report where
-            the activation dtype changed (:mod:`hf_precision.engine.trace`; ``True`` or
+            the activation dtype changed (:mod:`hf_precision.watch.trace`; ``True`` or
             ``"setup"``).
         lost_updates: ``"auto"`` watches the first optimizer steps of half-precision trainable
-            weights and warns when their updates round away (``hf_precision.engine.lost_updates``);
+            weights and warns when their updates round away (``hf_precision.watch.lost_updates``);
             ``"off"``.
         rl: on TRL's RL trainers (GRPO, RLOO, online DPO), the sampler-trainer contract and the
             gap of the first generations (:mod:`hf_precision.integrations.trl_rl`): ``"auto"``
@@ -127,7 +127,7 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         #: the engine for the model of the current Trainer (None before the first event)
         self.guard: PrecisionGuard | None = None
         self.restored = 0  # tensors given back their exact values after a *_full_eval cast
-        #: the :class:`~hf_precision.report.reporting.PrecisionReporter` (None before the first
+        #: the :class:`~hf_precision.report.reporter.PrecisionReporter` (None before the first
         # event)
         self.reporter: Any = None
         self._trainer: Any = None  # bound by bind_trainer (the launcher), else found in frames
@@ -213,7 +213,7 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         said = self._check_args(args, root)
         origin = policy_origin(self.policy, self._policy_arg is None, said, self._call)
         if self.write_reports and self.reporter is None:
-            from ..report.reporting import PrecisionReporter
+            from ..report.reporter import PrecisionReporter
 
             self.reporter = PrecisionReporter.from_training_args(
                 args, report_dir=self.report_dir, report_to=self.report_to, trainer=self._served()
@@ -309,7 +309,7 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         )
 
     def _provenance(self, args: Any, model: nn.Module) -> None:
-        from ..engine.provenance import precision_provenance, provenance_finding, requested_fp8
+        from ..watch.provenance import precision_provenance, provenance_finding, requested_fp8
 
         assert self.guard is not None
         found = self.guard.sections["provenance"] = precision_provenance(args, model)

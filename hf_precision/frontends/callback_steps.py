@@ -1,7 +1,7 @@
 """What a :class:`~hf_precision.PrecisionGuardCallback` does during training steps: the dtype trace
-of the first step (:mod:`hf_precision.engine.trace`), the non-finite blame
-(:mod:`hf_precision.engine.blame`, armed by a logged non-finite loss or gradient norm), the
-lost-update check on the Trainer's optimizer (:mod:`hf_precision.engine.lost_updates`) and the
+of the first step (:mod:`hf_precision.watch.trace`), the non-finite blame
+(:mod:`hf_precision.watch.blame`, armed by a logged non-finite loss or gradient norm), the
+lost-update check on the Trainer's optimizer (:mod:`hf_precision.watch.lost_updates`) and the
 verify before an in-training evaluation."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..engine.blame import NonFiniteBlame
-from ..engine.finding import Finding, emit
 from ..engine.guard import PrecisionGuard
-from ..engine.lost_updates import LostUpdateCheck, LostUpdates, watch
 from ..engine.range_check import read_deferred
+from ..watch.blame import NonFiniteBlame
+from ..watch.finding import Finding, emit
+from ..watch.lost_updates import LostUpdateCheck, LostUpdates, watch
 
 logger = logging.getLogger("hf_precision")
 
@@ -51,7 +51,7 @@ class CallbackSteps:
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.trace and self._tracer is None and self.trace_result is None:
-            from ..engine.trace import DtypeTrace
+            from ..watch.trace import DtypeTrace
 
             model = kwargs.get("model")
             if model is not None:

@@ -14,7 +14,7 @@ Groups carry diffusers' component names: ``text_encoder``, ``text_encoder_2``,
 * a ``DiffusionPipeline`` or a dict of components (not ``nn.Module``\\ s): use
   :func:`diffusion_modules` (an ``nn.ModuleDict`` adapter) or :func:`find_diffusion_groups`.
 
-Presets (registered with :func:`~hf_precision.rules.policy.register_preset`):
+Presets (registered with :func:`~hf_precision.rules.policy.precision_policy.register_preset`):
 ``fp16-vae32`` / ``bf16-vae32`` — denoiser and text encoders half, trainable (LoRA) weights
 fp32, the VAE fp32 (it overflows in fp16) with inputs cast into and out of it, leaf guards on
 everywhere (diffusion code builds timestep embeddings and masks in fp32 inside ``forward``).
@@ -54,23 +54,23 @@ from typing import Any
 
 import torch
 
-from ..engine.enforce import EnforceReport
 from ..engine.guard import PrecisionGuard
 from ..engine.hooks import GuardHandle
+from ..engine.records import EnforceReport
 from ..errors import PrecisionWarning
 from ..model.reporter import Reporter
-from ..rules import diffusion_rules
-from ..rules.diffusion_rules import *  # noqa: F403  (the public names of this module live there)
-from ..rules.diffusion_rules import (
+from ..rules.dtypes import dtype_name, narrows_range
+from ..rules.groups import diffusion as diffusion_rules
+from ..rules.groups.diffusion import (
     component_groups,
     diffusion_batch_rules,
     diffusion_modules,
     pipeline_components,
     vae_overflow,
 )
-from ..rules.dtypes import dtype_name, narrows_range
-from ..rules.groups import ModuleGroups, find_module_groups
-from ..rules.policy import Mode, PrecisionPolicy
+from ..rules.groups.module_groups import ModuleGroups, find_module_groups
+from ..rules.policy.fields import Mode
+from ..rules.policy.precision_policy import PrecisionPolicy
 
 
 @dataclass
@@ -125,7 +125,7 @@ def guard_diffusion(
     activations) exceed the fp16 range, the VAE is kept in fp32 with a
     :class:`PrecisionWarning`; guards cast into and out of it.
 
-    ``reporter`` (a :class:`~hf_precision.report.reporting.PrecisionReporter`) writes each
+    ``reporter`` (a :class:`~hf_precision.report.reporter.PrecisionReporter`) writes each
     component's
     dtype map as the callback's do (``<report_dir>/<step>-<event>.json``, ``precision.log``,
     W&B); ``event`` names it (the launcher uses ``validation_pipeline``), ``step`` the training
@@ -235,4 +235,4 @@ def loaded_policy(mixed_precision: str | None, comps: dict[str, Any]) -> Precisi
     )
 
 
-__all__ = [*diffusion_rules.__all__, "DiffusionGuard", "guard_diffusion", "loaded_policy"]
+__all__ = ["DiffusionGuard", "guard_diffusion", "loaded_policy"]

@@ -10,11 +10,12 @@ from typing import Any
 
 from torch import nn
 
-from ..engine.console import flag_conflict
 from ..engine.guard import PrecisionGuard
+from ..engine.lines import flag_conflict
 from ..errors import PrecisionError, PrecisionWarning
-from ..rules.policy import LeafGuards, Mode, PrecisionPolicy, policy_call
-from ..rules.policy_spec import parse_policy
+from ..rules.policy.fields import LeafGuards, Mode
+from ..rules.policy.parse import parse_policy
+from ..rules.policy.precision_policy import PrecisionPolicy, policy_call
 
 __all__ = ["GuardFrontEnd"]
 

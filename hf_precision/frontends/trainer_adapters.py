@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base.wrappers import unwrap_model
+from ..base.wrapper_kinds import unwrap_model
 from ..engine.guard import PrecisionGuard
 from .frontend import GuardFrontEnd
 
@@ -112,7 +112,7 @@ class TrainerModels(GuardFrontEnd):
                     deepspeed_stage=self._deepspeed_stage,
                 )
                 if self.write_reports:
-                    from ..report.reporting import PrecisionReporter
+                    from ..report.reporter import PrecisionReporter
 
                     other.configure(
                         reporter=PrecisionReporter.from_training_args(

@@ -15,7 +15,7 @@ diffusers' example training scripts, kohya-style scripts and custom loops build 
   ``mixed_precision``: under bf16/fp16 the trainable weights become fp32, so a LoRA trained in
   bf16 no longer rounds its updates away), reports in ``<project_dir>/precision``; an optimizer
   prepared on its own after the model goes through it too. The plugin runs the lost-update check
-  (:mod:`hf_precision.engine.lost_updates`) on the optimizer's first steps, as the Trainer path
+  (:mod:`hf_precision.watch.lost_updates`) on the optimizer's first steps, as the Trainer path
   does: the ``lost_updates`` section and event give the share of sampled elements each step left
   unchanged, and where the trainable weights stay in half precision (``--mode audit``,
   ``--policy bf16-true``) and lose updates, one warning with the fix in the launcher's flags. A
@@ -239,7 +239,7 @@ def has_matplotlib() -> bool:
 def _reporter(accelerator: Any, report_dir: str | None) -> Any:
     """The plugin's reporter; the picture only where matplotlib is installed: nobody asked the
     launcher for one, so its absence is no warning (a reporter asked for a picture says it once)."""
-    from ..report.reporting import PrecisionReporter
+    from ..report.reporter import PrecisionReporter
 
     reporter = PrecisionReporter.from_accelerator(accelerator, report_dir=report_dir)
     reporter.picture = reporter.picture and has_matplotlib()
@@ -290,7 +290,7 @@ def _announce(
         f"{config.tool or tool_name(sys.argv)}, via {config.via})"
     )
     if run is not None:  # the tool's program and its flags, as typed
-        from ..engine.provenance import typed_words
+        from ..watch.provenance import typed_words
 
         who = f"{run.program} {typed_words(run.settings)} (via {config.via})"
         policy += "".join(f"; {u}" for u in (*run.notes, *(run.undone if undone else ())))
@@ -338,9 +338,9 @@ def guard_pipeline(pipeline: Any) -> Any:
     """:func:`~hf_precision.guard_diffusion` on the components of ``pipeline`` that no live
     guard holds, with the policy of the current accelerator and each component's dtype as
     loaded; returns the :class:`~hf_precision.frontends.diffusion.DiffusionGuard` (or ``None``)."""
-    from ..base.wrappers import unwrap_model
-    from ..engine.hooks import claimed_by
-    from ..rules.diffusion_rules import pipeline_components
+    from ..base.wrapper_kinds import unwrap_model
+    from ..engine.claims import claimed_by
+    from ..rules.groups.diffusion import pipeline_components
 
     accelerator = current_accelerator()
     comps = {
@@ -361,7 +361,7 @@ def guard_pipeline(pipeline: Any) -> Any:
 
 
 def _component_name(module: Any, taken: dict[str, Any]) -> str:
-    from ..rules.diffusion_rules import denoiser_kind, is_text_encoder, is_vae
+    from ..rules.groups.diffusion import denoiser_kind, is_text_encoder, is_vae
 
     base = (
         "vae"
@@ -380,8 +380,8 @@ def guard_held(accelerator: Any) -> Any:
     this process that no live guard holds (the VAE, text encoders, image encoders, EMA models
     a script keeps beside what it prepared), each as loaded: inputs follow each model's dtype
     (an fp32 VAE beside a bf16 UNet gets its bf16 pixels in fp32); nothing is cast."""
-    from ..base.wrappers import unwrap_model
-    from ..engine.hooks import claimed_by
+    from ..base.wrapper_kinds import unwrap_model
+    from ..engine.claims import claimed_by
 
     plugin = getattr(accelerator, PLUGIN_ATTR, None)
     inside = {
@@ -404,7 +404,7 @@ def guard_as_loaded(comps: dict[str, Any], accelerator: Any, event: str) -> Any:
     one report event ``<event>-<name>`` each, through the accelerator's plugin's reporter;
     returns one :class:`~hf_precision.frontends.diffusion.DiffusionGuard` for them all."""
     from ..frontends.diffusion import DiffusionGuard, guard_diffusion, loaded_policy
-    from ..rules.diffusion_rules import DIFFUSION_GROUPS
+    from ..rules.groups.diffusion import DIFFUSION_GROUPS
 
     plugin = getattr(accelerator, PLUGIN_ATTR, None) if accelerator is not None else None
     mp = getattr(accelerator, "mixed_precision", None)

@@ -28,10 +28,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from hf_precision.engine import provenance
 from hf_precision.errors import PrecisionError
 from hf_precision.frontends.callback import PrecisionGuardCallback
-from hf_precision.integrations.launcher import LaunchConfig
+from hf_precision.integrations.launch_config import LaunchConfig
+from hf_precision.watch import provenance
 
 logger = logging.getLogger("hf_precision")
 

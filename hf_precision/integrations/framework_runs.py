@@ -68,15 +68,15 @@ class FrameworkRun:
     def said(self) -> str:
         """The flags an inferred policy follows, as typed: ``train_network.py's
         --mixed_precision bf16``, and the flags the guard undoes."""
-        from ..engine.provenance import typed_words
+        from ..watch.provenance import typed_words
 
         words = f"{self.program}'s {typed_words(self.settings)}"
         return words + "".join(f"; {u}" for u in self.undone)
 
     def register(self) -> None:
         """Register its batch keys and record its flags (the event's ``provenance``)."""
-        from ..engine import provenance
         from ..rules.batch_keys import register_metadata_key
+        from ..watch import provenance
 
         for key in self.metadata_keys:
             register_metadata_key(key)
@@ -88,7 +88,7 @@ class FrameworkRun:
         """The ``provenance`` section of the run's events (the Trainer path's record)."""
         from types import SimpleNamespace
 
-        from ..engine.provenance import precision_provenance
+        from ..watch.provenance import precision_provenance
 
         return precision_provenance(SimpleNamespace(mixed_precision=mixed_precision), None)
 

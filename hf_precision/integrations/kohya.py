@@ -34,7 +34,7 @@ import os
 import sys
 from typing import Any
 
-from ..rules.diffusion_rules import LORA_NETWORK, is_lora_network
+from ..rules.groups.diffusion import LORA_NETWORK
 from .framework_runs import FrameworkRun
 
 #: sd-scripts' LoRA entry points (their trainers all derive from ``NetworkTrainer``)
@@ -134,4 +134,4 @@ def detect(accelerator: Any = None) -> FrameworkRun | None:
     )
 
 
-__all__ = ["ENTRY_POINTS", "GROUP", "METADATA_KEYS", "detect", "is_lora_network", "run_args"]
+__all__ = ["ENTRY_POINTS", "GROUP", "METADATA_KEYS", "detect", "run_args"]

@@ -111,7 +111,7 @@ class LaunchConfig:
         if self.policy.lower() == "auto":
             return None
         self._check_names(call=call)  # the message a preset/JSON/file typo gets, torch-free
-        from ..rules.policy_spec import parse_policy
+        from ..rules.policy.parse import parse_policy
 
         policy = parse_policy(self.policy, call=call)  # the one parser every front end uses
         if self.keep_fp32:
@@ -157,7 +157,7 @@ class LaunchConfig:
         self.check_blame(call=call)
         self.resolved_policy(call=call)
         if self.keep_fp32:
-            from ..rules.policy import PrecisionPolicy
+            from ..rules.policy.precision_policy import PrecisionPolicy
 
             try:
                 PrecisionPolicy.from_preset("fp32", keep_fp32=self.keep_fp32)

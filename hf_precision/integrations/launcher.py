@@ -21,8 +21,7 @@ torchrun, ``accelerate launch`` and ``deepspeed`` inherit the environment and ar
 The launcher is split by job: this module binds the guard to each ``Trainer``;
 :mod:`.launch_config` reads the environment below into a :class:`LaunchConfig`;
 :mod:`.launch_cli` is ``hf-precision run`` / ``install-hook`` (the command's environment, the
-``exec``, the start-up line); :mod:`.accelerate_hook` reaches plain accelerate loops. Every name
-they define is importable from here too.
+``exec``, the start-up line); :mod:`.accelerate_hook` reaches plain accelerate loops.
 
 Environment variables (``hf-precision run`` sets them from its flags):
 
@@ -34,9 +33,9 @@ Environment variables (``hf-precision run`` sets them from its flags):
 * ``HF_PRECISION_REPORT_DIR``: where the reports go (default ``<output_dir>/precision``).
 * ``HF_PRECISION_BLAME``: ``auto`` (default: the callback arms its non-finite blame when a
   logged loss or gradient norm turns inf/NaN), ``always`` or ``off``
-  (:mod:`hf_precision.engine.blame`).
+  (:mod:`hf_precision.watch.blame`).
 * ``HF_PRECISION_TRACE``: ``1`` records the first training step's forward, module by module,
-  and reports where the activation dtype changed (:mod:`hf_precision.engine.trace`).
+  and reports where the activation dtype changed (:mod:`hf_precision.watch.trace`).
 * ``HF_PRECISION_TOOL``: the user's tool (``llamafactory-cli``, ``swift``, ``trl``, ...), so
   messages can name its flags; set from the command's program by ``hf-precision run``, else
   from ``sys.argv[0]`` of the process that builds the Trainer.
@@ -58,29 +57,10 @@ import threading
 from typing import Any
 
 from . import autostart
-from .launch_cli import (
-    BOOT_DIR,
-    PTH_NAME,
-    PTH_SOURCE,
-    add_cli,
-    command_env,
-    install_hook,
-    run_cli,
-    run_command,
-)
 from .launch_config import (
-    BLAME_MODES,
-    ENV_BLAME,
     ENV_GUARD,
-    ENV_KEEP_FP32,
-    ENV_MODE,
-    ENV_REPORT_DIR,
     ENV_TOOL,
-    ENV_TRACE,
-    ENV_VARS,
-    ENV_VIA,
     LAUNCHED_ATTR,
-    MODES,
     LaunchConfig,
     parse_keep_fp32,
     tool_name,
@@ -242,32 +222,4 @@ def install(policy: str | None = None, **env: str) -> None:
     autostart.activate()
 
 
-__all__ = [
-    "BLAME_MODES",
-    "BOOT_DIR",
-    "ENV_BLAME",
-    "ENV_GUARD",
-    "ENV_KEEP_FP32",
-    "ENV_MODE",
-    "ENV_REPORT_DIR",
-    "ENV_TOOL",
-    "ENV_TRACE",
-    "ENV_VARS",
-    "ENV_VIA",
-    "LAUNCHED_ATTR",
-    "MODES",
-    "PTH_NAME",
-    "PTH_SOURCE",
-    "LaunchConfig",
-    "add_cli",
-    "command_env",
-    "install",
-    "install_hook",
-    "parse_keep_fp32",
-    "patch_trainer",
-    "patch_trainer_module",
-    "run_cli",
-    "run_command",
-    "tool_name",
-    "unpatch_trainer",
-]
+__all__ = ["install", "patch_trainer", "patch_trainer_module", "unpatch_trainer"]

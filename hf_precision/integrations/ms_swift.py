@@ -79,7 +79,7 @@ def swift_flag_note(args: Any = None) -> str | None:
 
 def _record_provenance() -> None:
     """Tell the provenance record (the event JSON's ``provenance``) what swift set by itself."""
-    from hf_precision.engine import provenance
+    from hf_precision.watch import provenance
 
     dtype = str(_SET_BY_SWIFT.get("torch_dtype")).replace("torch.", "")
     provenance.record(
@@ -129,7 +129,7 @@ def launch_options() -> dict[str, Any]:
     and its companions as ``hf-precision run`` reads them; ``{"policy": None}`` (inferred) when
     the variable is unset or off."""
     from hf_precision.integrations import autostart
-    from hf_precision.integrations.launcher import ENV_GUARD, LaunchConfig
+    from hf_precision.integrations.launch_config import ENV_GUARD, LaunchConfig
 
     if not autostart.enabled():
         return {"policy": None}

@@ -101,7 +101,7 @@ def _config_part(group: str) -> str:
 def policy_from_config(config: Any, groups: Any) -> Any:
     """The policy OneTrainer's config says: the preset of ``train_dtype`` (``fallback_train_dtype``
     when the first is no float type), each of ``groups``' ``weight_dtype`` as its group dtype."""
-    from ..rules.policy import PrecisionPolicy
+    from ..rules.policy.precision_policy import PrecisionPolicy
 
     train = _words(getattr(config, "train_dtype", "FLOAT_32"))
     if train not in TRAIN_PRESETS:
@@ -202,10 +202,10 @@ def _cost_line(before: dict[int, torch.dtype], parts: dict[str, nn.Module]) -> s
 def guard_trainer(trainer: Any) -> Any:
     """Guard a started ``GenericTrainer``'s models (see the module docstring); returns the
     :class:`~hf_precision.frontends.diffusion.DiffusionGuard`, also kept on the trainer."""
-    from ..engine.blame import NonFiniteBlame
-    from ..engine.lost_updates import watch
     from ..frontends.diffusion import guard_diffusion
-    from ..report.reporting import PrecisionReporter
+    from ..report.reporter import PrecisionReporter
+    from ..watch.blame import NonFiniteBlame
+    from ..watch.lost_updates import watch
     from .launch_config import ENV_TOOL, LaunchConfig
 
     config = LaunchConfig.from_env()

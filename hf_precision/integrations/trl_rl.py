@@ -17,7 +17,7 @@ finding per mismatch and its fix in TRL's own arguments. :class:`RLWatch` runs o
 on the HF-generate path it reads the sampler's log-probs from ``generate``'s logits and, with
 ``match``, runs ``generate`` under the trainer's autocast (the fp32 head outside it, as the
 trainer's); where TRL carries the engine's log-probs it reads those. The gap of the first
-``steps`` generations (:mod:`hf_precision.engine.rl_gap`) goes to the ``rl_gap`` section of the
+``steps`` generations (:mod:`hf_precision.watch.rl_gap`) goes to the ``rl_gap`` section of the
 event JSON, W&B and TensorBoard.
 
 Never proposed (each widens the gap): an fp32 head on one side only; an fp32 VLM trainer against
@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from ..base.wrappers import unwrap_model
-from ..engine.rl_gap import (
+from ..base.wrapper_kinds import unwrap_model
+from ..watch.rl_gap import (
     WARN_MEAN_ABS,
     GapRecord,
     GapWatch,
@@ -55,13 +55,13 @@ from .trl_rl_contract import (
 
 logger = logging.getLogger("hf_precision")
 
-__all__ = ["RLWatch", "attach", "contract", "is_rl_trainer"]
+__all__ = ["RLWatch", "attach"]
 
 
 def say(guard: Any, source: str, message: str, step: int, **kw: Any) -> None:
     """One RL finding through the engine's findings channel (console, precision.log, the
     ``<step>-<source>.json`` event, W&B and TensorBoard)."""
-    from ..engine.finding import Finding
+    from ..watch.finding import Finding
 
     guard.emit(Finding(source, kw.pop("severity", "warning"), message, **kw), step=step)
 

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base.wrappers import unwrap_model
-from ..engine.rl_gap import Correction
+from ..base.wrapper_kinds import unwrap_model
 from ..rules.dtypes import dtype_name
+from ..watch.rl_gap import Correction
 
 __all__ = [
     "RL_TRAINERS",
@@ -147,7 +147,7 @@ def _group_params(
 ) -> tuple[dict[str, list[torch.Tensor]], Callable[[str], str]]:
     """The model's parameters by group (the guard's group rules; PEFT's ``lora_`` tensors are
     ``adapters``; the output embedding is ``lm_head`` whatever its path)."""
-    from ..rules.groups import find_module_groups
+    from ..rules.groups.module_groups import find_module_groups
 
     root, _ = unwrap_model(model)
     with warnings.catch_warnings():

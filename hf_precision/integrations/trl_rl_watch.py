@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ..engine.rl_attribution import GapAttribution, attribute_gap, token_log_probs
 from ..engine.sync_integrity import SyncFinding, SyncIntegrity
+from ..watch.rl_attribution import GapAttribution, attribute_gap, token_log_probs
 
 logger = logging.getLogger("hf_precision")
 
@@ -46,11 +46,11 @@ def emit(
     groups: dict[str, float] | None = None,
     measure: str = "",
 ) -> None:
-    """One finding out through the findings channel (:mod:`hf_precision.engine.finding`: the
+    """One finding out through the findings channel (:mod:`hf_precision.watch.finding`: the
     console, ``precision.log``, ``<step>-<source>.json``, the picture and the trackers); the
     numbers also stay in the guard's event sections."""
-    from ..engine.finding import Finding
-    from ..engine.finding import emit as say
+    from ..watch.finding import Finding
+    from ..watch.finding import emit as say
 
     found = Finding(
         source, "warning", line, numbers=numbers or {}, groups=groups or {}, measure=measure
@@ -88,7 +88,7 @@ class RLWatch:
         say: Callable[..., None] = emit,
     ) -> None:
         self.trainer, self.guard, self.say = trainer, guard, say
-        from ..engine import rl_attribution
+        from ..watch import rl_attribution
 
         # the gap measurement's threshold, read when the watch starts
         self.steps = steps

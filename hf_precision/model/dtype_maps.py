@@ -25,22 +25,14 @@ import torch
 from torch import nn
 
 from ..base.tables import fmt_bytes, render_table
-from ..base.wrappers import clean_name, unwrap_model
+from ..base.wrapper_kinds import clean_name, unwrap_model
 from ..errors import check_model
-from ..rules.groups import ModuleGroups, find_module_groups
+from ..rules.groups.module_groups import ModuleGroups, find_module_groups
 from . import fp8
 from .module_records import DtypeTally, GroupSummary, ModuleRecord
 from .view import ModelView, receiving
 
-__all__ = [
-    "DtypeChange",
-    "DtypeDiff",
-    "DtypeMap",
-    "GroupSummary",
-    "ModuleRecord",
-    "dtype_map",
-    "receiving_dtypes",
-]
+__all__ = ["DtypeChange", "DtypeDiff", "DtypeMap", "dtype_map", "receiving_dtypes"]
 
 
 @dataclass

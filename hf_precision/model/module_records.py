@@ -2,7 +2,7 @@
 :class:`GroupSummary` per group, built by :class:`DtypeTally` (the hot path of
 :func:`~hf_precision.model.dtype_maps.dtype_map`; metadata only, no tensor data).
 
->>> from hf_precision.rules.groups import find_module_groups
+>>> from hf_precision.rules.groups.module_groups import find_module_groups
 >>> from hf_precision.tiny import tiny_llava
 >>> model = tiny_llava()
 >>> tally = DtypeTally(model, find_module_groups(model), None)
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base.wrappers import clean_name, is_sharded
+from ..base.wrapper_kinds import clean_name, is_sharded
 from ..rules.dtypes import (
     dtype_name,
     is_quantized,
@@ -30,9 +30,10 @@ from ..rules.dtypes import (
     storage_bytes,
     zero3_dtype,
 )
-from ..rules.groups import OTHER, ModuleGroups, hidden_module
+from ..rules.groups.group_rule import OTHER
+from ..rules.groups.module_groups import ModuleGroups, hidden_module
 from ..rules.keep_rules import model_keep_lists
-from ..rules.policy import tensor_role
+from ..rules.roles import tensor_role
 
 #: Tensor types that are never DTensors nor packed quantized storage.
 _PLAIN = (nn.Parameter, torch.Tensor)
@@ -94,7 +95,7 @@ class GroupSummary:
     fp8: list[str] = field(default_factory=list)
     #: the dtype it computed in at the first forward the guard watched (``"float32"``; with
     #: ``" (autocast bfloat16)"`` under autocast), ``""`` before any forward ran: what ran, not
-    #: what the policy means (:mod:`hf_precision.engine.compute_seen`)
+    #: what the policy means (:mod:`hf_precision.watch.what_ran`)
     compute: str = ""
 
     @property

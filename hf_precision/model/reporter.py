@@ -1,11 +1,11 @@
 """``Reporter``: what the engine (:class:`~hf_precision.engine.guard.PrecisionGuard`) asks of the
 object that writes its events, as a typed protocol. It lives in the model layer, below the
-engine, so the engine names it without importing :mod:`hf_precision.report.reporting` (a front end's
-layer): :class:`~hf_precision.report.reporting.PrecisionReporter` implements it, and so can a test's
+engine, so the engine names it without importing :mod:`hf_precision.report.reporter` (a front end's
+layer): :class:`~hf_precision.report.reporter.PrecisionReporter` implements it, and so can a test's
 or a user's own recorder.
 
 >>> from hf_precision.model.reporter import Reporter
->>> from hf_precision.report.reporting import PrecisionReporter
+>>> from hf_precision.report.reporter import PrecisionReporter
 >>> isinstance(PrecisionReporter(report_dir=None), Reporter)
 True
 """

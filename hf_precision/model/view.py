@@ -15,10 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base.wrappers import unwrap_model, wrapper_compute_dtypes
+from ..base.wrapper_kinds import unwrap_model, wrapper_compute_dtypes
 from ..errors import check_model
 from ..rules.dtypes import is_castable, majority_dtype
-from ..rules.groups import OTHER, ModuleGroups, find_module_groups, hidden_module
+from ..rules.groups.group_rule import OTHER
+from ..rules.groups.module_groups import ModuleGroups, find_module_groups, hidden_module
 from .fp8 import layerwise_cast
 
 
@@ -175,7 +176,7 @@ class ModelView:
     @property
     def compute(self) -> dict[int, torch.dtype]:
         """``id(parameter) -> dtype`` FSDP mixed precision computes it in (empty without FSDP):
-        :func:`~hf_precision.base.wrappers.wrapper_compute_dtypes` on this walk."""
+        :func:`~hf_precision.base.wrapper_kinds.wrapper_compute_dtypes` on this walk."""
         found = self._cache.get("compute")
         if found is None:
             found = wrapper_compute_dtypes(self.model, self.every_module())

@@ -489,7 +489,7 @@ def plot_trace(
     title: str = "",
     size: tuple[int, int] = PICTURE_SIZE,
 ) -> bytes:
-    """The activation dtype trace (:class:`hf_precision.engine.trace.TraceResult`) as PNG bytes: a
+    """The activation dtype trace (:class:`hf_precision.watch.trace.TraceResult`) as PNG bytes: a
     strip of modules in execution order (leaf modules and the modules that change the
     stream), each cell coloured by the dtype of its output, the first change marked by a red
     line and named with what did it."""
@@ -536,7 +536,7 @@ def plot_finding(
     title: str = "",
     size: tuple[int, int] = PICTURE_SIZE,
 ) -> bytes:
-    """A watcher's finding (:class:`hf_precision.engine.finding.Finding`) as PNG bytes: one
+    """A watcher's finding (:class:`hf_precision.watch.finding.Finding`) as PNG bytes: one
     horizontal bar per group of its ``groups`` numbers (the unchanged share of updates per
     group, ...), coloured by the finding's severity, its message wrapped underneath. This is
     the picture of a finding's event, not the dtype map."""

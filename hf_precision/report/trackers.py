@@ -215,7 +215,7 @@ def nonfinite_payload(records: list[dict[str, Any]], step: int) -> TrackerPayloa
 def finding_payload(
     finding: Any, step: int, png: bytes | None, path: Path | None
 ) -> TrackerPayload:
-    """A watcher's :class:`~hf_precision.engine.finding.Finding` (``path``: its JSON file): its
+    """A watcher's :class:`~hf_precision.watch.finding.Finding` (``path``: its JSON file): its
     numbers as ``precision/<source>/...`` scalars, its groups as the table
     ``precision/<source>`` and its picture; the message and severity in the summary."""
     source = finding.source

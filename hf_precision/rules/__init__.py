@@ -2,15 +2,15 @@
 group/keep/diffusion rules, metadata keys.
 
 The registries here (group rules and group names in :mod:`~hf_precision.rules.groups`, presets
-in :mod:`~hf_precision.rules.presets`, the leaf-guarded groups) get built-in entries from two
-modules: :mod:`~hf_precision.rules.group_rules` (``group_rules.toml``) and
-:mod:`~hf_precision.rules.diffusion_rules` (diffusion groups, rules and presets). Importing any
+in :mod:`~hf_precision.rules.policy.presets`, the leaf-guarded groups) get built-in entries from two
+modules: :mod:`~hf_precision.rules.groups.registry` (``group_rules.toml``) and
+:mod:`~hf_precision.rules.groups.diffusion` (diffusion groups, rules and presets). Importing any
 module of this package loads both first, in this order, so every registry holds the same
 entries in the same order whatever a process imports first (``import hf_precision`` imports
 none of them: its names load on first use)."""
 
 # isort: off
-from . import group_rules as _group_rules  # noqa: F401  (the built-in group rules, first)
-from . import diffusion_rules as _diffusion_rules  # noqa: F401  (then the diffusion entries)
+from .groups import registry as _group_rules  # noqa: F401  (the built-in group rules, first)
+from .groups import diffusion as _diffusion_rules  # noqa: F401  (then the diffusion entries)
 
 # isort: on

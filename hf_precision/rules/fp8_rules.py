@@ -25,7 +25,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from .precedence import match_pattern
+from .policy.precedence import match_pattern
 
 #: out of fp8 unless the policy says otherwise: every careful stack keeps these out
 DEFAULT_KEEP_OUT_OF_FP8: tuple[str, ...] = (

@@ -1,6 +1,6 @@
 """Tensor roles: what a tensor is beyond its name, by the module that holds it (a
 normalization layer's weight, a rotary table) or by its shape (a 0-D scalar). The policy's
-precedence reads them (:mod:`hf_precision.rules.policy`)."""
+precedence reads them (:mod:`hf_precision.rules.policy.precision_policy`)."""
 
 from __future__ import annotations
 

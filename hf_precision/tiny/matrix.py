@@ -126,7 +126,7 @@ def _batch(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _trained(model: nn.Module) -> nn.Module:
     """The projector (else the resampler) of the model: the part these setups train."""
-    from ..rules.groups import find_module_groups
+    from ..rules.groups.module_groups import find_module_groups
 
     groups = find_module_groups(model)
     for group in ("projector", "resampler"):
@@ -138,7 +138,7 @@ def _trained(model: nn.Module) -> nn.Module:
 
 def _prepare(family: str, setup: Setup) -> nn.Module:
     """A fresh model loaded the way ``setup`` says, only its projector trainable."""
-    from ..rules.groups import find_module_groups
+    from ..rules.groups.module_groups import find_module_groups
 
     dtype = torch.float16 if setup.policy == "fp16" else torch.bfloat16
     model = _build(family, dtype)
@@ -243,7 +243,7 @@ def _step(model: nn.Module, setup: Setup, callbacks: list[Any] | None = None) ->
 
 
 def _policy(model: nn.Module, setup: Setup) -> Any:
-    from ..rules.policy import PrecisionPolicy
+    from ..rules.policy.precision_policy import PrecisionPolicy
 
     if setup.policy is not None:
         return PrecisionPolicy.from_preset(setup.policy)

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import checkpoint
+from . import checkpoint, weight_files
 from .audit_files import adapter_audit, diffusers_audit, print_table
-from .checkpoint import fail
+from .exits import fail
 
 # What --help says and the argument checks need no engine (torch, the registries): the names
 
@@ -58,9 +58,11 @@ def _audit_model(
     config = checkpoint.load_config(kind, where)
     dtype = None if args.dtype == "auto" else parse_dtype(args.dtype, call="--dtype")
     if src.headers is not None:
-        stored = checkpoint.torch_dtypes({k: v["dtype"] for k, v in src.headers.items()})
+        stored = weight_files.torch_dtypes({k: v["dtype"] for k, v in src.headers.items()})
     else:
-        stored = checkpoint.stored_dtypes(where) if kind == "path" and Path(where).is_dir() else {}
+        stored = (
+            weight_files.stored_dtypes(where) if kind == "path" and Path(where).is_dir() else {}
+        )
     note = None
     dtype_from = "--dtype" if dtype is not None else ""
     if dtype is None and not stored and not args.weights:
@@ -135,7 +137,7 @@ def audit(args: argparse.Namespace) -> int:
     """Run ``hf-precision audit`` on parsed arguments; returns the exit code."""
     from ..engine.enforce import check_policy
     from ..model.dtype_maps import dtype_map
-    from ..rules.policy_spec import parse_policy
+    from ..rules.policy.parse import parse_policy
 
     policy = parse_policy(args.policy)
     src = _open_source(args.source)

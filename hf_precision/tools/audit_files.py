@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import checkpoint
-from .checkpoint import fail
+from . import checkpoint, weight_files
+from .exits import fail
 
 # What --help says and the argument checks need no engine (torch, the registries): the names
 
@@ -114,7 +114,7 @@ def _file_rows(
     """Rows of a :class:`_FileAudit`: tensors per group, and how many the policy would cast."""
     from ..rules.dtypes import dtype_name
 
-    stored = checkpoint.torch_dtypes({k: v["dtype"] for k, v in tensors.items()})
+    stored = weight_files.torch_dtypes({k: v["dtype"] for k, v in tensors.items()})
     rows: dict[str, dict[str, Any]] = {}
     for name, meta in tensors.items():
         g = group_of(name)
@@ -134,7 +134,7 @@ def _file_rows(
         n = 1
         for d in meta.get("shape", []):
             n *= int(d)
-        dt = checkpoint.SAFETENSORS_DTYPES.get(meta["dtype"], meta["dtype"])
+        dt = weight_files.SAFETENSORS_DTYPES.get(meta["dtype"], meta["dtype"])
         row["numel"][dt] = row["numel"].get(dt, 0) + n
         row["bytes"] += n * _ITEMSIZE.get(meta["dtype"], 1)
         row["tensors"] += 1
@@ -151,7 +151,7 @@ def adapter_audit(args: argparse.Namespace, policy: Any, src: Any) -> _FileAudit
     """A PEFT adapter folder: the adapter's tensors per group of its base model (when the base
     model's config can be read here: a local folder or the Hub cache), against the dtype the
     policy gives trainable weights."""
-    data = checkpoint.read_adapter(src.where, src.headers)
+    data = weight_files.read_adapter(src.where, src.headers)
     config = data["config"]
     base = config.get("base_model_name_or_path")
     groups, note = _base_groups(base)
@@ -162,7 +162,7 @@ def adapter_audit(args: argparse.Namespace, policy: Any, src: Any) -> _FileAudit
     )
 
     def group_of(key: str) -> str:
-        path = checkpoint.adapter_module_path(key)
+        path = weight_files.adapter_module_path(key)
         return groups.group_of(path) if groups is not None else "adapter"
 
     def want_of(group: str) -> tuple[Any, bool]:
@@ -184,7 +184,7 @@ def adapter_audit(args: argparse.Namespace, policy: Any, src: Any) -> _FileAudit
 def _base_groups(base: str | None) -> tuple[Any, str | None]:
     """The groups of an adapter's base model built on the meta device from its config, when
     that config is here (a local folder or the Hub cache); else ``None`` and why."""
-    from ..rules.groups import find_module_groups
+    from ..rules.groups.module_groups import find_module_groups
 
     if not base:
         return None, "adapter_config.json names no base model: tensors not placed in groups"
@@ -212,12 +212,12 @@ def _base_groups(base: str | None) -> tuple[Any, str | None]:
 def diffusers_audit(args: argparse.Namespace, policy: Any, src: Any) -> _FileAudit:
     """A diffusers folder: each component of model_index.json that stores weights (unet,
     transformer, vae, text encoders), as its diffusion group, against the policy."""
-    from ..rules.diffusion_rules import DIFFUSION_GROUPS
+    from ..rules.groups.diffusion import DIFFUSION_GROUPS
 
     if src.kind == "component":
-        components = checkpoint.read_component(src.where)
+        components = weight_files.read_component(src.where)
     else:
-        components = checkpoint.read_diffusers(src.where)
+        components = weight_files.read_diffusers(src.where)
     if not components:
         fail(f"{src.where}: no component of model_index.json stores *.safetensors weights")
     train = _trainable_set(args.trainable)

@@ -2,7 +2,7 @@
 model type, a Hub id through the local cache or the Hub, a PEFT adapter folder, a diffusers
 folder), its config, the model classes it names, a bare model on the meta device, the dtypes
 its safetensors headers store (read by :mod:`hf_precision.tools.weight_files`; the one-line
-failures and exit codes are :mod:`hf_precision.tools.exits`; both re-exported here).
+failures and exit codes are :mod:`hf_precision.tools.exits`).
 
 Shared by the CLI's ``audit`` (:mod:`hf_precision.tools.cli`) and ``doctor``
 (:mod:`hf_precision.tools.doctor`); nothing here parses arguments.
@@ -19,51 +19,25 @@ from typing import Any, NoReturn
 
 from ..base.names import unknown_groups
 from ..errors import did_you_mean
-from .exits import EXIT_BAD_INPUT, EXIT_BAD_WEIGHTS, bad_weights, fail
-from .weight_files import (
-    SAFETENSORS_DTYPES,
-    adapter_module_path,
-    read_adapter,
-    read_component,
-    read_diffusers,
-    read_header,
-    safetensors_headers,
-    stored_dtypes,
-    torch_dtypes,
-    weight_files,
-)
+from .exits import fail
 
 __all__ = [
     "CONFIG_REPAIRS",
     "DEFAULT_TRAINABLE",
-    "EXIT_BAD_INPUT",
-    "EXIT_BAD_WEIGHTS",
     "MARKERS",
-    "SAFETENSORS_DTYPES",
-    "adapter_module_path",
     "apply_stored_dtypes",
-    "bad_weights",
     "build_bare",
     "build_model",
     "checkpoint_key_map",
-    "fail",
     "fill_subconfigs",
     "is_component",
     "load_config",
     "model_classes",
-    "read_adapter",
-    "read_component",
-    "read_diffusers",
-    "read_header",
     "remote_headers",
     "resolve_hub",
     "resolve_source",
-    "safetensors_headers",
     "set_trainable",
-    "stored_dtypes",
-    "torch_dtypes",
     "trainable_groups",
-    "weight_files",
 ]
 
 
@@ -431,7 +405,7 @@ DEFAULT_TRAINABLE = "none"
 def trainable_groups(spec: str) -> list[str]:
     """The groups ``--trainable`` names, checked against the registry (a typo is an argument
     error before anything is built)."""
-    from ..rules.groups import group_names
+    from ..rules.groups.group_rule import group_names
 
     error = unknown_groups(spec, group_names())
     if error:
@@ -440,7 +414,7 @@ def trainable_groups(spec: str) -> list[str]:
 
 
 def set_trainable(model: Any, spec: str) -> None:
-    from ..rules.groups import find_module_groups
+    from ..rules.groups.module_groups import find_module_groups
 
     want = trainable_groups(spec)
     groups = find_module_groups(model)

@@ -21,7 +21,8 @@ from typing import NoReturn
 
 from ..base.names import GROUP_NAMES, PRESET_NAMES, preset_hint, unknown_groups
 from ..errors import PrecisionError
-from .checkpoint import DEFAULT_TRAINABLE, fail
+from .checkpoint import DEFAULT_TRAINABLE
+from .exits import fail
 
 # What --help says and the argument checks need no engine (torch, the registries): the names
 # live in hf_precision.base.names, checked against the registries by tests/tools/test_cli.py.
@@ -173,7 +174,7 @@ def _doctor_options(s: argparse.ArgumentParser) -> None:
 
 
 def _architectures(args: argparse.Namespace) -> int:
-    from ..rules.groups import architecture_table
+    from ..rules.groups.registry import architecture_table
 
     print(architecture_table(), end="")
     return 0
@@ -260,7 +261,7 @@ def _parser() -> argparse.ArgumentParser:
             cmd.options(s)
         s.set_defaults(run=cmd.run)
     # `hf-precision run -- COMMAND` / `install-hook`: the launcher (hf_precision.integrations)
-    from ..integrations.launcher import add_cli as add_launcher_cli
+    from ..integrations.launch_cli import add_cli as add_launcher_cli
 
     add_launcher_cli(sub)
     sub.metavar = "{" + ",".join([*commands, "run", "install-hook"]) + "}"
@@ -299,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = _parser()
         args = parser.parse_args(argv)
         if args.command in ("run", "install-hook"):  # its own options: auto, a policy file
-            from ..integrations.launcher import run_cli
+            from ..integrations.launch_cli import run_cli
 
             return run_cli(args)
         _check_values(args)

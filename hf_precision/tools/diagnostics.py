@@ -37,13 +37,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base.wrappers import unwrap_model, wrapper_kind, wrapper_of
+from ..base.wrapper_kinds import unwrap_model, wrapper_kind, wrapper_of
 from ..errors import PrecisionError
 from ..rules.dtypes import dtype_name, is_castable
-from ..rules.groups import ModuleGroups, find_module_groups
-from ..rules.policy import PrecisionPolicy
-from .findings import (
-    CLASS_NAMES,
+from ..rules.groups.module_groups import ModuleGroups, find_module_groups
+from ..rules.policy.precision_policy import PrecisionPolicy
+from ..watch.diagnosis import (
     Diagnosis,
     Mismatch,
     MismatchKind,
@@ -53,7 +52,7 @@ from .findings import (
     module_weights,
 )
 
-__all__ = ["CLASS_NAMES", "Diagnosis", "Mismatch", "diagnose", "is_mismatch_error"]
+__all__ = ["diagnose", "is_mismatch_error"]
 
 #: PyTorch's wordings of dtype and device mismatches (CPU and CUDA), and the guard's own.
 _MISMATCH = re.compile(
@@ -95,7 +94,7 @@ class _Recorder:
         policy: PrecisionPolicy,
     ) -> None:
         from ..engine.batch import key_dtypes_for
-        from ..engine.hooks import receiving_dtypes
+        from ..model.dtype_maps import receiving_dtypes
 
         self.root, self.groups, self.policy = root, groups, policy
         # What the batch guard would want for each top-level batch key (mode="raise" errors).

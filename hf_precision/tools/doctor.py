@@ -24,7 +24,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from . import checkpoint
+from . import checkpoint, weight_files
+from .exits import fail
 
 
 def _is_vision(config: Any) -> bool:
@@ -46,7 +47,7 @@ def _doctor_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str | 
             model = build_tiny(where)
         except KeyError:
             allowed = sorted(set(TINY_CONFIGS) | set(REMOTE_LAYOUTS))
-            checkpoint.fail(
+            fail(
                 f"doctor: no tiny model for model type {where!r}; allowed: "
                 f"{', '.join(allowed)} (or a local checkpoint folder / config.json)"
             )
@@ -63,14 +64,14 @@ def _doctor_source(args: argparse.Namespace) -> tuple[str, Any]:
         repo = where
         where, _, headers = checkpoint.resolve_hub(repo)
         if headers is not None:  # online: only the config was fetched, no weights
-            checkpoint.fail(
+            fail(
                 f"doctor: {repo} runs with its weights, which the doctor does not download: "
                 f"fetch them once (hf download {repo}) and pass the Hub id offline "
                 "(HF_HUB_OFFLINE=1) or the folder"
             )
         kind = next((k for m, k in checkpoint.MARKERS if (where / m).is_file()), "path")
     if kind in ("adapter", "diffusers", "component"):
-        checkpoint.fail(
+        fail(
             f"doctor: {args.source} is a {kind.replace('component', 'diffusers component')} "
             "folder; the doctor runs a transformers model "
             f"(a checkpoint folder, a config.json or a model type). 'hf-precision audit "
@@ -96,14 +97,14 @@ def _doctor_batch(args: argparse.Namespace, model: Any, kind: str) -> dict[str, 
     except KeyError:  # no recipe: no flag would help
         from ..tiny.vlm import BATCH_TYPES
 
-        checkpoint.fail(
+        fail(
             f"doctor: no synthetic image+text batch for model type "
             f"{getattr(model.config, 'model_type', None)!r} ({type(model).__name__}); the doctor "
             f"builds them for {', '.join(BATCH_TYPES)}. 'hf-precision audit {args.source}' "
             "reads the dtypes of any"
         )
     except ValueError as err:
-        checkpoint.fail(
+        fail(
             f"doctor: cannot build a synthetic batch for {type(model).__name__}: {err}. "
             f"{_batch_fix(model)}"
         )
@@ -116,7 +117,7 @@ def _load_checkpoint(args: argparse.Namespace, where: Any) -> tuple[Any, str]:
     import torch
 
     config = checkpoint.load_config("path", where)
-    stored = checkpoint.stored_dtypes(where) if Path(where).is_dir() else {}
+    stored = weight_files.stored_dtypes(where) if Path(where).is_dir() else {}
     if stored:
         key = "dtype" if "dtype" in dir(config) else "torch_dtype"  # 4.56+ / before
         model = checkpoint.model_classes(config)[0].from_pretrained(
@@ -130,7 +131,7 @@ def _load_checkpoint(args: argparse.Namespace, where: Any) -> tuple[Any, str]:
         )
     n = sum(p.numel() for p in checkpoint.build_model(config, meta=True).parameters())
     if n > args.max_params:
-        checkpoint.fail(
+        fail(
             f"doctor: {where} describes {n:,} parameters (> --max-params "
             f"{args.max_params:,}); use 'hf-precision audit' or a tiny checkpoint"
         )
@@ -186,7 +187,7 @@ def _run(diagnose: Any, model: Any, batch: dict[str, Any], **kwargs: Any) -> Any
         if isinstance(err, RuntimeError) and is_mismatch_error(err):
             raise
         shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in batch.items() if hasattr(v, "shape"))
-        checkpoint.fail(
+        fail(
             f"doctor: the synthetic batch ({shapes}) does not fit {type(model).__name__}: "
             f"{type(err).__name__}: {str(err).splitlines()[0][:200]}. {_batch_fix(model)}"
         )
@@ -196,8 +197,8 @@ def doctor(args: argparse.Namespace) -> int:
     """``hf-precision doctor``: enforce, guard, one training step and ``generate()``."""
     from ..engine.batch import cast_batch, key_dtypes_for
     from ..engine.enforce import enforce_policy
-    from ..engine.hooks import receiving_dtypes
-    from ..rules.policy_spec import parse_policy
+    from ..model.dtype_maps import receiving_dtypes
+    from ..rules.policy.parse import parse_policy
 
     policy = parse_policy(args.policy)
     model, batch, loaded = _doctor_model(args)
@@ -216,7 +217,7 @@ def doctor(args: argparse.Namespace) -> int:
     results = _diagnose_steps(args, model, batch, policy, report, steps)
     silent = _silent_checks(args, model, batch, policy, report)
     if getattr(args, "headroom", False):
-        from ..engine.headroom import probe_headroom
+        from ..watch.headroom import probe_headroom
 
         silent["headroom"] = probe_headroom(model, batch)
     ok = all(d.ok for d in results.values()) and "nonfinite" not in silent
@@ -394,9 +395,9 @@ def _silent_checks(
     (``"nonfinite"``, or ``"clean"``: a line saying all was finite)."""
     import torch
 
-    from ..engine.blame import blame_batch
     from ..engine.hooks import install_guards
-    from ..engine.trace import trace_forward
+    from ..watch.blame import blame_batch
+    from ..watch.trace import trace_forward
 
     mixed = policy.is_mixed and policy.compute_dtype != torch.float32
     autocast = policy.compute_dtype if mixed else None
@@ -436,7 +437,7 @@ def _finite_step(model: Any, batch: dict[str, Any], autocast: Any) -> bool:
     """One forward (+backward when something is trained): loss and gradients finite?"""
     import torch
 
-    from ..engine.blame import is_nonfinite
+    from ..watch.blame import is_nonfinite
 
     device = next((p.device.type for p in model.parameters()), "cpu")
     with torch.autocast(device, dtype=autocast or torch.float32, enabled=autocast is not None):

@@ -12,8 +12,8 @@ from hf_precision.base.names import (
 
 
 def test_the_lists_are_the_registries() -> None:
-    from hf_precision.rules.groups import group_names
-    from hf_precision.rules.policy import PRESETS
+    from hf_precision.rules.groups.group_rule import group_names
+    from hf_precision.rules.policy.presets import PRESETS
 
     assert tuple(PRESETS) == PRESET_NAMES and group_names() == GROUP_NAMES
 

@@ -15,7 +15,7 @@ from hf_precision import PrecisionError, PrecisionGuardCallback, PrecisionPolicy
 from hf_precision.engine import enforce
 from hf_precision.engine import guard as guard_module
 from hf_precision.engine.guard import PrecisionGuard
-from hf_precision.report.reporting import PrecisionReporter
+from hf_precision.report.reporter import PrecisionReporter
 from hf_precision.tiny import tiny_batch, tiny_llava
 
 PKG = str(Path(__file__).resolve().parents[2] / "hf_precision")
@@ -225,7 +225,7 @@ def test_the_cast_line_without_a_reporter_says_report_off(caplog: Any) -> None:
 
 def test_memory_line_counts_only_upcast_weights() -> None:
     from hf_precision.base.tables import fmt_bytes
-    from hf_precision.engine.guard import memory_line
+    from hf_precision.engine.lines import memory_line
 
     model = tiny_llava(torch.bfloat16)
     report = enforce.enforce_policy(model, PrecisionPolicy.from_preset("fp32"), mode="audit")
@@ -258,7 +258,7 @@ def test_a_renamed_group_in_the_policy_still_reaches_its_modules() -> None:
 
 
 def test_flag_conflict() -> None:
-    from hf_precision.engine.guard import flag_conflict
+    from hf_precision.engine.lines import flag_conflict
     from hf_precision.rules import flags
 
     def check(preset: str, flag: str | None) -> Any:
@@ -312,7 +312,7 @@ def test_the_cast_line_says_what_was_kept_in_float32_on_purpose(caplog: Any) -> 
 def test_one_dtype_map_per_event_shared_by_the_reporter_and_the_rank_check(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hf_precision.engine import distributed
+    from hf_precision.engine.wrappers import ranks as distributed
     from hf_precision.model import dtype_maps
 
     model = _split()

@@ -149,7 +149,7 @@ def test_install_guards_on_what_is_not_a_model_says_so():
 
 
 def test_the_notice_hears_the_first_cast_of_each_kind_once() -> None:
-    from hf_precision.engine.hooks import Notice
+    from hf_precision.engine.cast_hooks import Notice
 
     model = tiny_llava(torch.bfloat16)
     model.model.multi_modal_projector.float()  # a trainable fp32 projector in a bf16 model

@@ -13,7 +13,7 @@ import torch
 from hf_precision import PrecisionPolicy, PrecisionWarning
 from hf_precision.engine.guard import PrecisionGuard
 from hf_precision.engine.speaker import Speaker, report_dir_of
-from hf_precision.report.reporting import PrecisionReporter
+from hf_precision.report.reporter import PrecisionReporter
 from hf_precision.tiny import tiny_llava
 
 

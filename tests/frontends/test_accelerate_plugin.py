@@ -1,5 +1,5 @@
 """PrecisionGuardPlugin in a plain accelerate loop (one process; two processes are in
-tests/engine/test_distributed.py)."""
+tests/engine/wrappers/test_ranks.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from hf_precision import PrecisionError, PrecisionGuardPlugin, PrecisionPolicy, PrecisionWarning
 from hf_precision.engine.hooks import installed_guards
-from hf_precision.frontends.accelerate_plugin import POLICY_FILE, policy_from_checkpoint
+from hf_precision.frontends.accelerate_checkpoint import POLICY_FILE, policy_from_checkpoint
 from hf_precision.tiny import tiny_batch, tiny_llava
 
 

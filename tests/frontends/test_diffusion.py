@@ -28,9 +28,10 @@ from hf_precision import (
     find_module_groups,
     install_guards,
 )
-from hf_precision.frontends.diffusion import (
+from hf_precision.frontends.diffusion import guard_diffusion
+from hf_precision.rules.groups.diffusion import (
+    DIFFUSION_BATCH_RULES,
     diffusion_batch_rules,
-    guard_diffusion,
     vae_overflow,
 )
 from hf_precision.tiny.diffusion import tiny_text_encoder, tiny_unet, tiny_vae
@@ -155,7 +156,7 @@ def test_batch_rules_in_the_collator() -> None:
     assert float(out["latent_mask"].min()) == torch.finfo(HALF).min  # not -inf
     for key in ("timesteps", "timestep", "target"):
         assert out[key] is batch[key]
-    assert set(diffusion.DIFFUSION_BATCH_RULES) >= {
+    assert set(DIFFUSION_BATCH_RULES) >= {
         "latents",
         "latent_mask",
         "noise",

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from hf_precision.integrations.launcher import ENV_VARS
+from hf_precision.integrations.launch_config import ENV_VARS
 
 REPO = Path(__file__).resolve().parents[2]
 #: what `hf-precision run` sets: a test sets its own, none leaks in from the caller

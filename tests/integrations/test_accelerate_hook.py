@@ -13,7 +13,7 @@ from accelerate.state import AcceleratorState, GradientState
 from torch import nn
 
 from hf_precision import PrecisionError
-from hf_precision.integrations import accelerate_hook, launcher
+from hf_precision.integrations import accelerate_hook, launch_config, launcher
 
 from .test_autostart import _python
 
@@ -21,7 +21,7 @@ from .test_autostart import _python
 @pytest.fixture(autouse=True)
 def launched(monkeypatch):
     """The launcher's patches on the real classes, HF_PRECISION_GUARD=auto, fresh accelerate."""
-    for var in launcher.ENV_VARS:
+    for var in launch_config.ENV_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HF_PRECISION_GUARD", "auto")
     AcceleratorState._reset_state(True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_precision.integrations import autostart, launcher
+from hf_precision.integrations import autostart, launch_cli, launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 LOAD = (
@@ -143,7 +143,7 @@ def test_no_variable_no_word(guard):
 
 def test_with_the_start_up_hook_nothing_is_said():
     """``hf-precision run``'s ``sitecustomize`` (as the ``.pth`` line) loads the hook first."""
-    path = os.pathsep.join([str(launcher.BOOT_DIR), str(ROOT)])
+    path = os.pathsep.join([str(launch_cli.BOOT_DIR), str(ROOT)])
     proc = _import_twice(PYTHONPATH=path, HF_PRECISION_GUARD="auto")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "start-up hook is not installed" not in proc.stderr
@@ -151,7 +151,7 @@ def test_with_the_start_up_hook_nothing_is_said():
 
 def test_the_pth_line_counts_as_the_hook(tmp_path):
     """The line ``hf-precision install-hook`` writes, run by a site folder at start."""
-    launcher.install_hook(tmp_path)
+    launch_cli.install_hook(tmp_path)
     code = f"import site; site.addsitedir({str(tmp_path)!r}); import hf_precision"
     clean = {k: v for k, v in os.environ.items() if not k.startswith("HF_PRECISION_")}
     proc = subprocess.run(
@@ -178,7 +178,7 @@ STEP = (
 def _launched(code: str, guard: str = "auto") -> subprocess.CompletedProcess[str]:
     """``code`` as ``hf-precision run -- python -c CODE`` runs it (its ``sitecustomize``)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("HF_PRECISION_")}
-    path = os.pathsep.join([str(launcher.BOOT_DIR), str(ROOT)])
+    path = os.pathsep.join([str(launch_cli.BOOT_DIR), str(ROOT)])
     return subprocess.run(
         [sys.executable, "-c", code],
         env={**clean, "PYTHONPATH": path, "HF_PRECISION_GUARD": guard},

@@ -7,10 +7,10 @@ import os
 
 import torch
 
-from hf_precision.engine import provenance
 from hf_precision.integrations import framework_runs
 from hf_precision.integrations.framework_runs import FrameworkRun
 from hf_precision.rules.batch_keys import batch_key_kind
+from hf_precision.watch import provenance
 
 
 def test_kohya_is_a_registered_detector() -> None:

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from hf_precision.integrations import kohya
+from hf_precision.rules.groups.diffusion import is_lora_network
 
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).resolve().parent / "kohya_runner.py"
@@ -230,12 +231,12 @@ def test_fp8_base_reads_storage_and_compute_and_refuses_a_cpu() -> None:
 def test_the_network_is_its_own_group() -> None:
     from torch import nn
 
-    from hf_precision.rules.groups import find_module_groups
+    from hf_precision.rules.groups.module_groups import find_module_groups
 
     net_cls = type("LoRANetwork", (nn.Module,), {"__module__": "networks.lora"})
     net = net_cls()
     net.lora_down = nn.Linear(4, 2)
-    assert kohya.is_lora_network(net) and not kohya.is_lora_network(nn.Linear(2, 2))
+    assert is_lora_network(net) and not is_lora_network(nn.Linear(2, 2))
 
     def train(args: argparse.Namespace) -> Any:
         return kohya.detect(None)

@@ -20,15 +20,9 @@ import torch
 from transformers import Trainer
 
 from hf_precision import PrecisionError, PrecisionGuardCallback
-from hf_precision.integrations import launcher
-from hf_precision.integrations.launcher import (
-    BOOT_DIR,
-    PTH_NAME,
-    LaunchConfig,
-    command_env,
-    install_hook,
-    tool_name,
-)
+from hf_precision.integrations import launch_config, launcher
+from hf_precision.integrations.launch_cli import BOOT_DIR, PTH_NAME, command_env, install_hook
+from hf_precision.integrations.launch_config import LaunchConfig, tool_name
 from hf_precision.tiny import tiny_batch, tiny_llava
 from hf_precision.tools.cli import main
 
@@ -51,7 +45,7 @@ def _split_llava() -> Any:
 @pytest.fixture
 def launched(monkeypatch: pytest.MonkeyPatch):
     """The real Trainer patched as the import hook patches it, ``HF_PRECISION_GUARD=auto``."""
-    for var in launcher.ENV_VARS:
+    for var in launch_config.ENV_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HF_PRECISION_GUARD", "auto")
     assert launcher.patch_trainer(Trainer)
@@ -66,7 +60,7 @@ def test_every_trainer_gets_one_guard_before_init_end(launched, make_trainer, ca
     mine: list[Any] = []
     trainer = make_trainer(model, tiny_batch(model), callbacks=mine)
     [cb] = _guards(trainer)
-    assert getattr(cb, launcher.LAUNCHED_ATTR) is True
+    assert getattr(cb, launch_config.LAUNCHED_ATTR) is True
     assert mine == []  # the caller's list is not mutated
     # added before the original __init__: on_init_end ran, the inferred policy cast the tower
     assert cb.events[0][0] == "on_init_end"
@@ -111,7 +105,7 @@ def test_a_trainer_that_has_a_guard_is_not_guarded_twice(launched, make_trainer,
         model, tiny_batch(model), callbacks=[mine if mine is not None else PrecisionGuardCallback]
     )
     [cb] = _guards(trainer)
-    assert not getattr(cb, launcher.LAUNCHED_ATTR, False)
+    assert not getattr(cb, launch_config.LAUNCHED_ATTR, False)
     if mine is not None:
         assert cb is mine
 
@@ -365,7 +359,7 @@ def test_install_hook_writes_and_removes_the_line(tmp_path):
 
 # ----------------------------------------------------------------------------- real processes
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in launcher.ENV_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in launch_config.ENV_VARS}
     env.update(
         PYTHONPATH=str(ROOT),
         OMP_NUM_THREADS="1",

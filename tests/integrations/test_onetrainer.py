@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from hf_precision.integrations import onetrainer
-from hf_precision.integrations.launcher import ENV_VARS
+from hf_precision.integrations.launch_config import ENV_VARS
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,10 +14,10 @@ from peft import LoraConfig
 from transformers import TrainerCallback
 
 from hf_precision import PrecisionGuardCallback
-from hf_precision.engine.rl_attribution import attribute_gap, token_log_probs
 from hf_precision.integrations.trl_rl_watch import completion_batch
 from hf_precision.tiny import tiny_llava, tiny_llava_processor
 from hf_precision.tiny.data import shape_image
+from hf_precision.watch.rl_attribution import attribute_gap, token_log_probs
 
 trl = pytest.importorskip("trl", reason="TRL is in the 'integrations' test extra")
 LM_ATTN = r".*language_model.*\.(q_proj|v_proj)"
@@ -91,7 +91,7 @@ def test_lora_on_a_bf16_base_the_adapters_make_the_gap(
 ):
     """TRL's HF-generate sampler runs the PEFT model outside autocast (fp32 adapters), the
     trainer under bf16 autocast (bf16 adapters): the attribution names the adapters, ~100 %."""
-    from hf_precision.engine import rl_attribution
+    from hf_precision.watch import rl_attribution
 
     monkeypatch.setattr(rl_attribution, "GAP_THRESHOLD", 1e-4)  # this tiny model's gap: ~3e-4
     torch.manual_seed(0)

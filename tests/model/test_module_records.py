@@ -15,11 +15,12 @@ import torch
 from torch import nn
 
 from hf_precision import PrecisionPolicy, dtype_map, find_module_groups
-from hf_precision.base.wrappers import clean_name, unwrap_model
+from hf_precision.base.wrapper_kinds import clean_name, unwrap_model
 from hf_precision.model.module_records import DtypeTally
 from hf_precision.model.view import ModelView
 from hf_precision.rules.dtypes import dtype_name, is_quantized
-from hf_precision.rules.groups import OTHER, ModuleGroups, hidden_module
+from hf_precision.rules.groups.group_rule import OTHER
+from hf_precision.rules.groups.module_groups import ModuleGroups, hidden_module
 from hf_precision.tiny import (
     OmniLMMTiny,
     tiny_llava,

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from hf_precision.engine.guard import PrecisionGuard
 from hf_precision.model.reporter import Reporter
-from hf_precision.report.reporting import PrecisionReporter
-from hf_precision.rules.policy import PrecisionPolicy
+from hf_precision.report.reporter import PrecisionReporter
+from hf_precision.rules.policy.precision_policy import PrecisionPolicy
 from hf_precision.tiny import tiny_llava
 
 

@@ -7,7 +7,7 @@ from peft import LoraConfig, get_peft_model
 
 from hf_precision import find_module_groups
 from hf_precision.model.view import ModelView, walk_modules
-from hf_precision.rules.groups import OTHER
+from hf_precision.rules.groups.group_rule import OTHER
 from hf_precision.tiny import OmniLMMTiny, tiny_llava, tiny_text_llama
 
 

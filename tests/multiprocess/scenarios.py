@@ -1,4 +1,4 @@
-"""Multi-process scenarios, run by ``tests/engine/test_distributed.py`` in ONE torchrun launch::
+"""Multi-process scenarios, run by ``tests/engine/wrappers/test_ranks.py`` in ONE torchrun launch::
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 tests/multiprocess/scenarios.py \
         OUT_DIR plain_loop plain_disagree trainer trainer_disagree fsdp2 fsdp1
@@ -87,7 +87,7 @@ def plain_loop(out: Path) -> dict[str, Any]:
     from accelerate import Accelerator
 
     from hf_precision import PrecisionGuardPlugin, dtype_map
-    from hf_precision.frontends.accelerate_plugin import POLICY_FILE
+    from hf_precision.frontends.accelerate_checkpoint import POLICY_FILE
 
     accelerator = Accelerator(cpu=True, mixed_precision="bf16", project_dir=str(out))
     model = split_llava()
@@ -143,7 +143,7 @@ def one_walk(out: Path) -> dict[str, Any]:
 
     from hf_precision import PrecisionPolicy
     from hf_precision.engine.guard import PrecisionGuard
-    from hf_precision.report.reporting import PrecisionReporter
+    from hf_precision.report.reporter import PrecisionReporter
 
     model = split_llava()
     seen: dict[str, Any] = {}
@@ -244,7 +244,7 @@ def fsdp2(out: Path) -> dict[str, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from hf_precision import PrecisionError, PrecisionGuardPlugin, dtype_map
-    from hf_precision.engine.distributed import detect_wrapper, wrapper_compute_dtypes
+    from hf_precision.base.wrapper_kinds import detect_wrapper, wrapper_compute_dtypes
     from hf_precision.tiny import tiny_batch
 
     model = split_llava()
@@ -298,7 +298,8 @@ def fsdp1(out: Path) -> dict[str, Any]:
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
 
     from hf_precision import PrecisionGuardPlugin
-    from hf_precision.engine.distributed import detect_wrapper, rank_digest
+    from hf_precision.base.wrapper_kinds import detect_wrapper
+    from hf_precision.engine.wrappers.ranks import rank_digest
     from hf_precision.model.dtype_maps import dtype_map
     from hf_precision.tiny import tiny_batch
 
@@ -612,7 +613,9 @@ def _gpu_run(out: Path, *, fsdp: int = 0, zero: int = 0, bf16_true: bool = False
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 
     from hf_precision import PrecisionGuardPlugin, dtype_map
-    from hf_precision.engine.distributed import check_wrapped, rank_digest, wrapper_of
+    from hf_precision.base.wrapper_kinds import wrapper_of
+    from hf_precision.engine.wrappers.check import check_wrapped
+    from hf_precision.engine.wrappers.ranks import rank_digest
     from hf_precision.tiny import tiny_llava
 
     kw: dict[str, Any] = {}

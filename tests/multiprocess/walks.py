@@ -95,7 +95,7 @@ def counting_walks(model: nn.Module) -> Iterator[Walks]:
     """Count, while the block runs, what hf-precision's code does to ``model`` (any wrapper
     around it included) and every module in it."""
     from hf_precision import errors
-    from hf_precision.base import wrappers
+    from hf_precision.base import wrapper_kinds as wrappers
 
     out = Walks()
     mods = list(model.modules())

@@ -186,7 +186,7 @@ def test_a_wrappers_report_counts_what_it_lists_once() -> None:
     import copy
 
     from hf_precision import PrecisionPolicy, enforce_policy
-    from hf_precision.engine.plan import Change
+    from hf_precision.engine.records import Change
 
     model = tiny_llava()
     model.model.vision_tower.requires_grad_(False)

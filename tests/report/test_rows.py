@@ -1,5 +1,5 @@
 """The rows of an event: drift against the policy and since the last event, the mismatch
-counts, the sections' numbers (the module table: tests/report/test_reporting.py)."""
+counts, the sections' numbers (the module table: tests/report/test_reporter.py)."""
 
 from __future__ import annotations
 

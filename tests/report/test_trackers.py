@@ -12,7 +12,7 @@ import pytest
 
 from hf_precision import PrecisionError
 from hf_precision.report import trackers
-from hf_precision.report.reporting import PrecisionReporter
+from hf_precision.report.reporter import PrecisionReporter
 from hf_precision.report.trackers import Tracker, wanted_trackers
 from hf_precision.tiny import tiny_llava
 

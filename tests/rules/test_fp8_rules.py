@@ -11,7 +11,7 @@ from hf_precision.rules.fp8_rules import (
     keep_out_reason,
     language_edge_blocks,
 )
-from hf_precision.rules.policy import PrecisionPolicy
+from hf_precision.rules.policy.precision_policy import PrecisionPolicy
 
 LIN = nn.Linear(2, 2)
 

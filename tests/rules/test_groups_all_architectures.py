@@ -19,7 +19,9 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as MAPPING,
 )
 
-from hf_precision.rules.groups import OTHER, ModuleGroups, find_module_groups, group_rules
+from hf_precision.rules.groups.group_rule import OTHER
+from hf_precision.rules.groups.module_groups import ModuleGroups, find_module_groups
+from hf_precision.rules.groups.registry import group_rules
 from hf_precision.tools.checkpoint import CONFIG_REPAIRS, fill_subconfigs
 
 pytestmark = pytest.mark.xdist_group("all_architectures")  # one worker builds them once

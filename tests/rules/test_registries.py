@@ -14,11 +14,11 @@ from pathlib import Path
 FIRST = (
     "hf_precision",
     "hf_precision.rules",
-    "hf_precision.rules.groups",
-    "hf_precision.rules.group_rules",
-    "hf_precision.rules.diffusion_rules",
-    "hf_precision.rules.policy",
-    "hf_precision.rules.presets",
+    "hf_precision.rules.groups.module_groups",
+    "hf_precision.rules.groups.registry",
+    "hf_precision.rules.groups.diffusion",
+    "hf_precision.rules.policy.precision_policy",
+    "hf_precision.rules.policy.presets",
     "hf_precision.rules.batch_keys",
     "hf_precision.rules.flags",
     "hf_precision.groups",
@@ -32,8 +32,10 @@ _DUMP = """\
 import importlib, json, sys
 first = sys.argv[1]
 importlib.import_module(first)
-from hf_precision.rules import batch_keys, dtypes, flags, groups, presets
-from hf_precision.rules.policy import DEFAULT_KEY_GROUPS, DEFAULT_SKIP_KEYS
+from hf_precision.rules import batch_keys, dtypes, flags
+from hf_precision.rules.groups import module_groups as groups
+from hf_precision.rules.policy import presets
+from hf_precision.rules.batch_keys import DEFAULT_KEY_GROUPS, DEFAULT_SKIP_KEYS
 print(json.dumps({
     "rules": [r.name for r in groups.group_rules()],
     "groups": list(groups.group_names()),
@@ -91,7 +93,8 @@ def test_a_registered_rule_follows_the_built_in_ones() -> None:
     """A rule registered right after importing the registry (nothing else imported) comes after
     every built-in rule, as it does after ``import hf_precision``."""
     code = (
-        "from hf_precision.rules.groups import GroupRule, group_rules, register_group_rule\n"
+        "from hf_precision.rules.groups.group_rule import GroupRule\n"
+        "from hf_precision.rules.groups.registry import group_rules, register_group_rule\n"
         "register_group_rule(GroupRule('mine', paths={'vision_encoder': 'enc'}))\n"
         "names = [r.name for r in group_rules()]\n"
         "print(names.index('mine'), len(names), 'diffusion_vae' in names)\n"
@@ -105,7 +108,7 @@ def test_a_public_name_brings_its_registries() -> None:
     """``import hf_precision`` loads no registry; the first public name that needs one does."""
     code = (
         "import sys, hf_precision\n"
-        "before = 'hf_precision.rules.groups' in sys.modules\n"
+        "before = 'hf_precision.rules.groups.module_groups' in sys.modules\n"
         "p = hf_precision.PrecisionPolicy.from_preset('fp16-vae32')\n"
         "print(before, p.group_dtype('vae'))\n"
     )
@@ -118,8 +121,7 @@ def test_the_architectures_command_prints_every_rule() -> None:
     ``group_rules.toml``, in the file's order: the table docs/api.md copies."""
     from importlib import resources
 
-    from hf_precision.rules.group_rules import RULES_FILE, read_rules
-    from hf_precision.rules.groups import architecture_table
+    from hf_precision.rules.groups.registry import RULES_FILE, architecture_table, read_rules
 
     text = resources.files("hf_precision.rules").joinpath(RULES_FILE).read_text()
     run = subprocess.run(

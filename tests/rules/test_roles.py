@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf_precision.rules import policy, roles
+from hf_precision.rules import roles
+from hf_precision.rules.policy import precision_policy as policy
 from hf_precision.rules.roles import is_norm_module, is_rotary_module, tensor_role
 
 

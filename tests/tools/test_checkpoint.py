@@ -11,17 +11,16 @@ import pytest
 import torch
 
 from hf_precision.model.dtype_maps import dtype_map
-from hf_precision.rules.groups import find_module_groups
+from hf_precision.rules.groups.module_groups import find_module_groups
 from hf_precision.tiny import TINY_CONFIGS, build_tiny, tiny_available, tiny_llava
 from hf_precision.tools.checkpoint import (
     apply_stored_dtypes,
     build_model,
     resolve_source,
     set_trainable,
-    stored_dtypes,
-    weight_files,
 )
 from hf_precision.tools.cli import main
+from hf_precision.tools.weight_files import stored_dtypes, weight_files
 
 
 @pytest.fixture(scope="module")

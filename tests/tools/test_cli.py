@@ -100,7 +100,8 @@ def test_help_has_examples(command: str, capsys: pytest.CaptureFixture[str]) -> 
     "argv, allowed",
     [
         (["audit", "llava", "--policy", "bf61"], "unknown preset 'bf61'. Did you mean 'bf16'?"),
-        # the names PrecisionPolicy.from_preset refuses, refused alike (tests/rules/test_policy.py)
+        # the names PrecisionPolicy.from_preset refuses, refused alike
+        # (tests/rules/policy/test_precision_policy.py)
         (["audit", "llava", "--policy", "bfloat16"], "Did you mean 'bf16' (frozen bf16, trainable"),
         (["doctor", "llava", "--policy", "BF16"], "Did you mean 'bf16'? (preset names are lower"),
         (["audit", "llava", "--policy", "bf16-mixed"], "Did you mean 'bf16' (Lightning's"),
@@ -221,8 +222,8 @@ def test_python_m_hf_precision_runs_the_command(checkpoints: dict[str, Path]) ->
 
 def test_help_lists_match_the_registries(capsys: pytest.CaptureFixture[str]) -> None:
     from hf_precision.base.names import GROUP_NAMES, PRESET_NAMES
-    from hf_precision.rules.groups import group_names
-    from hf_precision.rules.policy import PRESETS
+    from hf_precision.rules.groups.group_rule import group_names
+    from hf_precision.rules.policy.presets import PRESETS
 
     assert tuple(PRESETS) == PRESET_NAMES
     assert group_names() == GROUP_NAMES

@@ -150,7 +150,7 @@ def test_every_architecture_the_rules_know_audits_without_an_exception(
 ) -> None:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    from hf_precision.rules.groups import group_rules
+    from hf_precision.rules.groups.registry import group_rules
 
     types = sorted({t for r in group_rules() for t in r.model_types} & set(CONFIG_MAPPING_NAMES))
     assert len(types) > 40
@@ -338,7 +338,7 @@ def test_audit_of_a_hub_id_online_reads_config_and_headers_only(
     from huggingface_hub import constants
     from huggingface_hub.errors import EntryNotFoundError
 
-    from hf_precision.tools.checkpoint import safetensors_headers
+    from hf_precision.tools.weight_files import safetensors_headers
 
     shutil.copy(checkpoints["llava"] / "config.json", tmp_path / "config.json")  # no weights
     headers = safetensors_headers(sorted(checkpoints["llava"].glob("*.safetensors")))

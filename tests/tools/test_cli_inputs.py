@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from hf_precision.tiny import tiny_llava
-from hf_precision.tools.checkpoint import EXIT_BAD_WEIGHTS
 from hf_precision.tools.cli import main
+from hf_precision.tools.exits import EXIT_BAD_WEIGHTS
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_precision.integrations.launcher import BOOT_DIR
+from hf_precision.integrations.launch_cli import BOOT_DIR
 
 ROOT = Path(__file__).resolve().parents[3]
 PROBE = (
