@@ -8,7 +8,6 @@ import pytest
 from torch import nn
 
 from hf_precision import PrecisionError, PrecisionPolicy
-from hf_precision.engine import claims, hooks
 from hf_precision.engine.claims import claim_model, claimed_by, release_model
 
 
@@ -37,8 +36,3 @@ def test_the_claim_is_weak() -> None:
     del owner
     gc.collect()
     assert claimed_by(root) is None
-
-
-def test_the_old_import_path_is_the_same_object() -> None:
-    for name in ("claim_model", "claimed_by", "release_model"):
-        assert getattr(hooks, name) is getattr(claims, name), name

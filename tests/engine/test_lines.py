@@ -7,14 +7,9 @@ from __future__ import annotations
 import torch
 
 from hf_precision import PrecisionPolicy
-from hf_precision.engine import enforce, guard
+from hf_precision.engine import enforce
 from hf_precision.engine import lines as console
 from hf_precision.tiny import tiny_llava
-
-
-def test_the_old_import_path_gives_the_same_functions() -> None:
-    for name in ("cast_line", "memory_line", "kept_words", "flag_conflict", "policy_origin"):
-        assert getattr(guard, name) is getattr(console, name)
 
 
 def test_kept_words_names_the_rule_and_the_count() -> None:

@@ -9,14 +9,9 @@ import pytest
 import torch
 
 from hf_precision import PrecisionPolicy
-from hf_precision.engine import enforce, plan, records
+from hf_precision.engine import plan
 from hf_precision.model.view import ModelView
 from hf_precision.tiny import tiny_llava
-
-
-def test_the_old_import_paths_give_the_same_classes() -> None:
-    for name in ("Change", "EnforceReport", "PlannedCast", "Plan"):
-        assert getattr(plan, name) is getattr(records, name) is getattr(enforce, name)
 
 
 def test_a_plan_is_frozen_and_each_report_is_new() -> None:

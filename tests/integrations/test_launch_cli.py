@@ -8,13 +8,8 @@ import os
 import pytest
 
 from hf_precision import PrecisionError
-from hf_precision.integrations import launch_cli, launcher
+from hf_precision.integrations import launch_cli
 from hf_precision.integrations.launch_cli import BOOT_DIR, PTH_NAME, command_env, install_hook
-
-
-def test_every_name_is_importable_from_the_launcher_as_the_same_object():
-    for name in launch_cli.__all__:
-        assert getattr(launcher, name) is getattr(launch_cli, name), name
 
 
 def test_the_commands_environment_boot_folder_first_and_old_variables_gone():

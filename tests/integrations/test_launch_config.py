@@ -6,13 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hf_precision import PrecisionError
-from hf_precision.integrations import launch_config, launcher
 from hf_precision.integrations.launch_config import LaunchConfig, parse_keep_fp32, tool_name
-
-
-def test_every_name_is_importable_from_the_launcher_as_the_same_object():
-    for name in launch_config.__all__:
-        assert getattr(launcher, name) is getattr(launch_config, name), name
 
 
 def test_the_environment_round_trip_and_a_bad_value_refused_with_the_fix():

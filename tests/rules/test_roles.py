@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf_precision.rules import roles
-from hf_precision.rules.policy import precision_policy as policy
 from hf_precision.rules.roles import is_norm_module, is_rotary_module, tensor_role
 
 
@@ -36,11 +34,6 @@ def test_roles_of_norm_weights_and_rotary_buffers() -> None:
     assert tensor_role(rope, "inv_freq", rope.inv_freq, is_buffer=True) == "rotary"
     # an integer buffer of a rotary module is no table to keep fp32
     assert tensor_role(rope, "steps", rope.steps, is_buffer=True) is None
-
-
-def test_the_old_import_path_is_the_same_object() -> None:
-    for name in ("Role", "is_norm_module", "is_rotary_module", "tensor_role"):
-        assert getattr(policy, name) is getattr(roles, name), name
 
 
 def test_zero_d_floating_tensors_are_scalars() -> None:

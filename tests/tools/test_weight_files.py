@@ -10,7 +10,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hf_precision.tools import checkpoint, weight_files
 from hf_precision.tools.weight_files import (
     adapter_module_path,
     read_adapter,
@@ -48,8 +47,3 @@ def test_an_adapter_folder_and_its_module_paths(tmp_path: Path) -> None:
     assert adapter["config"] == {"r": 4}
     assert adapter["tensors"][key]["dtype"] == "F32"
     assert adapter_module_path(key) == "model.layers.0.self_attn.q_proj"
-
-
-def test_the_old_module_path_names_the_same_functions() -> None:
-    for name in ("read_header", "stored_dtypes", "read_adapter", "read_diffusers", "weight_files"):
-        assert getattr(checkpoint, name) is getattr(weight_files, name)

@@ -40,7 +40,7 @@ from hf_precision.engine.wrappers.check import check_wrapped, explain_wrapped
 from hf_precision.engine.wrappers.ranks import check_ranks_agree, rank_digest
 from hf_precision.tiny import tiny_batch, tiny_llava
 
-SCENARIOS = Path(__file__).parents[1] / "multiprocess" / "scenarios.py"
+SCENARIOS = Path(__file__).parents[2] / "multiprocess" / "scenarios.py"
 
 
 # ----------------------------------------------------------------------------- wrappers
@@ -229,7 +229,7 @@ def test_numel_free_digest_ignores_shard_sizes():
     assert rank_digest(da, with_numel=False) != rank_digest(dtype_map(b), with_numel=False)
 
 
-@pytest.mark.parametrize("name", ["distributed"])
+@pytest.mark.parametrize("name", ["engine.wrappers.ranks"])
 def test_module_doctests(name):
     import importlib
 

@@ -8,17 +8,7 @@ import torch
 
 from hf_precision import PrecisionPolicy
 from hf_precision.rules.policy import precedence
-from hf_precision.rules.policy import precision_policy as policy
-from hf_precision.rules.policy.precedence import decide, keep_fp32_reason, match_pattern
-
-
-def test_the_policy_module_gives_the_same_objects() -> None:
-    moved = set(precedence.__all__) & set(policy.__all__)
-    assert moved >= {"Decision", "Rule", "KEEP_RULES", "KEPT_RULES", "match_pattern"}
-    for name in moved:
-        assert getattr(policy, name) is getattr(precedence, name), name
-    assert PrecisionPolicy.decide is decide
-    assert PrecisionPolicy.keep_fp32_reason is keep_fp32_reason
+from hf_precision.rules.policy.precedence import decide, match_pattern
 
 
 def test_match_pattern_precedence():
