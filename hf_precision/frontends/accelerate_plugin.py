@@ -18,13 +18,13 @@ real extension points::
   the ranks again, register a cheap dtype check before every optimizer step
   (``register_step_pre_hook``), ``accelerator.register_for_checkpointing(guard)`` and a
   ``precision_policy.json`` written beside each ``save_state`` checkpoint;
-* at each optimizer step: the cheap dtype check (the full verify runs only on a change) and the
+* at each optimizer step, besides the dtype check (the full verify runs only on a change), the
   plugin's :class:`~hf_precision.frontends.steps.StepWatch`: the non-finite blame (armed by
   :meth:`PrecisionGuardPlugin.observe`, on request, or by a step the GradScaler skipped) and the
   lost-update check on the first steps (its result is the ``lost_updates`` section and event);
-* ``accelerator.save_state`` stores :meth:`PrecisionGuardPlugin.state_dict` (the policy and the
-  step); ``load_state`` restores it and verifies the models against it
-  (:func:`policy_from_checkpoint` reads the ``precision_policy.json`` back);
+* ``save_state`` stores :meth:`PrecisionGuardPlugin.state_dict` (the policy and the step),
+  ``load_state`` restores it and verifies the models against it; :func:`policy_from_checkpoint`
+  reads the ``precision_policy.json`` back;
 * ``with guard.evaluating(model): ...`` verifies before and after an evaluation;
 * dtype maps go to ``<project_dir>/precision/`` (main process only) and to W&B through
   ``accelerator.get_tracker("wandb")`` when ``log_with="wandb"``.
