@@ -18,6 +18,13 @@ real extension points::
   the ranks again, register a cheap dtype check before every optimizer step
   (``register_step_pre_hook``), ``accelerator.register_for_checkpointing(guard)`` and a
   ``precision_policy.json`` written beside each ``save_state`` checkpoint;
+* at each optimizer step, besides the dtype check (the full verify runs only on a change), the
+  plugin's :class:`~hf_precision.frontends.steps.StepWatch`: the non-finite blame (armed by
+  :meth:`PrecisionGuardPlugin.observe`, on request, or by a step the GradScaler skipped) and the
+  lost-update check on the first steps (its result is the ``lost_updates`` section and event);
+* ``save_state`` stores :meth:`PrecisionGuardPlugin.state_dict` (the policy and the step),
+  ``load_state`` restores it and verifies the models against it; :func:`policy_from_checkpoint`
+  reads the ``precision_policy.json`` back;
 * ``with guard.evaluating(model): ...`` verifies before and after an evaluation;
 * dtype maps go to ``<project_dir>/precision/`` (main process only) and to W&B through
   ``accelerator.get_tracker("wandb")`` when ``log_with="wandb"``.
@@ -36,8 +43,10 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,24 +59,41 @@ from ..engine.guard import PrecisionGuard
 from ..engine.lines import policy_origin
 from ..engine.records import EnforceReport
 from ..engine.wrappers.ranks import rank
-from ..errors import PrecisionError
+from ..errors import PrecisionError, PrecisionWarning
 from ..report.reporter import PrecisionReporter
 from ..rules import flags
 from ..rules.deepspeed_config import check_deepspeed_config, deepspeed_config_of, zero_stage
 from ..rules.dtypes import dtype_name
 from ..rules.policy.fields import LeafGuards, Mode
-from ..rules.policy.parse import refuse_fp16_trainables
+from ..rules.policy.parse import parse_policy, refuse_fp16_trainables
 from ..rules.policy.precision_policy import PrecisionPolicy
-from ..watch.blame import BlameMode, NonFiniteBlame, check_mode
-from ..watch.lost_updates import LostUpdateCheck, LostUpdates, check_option
-from .accelerate_checkpoint import PluginCheckpointing
-from .accelerate_steps import PluginSteps
+from ..watch.blame import BlameMode, NonFinite, NonFiniteBlame, check_mode
+from ..watch.lost_updates import LostUpdates, check_option
 from .frontend import GuardFrontEnd
+from .steps import StepWatch
 
 logger = logging.getLogger("hf_precision")
 
+__all__ = ["POLICY_FILE", "STATE_VERSION", "PrecisionGuardPlugin", "policy_from_checkpoint"]
 
-class PrecisionGuardPlugin(PluginSteps, PluginCheckpointing, GuardFrontEnd):
+#: Written beside every ``accelerator.save_state`` checkpoint (``PrecisionPolicy.from_json``).
+POLICY_FILE = "precision_policy.json"
+STATE_VERSION = 1
+
+
+def policy_from_checkpoint(path: str | os.PathLike[str]) -> PrecisionPolicy:
+    """The policy saved beside a checkpoint (``<path>/precision_policy.json``)."""
+    file = Path(path) / POLICY_FILE if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise PrecisionError(
+            f"policy_from_checkpoint({os.fspath(path)!r}): no {POLICY_FILE} "
+            "there. Fix: pass a folder written by accelerator.save_state with "
+            "a PrecisionGuardPlugin registered."
+        )
+    return parse_policy(file)
+
+
+class PrecisionGuardPlugin(GuardFrontEnd):
     """Enforce one precision policy in a plain accelerate loop (and verify it under DDP, FSDP
     and DeepSpeed).
 
@@ -94,6 +120,12 @@ class PrecisionGuardPlugin(PluginSteps, PluginCheckpointing, GuardFrontEnd):
     >>> guard = PrecisionGuardPlugin("bf16", mode="raise")
     """
 
+    #: the fix the lost-update warning gives (the launcher says it in its own flags)
+    lost_updates_fix = (
+        "Accelerator(mixed_precision='bf16') with PrecisionGuardPlugin('bf16') in mode 'fix' (its "
+        "bf16 policy holds trainable weights in float32 and computes in bf16)"
+    )
+
     def __init__(
         self,
         policy: PrecisionPolicy | str | None = None,
@@ -109,9 +141,7 @@ class PrecisionGuardPlugin(PluginSteps, PluginCheckpointing, GuardFrontEnd):
         keep_fp32: tuple[str, ...] | list[str] = (),
     ) -> None:
         self.extra_keep_fp32 = tuple(keep_fp32)
-        self.blame_mode = check_mode(blame, call="PrecisionGuardPlugin")
-        #: one blame per guarded model (:mod:`hf_precision.watch.blame`)
-        self.blames: list[NonFiniteBlame] = []
+        blame_mode = check_mode(blame, call="PrecisionGuardPlugin")
         if not isinstance(check_every, int) or check_every < 0:
             raise PrecisionError(
                 f"PrecisionGuardPlugin(check_every={check_every!r}): expected "
@@ -139,8 +169,27 @@ class PrecisionGuardPlugin(PluginSteps, PluginCheckpointing, GuardFrontEnd):
         self.tool: Any = "accelerate"
         #: extra sections for the events of every model this plugin guards (``provenance``)
         self.sections: dict[str, Any] = {}
-        self.lost_updates = check_option(lost_updates, call=self._call)
-        self._lost: LostUpdateCheck | None = None
+        #: the per-step work: the blame of each guarded model, the lost-update check
+        self.step_watch = StepWatch(
+            blame=blame_mode,
+            lost_updates=check_option(lost_updates, call=self._call),
+            speaker=lambda: self._guarded[0].speaker if self._guarded else None,
+            reporter=lambda: self._reporter,
+        )
+
+    # what the step watch holds, under the names this plugin always had
+    @property
+    def blame_mode(self) -> BlameMode:
+        return self.step_watch.blame_mode
+
+    @property
+    def lost_updates(self) -> LostUpdates:
+        return self.step_watch.lost_updates
+
+    @property
+    def blames(self) -> list[NonFiniteBlame]:
+        """One blame per guarded model (:mod:`hf_precision.watch.blame`)."""
+        return self.step_watch.blames
 
     @property
     def reporter(self) -> Any:
@@ -255,6 +304,95 @@ class PrecisionGuardPlugin(PluginSteps, PluginCheckpointing, GuardFrontEnd):
             obj.collate_fn = PrecisionCollator(obj.collate_fn, policy, model=model)
         return obj
 
+    # ------------------------------------------------------------------ optimizer steps
+    def _hook_optimizer(self, optimizer: Any) -> None:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if not hasattr(inner, "register_step_pre_hook"):  # DeepSpeed's own optimizers
+            logger.info(
+                "hf-precision: %s has no step pre-hook; dtypes are checked at evaluations only",
+                type(inner).__name__,
+            )
+            return
+        self._optimizers.append(inner)
+        if self._guarded and self.step_watch.lost is None:  # the first optimizer's model
+            self.step_watch.watch_updates(
+                self._trained_by(inner), inner, tool="accelerate", fix=self.lost_updates_fix
+            )
+        if self.check_every or self.blame_mode != "off":
+            self._handles.append(inner.register_step_pre_hook(self._step_pre_hook))
+
+    def _trained_by(self, optimizer: Any) -> PrecisionGuard:
+        """The guarded model whose weights ``optimizer`` updates (the first one otherwise)."""
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for g in self._guarded:
+            if any(id(p) in held for p in g.root.parameters()):
+                return g
+        return self._guarded[0]
+
+    def _step_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.steps += 1
+        # events that waited for init_trackers' writer/run
+        flush = getattr(self._reporter, "flush_trackers", None)
+        if flush is not None:
+            flush()
+        self._blame_step()
+        if not self.check_every or self.steps % self.check_every:
+            return
+        for g in self._guarded:
+            # Cheap: one dtype read per parameter tensor; the full check runs only on a change.
+            if g.drifted():
+                self.verify(g.model, "before_optimizer_step", check_ranks=False)
+
+    def observe(self, loss: Any = None, grad_norm: Any = None) -> bool:
+        """What the loop logs: a non-finite ``loss`` or ``grad_norm`` arms the blame
+        (``auto``); the next step is inspected. A tensor is read (a device sync: pass the value
+        you log anyway). Returns whether it armed now."""
+        logs = {k: v for k, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None}
+        return self.step_watch.observe(logs, step=self.steps)
+
+    def blame_next_step(self, *, backward: bool = True) -> None:
+        """Arm the blame on request: the next step's forward (and backward) is inspected."""
+        self.step_watch.arm(f"on request at step {self.steps}", backward=backward)
+
+    def _blame_step(self) -> list[NonFinite]:
+        """At the optimizer step: a step the GradScaler skipped (inf gradients) arms ``auto``;
+        an armed blame reports what it saw in this step's forward and backward."""
+        skipped = bool(getattr(self._accelerator, "optimizer_step_was_skipped", False))
+        return self.step_watch.end_step(self.steps, skipped=skipped)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """What ``accelerator.save_state`` stores for the guard: the policy and the step."""
+        assert self.policy is not None
+        return {"version": STATE_VERSION, "policy": self.policy.to_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the policy (``accelerator.load_state``) and verify the models against it."""
+        if state.get("version") != STATE_VERSION or "policy" not in state:
+            raise PrecisionError(
+                f"PrecisionGuardPlugin.load_state_dict: unknown state "
+                f"{sorted(state)} (version {state.get('version')!r}). Fix: "
+                "load a checkpoint saved by this hf-precision version."
+            )
+        loaded = PrecisionPolicy.from_dict(state["policy"])
+        if self.policy is not None and loaded != self.policy:
+            warnings.warn(
+                f"PrecisionGuardPlugin.load_state: the checkpoint's policy "
+                f"{loaded.describe()} replaces {self.policy.describe()}.",
+                PrecisionWarning,
+                stacklevel=2,
+            )
+        self.policy = loaded
+        self.steps = int(state.get("steps", 0))
+        for g in self._guarded:
+            self.verify(g.model, "load_state", check_ranks=False)
+
+    def _save_state_hook(
+        self, models: list[nn.Module], weights: list[Any], output_dir: str
+    ) -> None:
+        if self.policy is not None and getattr(self._accelerator, "is_main_process", True):
+            Path(output_dir, POLICY_FILE).write_text(self.policy.to_json())
+
     # ------------------------------------------------------------------ any loop
     def setup(self, model: nn.Module) -> nn.Module:
         """Before wrapping: cast to the policy, install the guards, check the ranks agree.
@@ -274,7 +412,7 @@ class PrecisionGuardPlugin(PluginSteps, PluginCheckpointing, GuardFrontEnd):
             guard = self._new_guard(model, origin=origin)
             guard.sections.update(self.sections)
             self._guarded.append(guard)
-            self.blames.append(NonFiniteBlame(model, self.blame_mode))
+            self.step_watch.add_model(model)
         self.verify(model, "setup")
         return model
 
@@ -355,20 +493,14 @@ class PrecisionGuardPlugin(PluginSteps, PluginCheckpointing, GuardFrontEnd):
             self.verify(g.model, "after_evaluate", check_ranks=ok)
 
     def remove(self) -> None:
-        """Take the guards, the optimizer hooks and the save hook off."""
+        """Take the guards, the optimizer hooks, the save hook and the blames' hooks off."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        if self._lost is not None:
-            self._lost.detach()
         for g in self._guarded:
             g.teardown()
-        for b in self.blames:
-            b.disarm()
+        self.step_watch.stop(updates=True)  # the blames, the lost-update check's hooks
 
     def __repr__(self) -> str:
         policy = self.policy.describe() if self.policy is not None else "inferred at prepare"
         return f"PrecisionGuardPlugin({policy}, models={len(self._guarded)})"
-
-
-__all__ = ["PrecisionGuardPlugin"]

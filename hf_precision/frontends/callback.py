@@ -12,6 +12,14 @@ Lifecycle (docs/architecture.md):
   every evaluation/prediction (``on_evaluate``, ``on_predict``) — verify and repair drift, e.g. the
   in-place ``model.to(bf16)`` of ``bf16_full_eval``, which never casts back.
 
+During the steps it holds a :class:`~hf_precision.frontends.steps.StepWatch` (the first step's
+dtype trace, the non-finite blame, the lost-update check on the Trainer's optimizer). The other
+models a Trainer runs (TRL's ``ref_model``, reward, value and teacher models) are found through
+the adapter of the library the Trainer's class comes from (:data:`TRAINER_ADAPTERS`), each
+guarded by its own engine with the callback's policy and reported as
+``<step>-<event>.<name>.json``; TRL's RL trainers get their sampler-trainer check through
+:data:`RL_ADAPTERS`.
+
 >>> from hf_precision import PrecisionGuardCallback
 >>> cb = PrecisionGuardCallback()            # policy inferred from TrainingArguments
 >>> cb = PrecisionGuardCallback("bf16", mode="raise")
@@ -19,9 +27,13 @@ Lifecycle (docs/architecture.md):
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
+import sys
 import warnings
+import weakref
+from types import FrameType
 from typing import Any
 
 import torch
@@ -32,6 +44,7 @@ from ..base.wrapper_kinds import unwrap_model
 from ..engine.guard import PrecisionGuard
 from ..engine.hooks import GuardHandle
 from ..engine.lines import policy_origin
+from ..engine.range_check import read_deferred
 from ..engine.records import EnforceReport
 from ..errors import PrecisionError, PrecisionWarning
 from ..rules import flags
@@ -41,22 +54,48 @@ from ..rules.policy.fields import LeafGuards, Mode
 from ..rules.policy.parse import refuse_fp16_trainables
 from ..rules.policy.precision_policy import PrecisionPolicy
 from ..watch.blame import BlameMode, NonFiniteBlame, check_mode
-from ..watch.lost_updates import LostUpdateCheck, LostUpdates, check_option
-from .callback_steps import CallbackSteps
-from .trainer_adapters import TrainerModels, check_rl, find_trainer, trainer_models
+from ..watch.lost_updates import LostUpdates, check_option
+from .frontend import GuardFrontEnd
+from .steps import StepWatch
 
 logger = logging.getLogger("hf_precision")
 
-#: the old private names of :mod:`.trainer_adapters`'s functions
-_find_trainer, _trainer_models = find_trainer, trainer_models
+__all__ = [
+    "RL_ADAPTERS",
+    "RL_MODES",
+    "STASH_LIMIT_BYTES",
+    "TRAINER_ADAPTERS",
+    "PrecisionGuardCallback",
+    "check_rl",
+    "find_trainer",
+    "trainer_models",
+    "trainer_watchers",
+]
 
 #: The most the CPU copies kept across a ``*_full_eval`` evaluation may hold (trainable weights
 #: first, then what the policy keeps in float32, then other frozen tensors the in-place cast
 #: rounds); what does not fit comes back rounded, said in one warning when the copies are made.
 STASH_LIMIT_BYTES = 2 * 1024**3
 
+#: Trainer adapters (as transformers' ``INTEGRATION_TO_CALLBACK``): the top-level package a
+#: Trainer class comes from -> the module whose ``trainer_models(trainer, init_args)`` names the
+#: other models that Trainer runs. Loaded only when a Trainer of that package is seen;
+#: tests/frontends/test_callback.py checks every module here exists in
+#: ``hf_precision/integrations/``.
+TRAINER_ADAPTERS: dict[str, str] = {
+    "trl": "hf_precision.integrations.trl_models",
+}
+#: RL adapters: the top-level package a Trainer class comes from -> the module whose
+#: ``attach(trainer, guard, rl=...)`` checks its sampler against its trainer (the contract, the
+#: match and the gap of the first generations); loaded only when a Trainer of that package is seen.
+RL_ADAPTERS: dict[str, str] = {
+    "trl": "hf_precision.integrations.trl_rl",
+}
+#: the callback's ``rl=`` values
+RL_MODES = ("auto", "match", "measure", "off")
 
-class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
+
+class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
     """Enforce one precision policy across training, evaluation, prediction and generation.
 
     Args:
@@ -109,17 +148,12 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         #: launcher's ``--keep-fp32``
         self.extra_keep_fp32 = tuple(keep_fp32)
         self._init_policy("PrecisionGuardCallback", policy, mode=mode, leaf_guards=leaf_guards)
-        self.blame_mode = check_mode(blame, call="PrecisionGuardCallback")
+        blame_mode = check_mode(blame, call="PrecisionGuardCallback")
         if trace not in (True, False, "setup"):
             raise PrecisionError(
                 f"PrecisionGuardCallback(trace={trace!r}): expected True, False or 'setup' "
                 "(one forward recorded at the first training step)."
             )
-        self.trace = bool(trace)
-        #: the blame of the current model (None before the first event)
-        self.blame: NonFiniteBlame | None = None
-        self.trace_result: Any = None
-        self._tracer: Any = None
         #: whether dtype maps are written (the ``report=`` argument)
         self.write_reports = report
         self.report_dir = report_dir
@@ -135,11 +169,40 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
         self._deepspeed_stage: int | None = None
         #: one engine per other model the Trainer runs (TRL's ref_model, reward models...)
         self.trainer_guards: dict[str, PrecisionGuard] = {}
-        self.lost_updates = check_option(lost_updates, call=self._call)
-        self._lost: LostUpdateCheck | None = None
+        #: the per-step work: first-step trace, blame, lost-update check
+        self.step_watch = StepWatch(
+            blame=blame_mode,
+            trace=bool(trace),
+            lost_updates=check_option(lost_updates, call=self._call),
+            speaker=lambda: self.guard.speaker if self.guard is not None else None,
+            reporter=lambda: self.reporter,
+        )
         self.rl = check_rl(rl, call=self._call)
-        self.rl_watch: Any = None  # the RL trainer's watch (trainer_adapters.TrainerModels)
+        self.rl_watch: Any = None  # the RL trainer's watch (RL_ADAPTERS' attach)
         self.rl_watchers: Any = None  # sync integrity + attribution (integrations.trl_rl_watch)
+
+    # what the step watch holds, under the names this callback always had
+    @property
+    def blame_mode(self) -> BlameMode:
+        return self.step_watch.blame_mode
+
+    @property
+    def trace(self) -> bool:
+        return self.step_watch.trace
+
+    @property
+    def lost_updates(self) -> LostUpdates:
+        return self.step_watch.lost_updates
+
+    @property
+    def blame(self) -> NonFiniteBlame | None:
+        """The blame of the current model (None before the first event)."""
+        return self.step_watch.blames[0] if self.step_watch.blames else None
+
+    @property
+    def trace_result(self) -> Any:
+        """The first training step's dtype trace (``trace=True``; None before it ends)."""
+        return self.step_watch.trace_result
 
     # what the engine knows, under the names this callback always had
     @property
@@ -225,9 +288,8 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
             origin=origin,
         )
         self.trainer_guards = {}
-        if self.blame is not None:
-            self.blame.disarm()
-        self.blame = NonFiniteBlame(model, self.blame_mode, args=args)
+        self.step_watch.forget_models()
+        self.step_watch.add_model(model, args=args)
         self._provenance(args, model)
         logger.info(
             "hf-precision: policy %s; groups by rule %r",
@@ -330,7 +392,8 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # restore: a standalone evaluate() with *_full_eval ran before train()
         self._verify("on_train_begin", args, state, kwargs, check_ranks=True, restore=True)
-        self._watch_updates(args, kwargs)
+        # the lost-update check on the Trainer's optimizer, once per model
+        self.step_watch.watch_updates(self.guard, kwargs.get("optimizer"), args=args)
         if self.rl != "off":
             self.rl_watchers = self._watch_trainer(self.rl_watchers, self.guard)
 
@@ -345,13 +408,171 @@ class PrecisionGuardCallback(CallbackSteps, TrainerModels, TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # load_best_model_at_end (or any end-of-train reload) brings weights back in the dtype
         # they were saved/loaded in: repair and report it like an evaluation
-        if self.blame is not None:
-            self.blame.disarm()
-        if self._tracer is not None:
-            self._tracer.remove()
-            self._tracer = None
+        self.step_watch.stop()
         if self.rl_watchers is not None:
             self.rl_watchers.remove()
             self.rl_watchers = None
         self._verify("on_train_end", args, state, kwargs)
         self._stash()
+
+    # ------------------------------------------------------------------ steps
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.step_watch.begin_step(kwargs.get("model"))  # the first step's trace
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.step_watch.end_step(int(getattr(state, "global_step", 0) or 0))
+        if getattr(control, "should_evaluate", False):
+            self._verify("before_evaluate", args, state, kwargs)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        # auto: a non-finite loss/grad_norm arms the next step
+        self.step_watch.observe(logs, step=int(getattr(state, "global_step", 0) or 0))
+        read_deferred()  # the guards' clamped overflows, read where the Trainer reads the loss
+        # events that waited for a tracker's writer (TensorBoard)
+        flush = getattr(self.reporter, "flush_trackers", None)
+        if flush is not None:
+            flush()
+
+    # ------------------------------------------------------------------ the Trainer
+    def bind_trainer(self, trainer: Any) -> None:
+        """The Trainer this callback serves, given directly (the launcher does, before
+        ``Trainer.__init__`` runs); a callback added by hand finds it in the calling frames."""
+        self._trainer = weakref.ref(trainer)  # no cycle keeps a finished Trainer alive
+
+    def _served(self) -> Any:
+        """The Trainer this callback serves (bound, else found in the calling frames): its
+        trackers' callbacks are where the report's tracker events go."""
+        return find_trainer(self, self._trainer() if self._trainer is not None else None)[0]
+
+    def _watch_trainer(self, watching: Any, guard: PrecisionGuard | None) -> Any:
+        """Put the library's watchers on the served Trainer once (``watching``: the ones put
+        before, taken off when the Trainer or its model changed)."""
+        trainer = self._served()
+        if trainer is None or guard is None:
+            return watching
+        if watching is not None:
+            if watching.trainer is trainer and watching.model is trainer.model:
+                return watching
+            watching.remove()
+        return trainer_watchers(trainer, guard)
+
+    def _verify_trainer_models(
+        self, event: str, args: Any, guard: PrecisionGuard, *, step: int
+    ) -> None:
+        """The other models the Trainer runs (TRL's ``ref_model``, reward, value and teacher
+        models) get this callback's policy, guards and report (``<step>-<event>.<name>.json``),
+        each its own engine. They are found by the adapter of the library the Trainer's class
+        comes from (:data:`TRAINER_ADAPTERS`, the module's ``trainer_models``)."""
+        trainer, init_args = find_trainer(
+            self, self._trainer() if self._trainer is not None else None
+        )
+        if trainer is None:
+            return
+        if event == "on_train_begin":
+            self._attach_rl(trainer, guard)
+        elif event == "on_train_end" and self.rl_watch is not None:
+            self.rl_watch.close()  # fewer generations than watched: report those
+            self.rl_watch = None
+        for name, model in trainer_models(trainer, init_args).items():
+            root, _ = unwrap_model(model)
+            if root is guard.root:
+                continue
+            other = self.trainer_guards.get(name)
+            if other is None or other.root is not root:
+                other = self._new_guard(
+                    model,
+                    deepspeed_dtype=self._deepspeed_dtype,
+                    deepspeed_stage=self._deepspeed_stage,
+                )
+                if self.write_reports:
+                    from ..report.reporter import PrecisionReporter
+
+                    other.configure(
+                        reporter=PrecisionReporter.from_training_args(
+                            args,
+                            report_dir=self.report_dir,
+                            report_to=self.report_to,
+                            trainer=trainer,
+                        )
+                    )
+                self.trainer_guards[name] = other
+            other.verify(  # not the Trainer's wrapper: TRL prepares these in evaluation mode
+                f"{event}.{name}",
+                model=model,
+                wrapper=None if event == "on_init_end" else "auto",
+                step=step,
+            )
+
+    def _attach_rl(self, trainer: Any, guard: PrecisionGuard) -> None:
+        """The RL adapter of the Trainer's library (:data:`RL_ADAPTERS`): the contract and the
+        gap watch, once per Trainer (``rl="off"``: nothing)."""
+        if self.rl == "off":
+            return
+        if self.rl_watch is not None:
+            if self.rl_watch.trainer is trainer:
+                return
+            self.rl_watch.detach()
+            self.rl_watch = None
+        for name in _adapters(RL_ADAPTERS, trainer):
+            self.rl_watch = importlib.import_module(name).attach(trainer, guard, rl=self.rl)
+            return
+
+
+def check_rl(value: str, *, call: str) -> str:
+    if value not in RL_MODES:
+        raise PrecisionError(
+            f"{call}: rl={value!r} is not one of {', '.join(map(repr, RL_MODES))}. Fix: "
+            "rl='auto' (contract, gap, and match in fix mode), 'match', 'measure' or 'off'."
+        )
+    return value
+
+
+def _adapters(table: dict[str, str], trainer: Any) -> list[str]:
+    """The modules ``table`` names for the libraries in the Trainer's class hierarchy, the
+    Trainer's own class first (a LLaMA-Factory DPO trainer is a TRL DPOTrainer)."""
+    libraries = dict.fromkeys(c.__module__.split(".")[0] for c in type(trainer).__mro__)
+    return [table[library] for library in libraries if library in table]
+
+
+def trainer_watchers(trainer: Any, guard: PrecisionGuard) -> Any:
+    """The watchers the adapter of the Trainer's library puts on it (its ``watch_trainer``:
+    TRL's RL trainers get the sync integrity and gap attribution watchers), or ``None``."""
+    for name in _adapters(TRAINER_ADAPTERS, trainer):
+        watch = getattr(importlib.import_module(name), "watch_trainer", None)
+        if watch is not None:
+            return watch(trainer, guard)
+    return None
+
+
+def find_trainer(callback: object, bound: Any = None) -> tuple[Any, dict[str, Any]]:
+    """The Trainer whose event is running with ``callback`` among its callbacks (``bound``
+    when the launcher bound it, else read from the calling frames: a callback is given the
+    model, not the Trainer), and the arguments of its ``__init__`` while that runs (at
+    ``on_init_end``: models a subclass stores only after ``Trainer.__init__`` returns)."""
+    frame: FrameType | None = sys._getframe(1)
+    trainer: Any = bound
+    init_args: dict[str, Any] = {}
+    for _ in range(64):
+        if frame is None:
+            break
+        this = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if trainer is None:
+            handler = getattr(this, "callback_handler", None)
+            if callback in getattr(handler, "callbacks", ()):
+                trainer = this
+        if trainer is not None and this is trainer and frame.f_code.co_name == "__init__":
+            # the outermost __init__ (the subclass's) is read last and wins
+            init_args.update({k: v for k, v in frame.f_locals.items() if k != "self"})
+        frame = frame.f_back
+    return trainer, init_args
+
+
+def trainer_models(trainer: Any, init_args: dict[str, Any]) -> dict[str, nn.Module]:
+    """Ask the adapter of each library in the Trainer's class hierarchy (a LLaMA-Factory DPO
+    trainer is a TRL DPOTrainer) for the other models it runs."""
+    found: dict[str, nn.Module] = {}
+    for name in _adapters(TRAINER_ADAPTERS, trainer):
+        models = getattr(importlib.import_module(name), "trainer_models", None)
+        if models is not None:
+            found.update({k: v for k, v in models(trainer, init_args).items() if k not in found})
+    return found

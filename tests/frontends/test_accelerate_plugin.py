@@ -6,16 +6,25 @@ from __future__ import annotations
 import doctest
 import json
 import os
+import re
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from hf_precision import PrecisionError, PrecisionGuardPlugin, PrecisionPolicy, PrecisionWarning
 from hf_precision.engine.hooks import installed_guards
-from hf_precision.frontends.accelerate_checkpoint import POLICY_FILE, policy_from_checkpoint
+from hf_precision.frontends.accelerate_plugin import (
+    POLICY_FILE,
+    STATE_VERSION,
+    policy_from_checkpoint,
+)
+from hf_precision.frontends.frontend import GuardFrontEnd
+from hf_precision.frontends.steps import StepWatch
 from hf_precision.tiny import tiny_batch, tiny_llava
 
 
@@ -405,3 +414,162 @@ def test_the_console_line_says_where_the_policy_came_from_and_where_the_report_i
     assert lines[0].endswith(
         f", inferred from Accelerator(mixed_precision='bf16'); report: {tmp_path}/precision/"
     ), lines[0]
+
+
+def test_the_plugin_is_one_class_over_the_shared_base():
+    """No mixin halves: the optimizer step and the checkpoint are the plugin's own methods;
+    the per-step work is the StepWatch it holds."""
+    ours = [c for c in PrecisionGuardPlugin.__mro__ if c.__module__.startswith("hf_precision")]
+    assert ours == [PrecisionGuardPlugin, GuardFrontEnd]
+    for name in ("observe", "blame_next_step", "state_dict", "load_state_dict"):
+        assert name in vars(PrecisionGuardPlugin), name
+    assert isinstance(PrecisionGuardPlugin(report=False).step_watch, StepWatch)
+
+
+# ---------------------------------------------------------------- the policy in a checkpoint
+# the save/load round trip through a real accelerator.save_state is above
+
+
+def test_policy_from_checkpoint_reads_the_file_or_names_the_fix(tmp_path):
+    assert POLICY_FILE == "precision_policy.json"
+    with pytest.raises(PrecisionError, match="no precision_policy.json there. Fix:"):
+        policy_from_checkpoint(tmp_path)
+    policy = PrecisionPolicy.from_preset("bf16", keep_fp32=("lm_head",))
+    (tmp_path / POLICY_FILE).write_text(policy.to_json())
+    assert policy_from_checkpoint(tmp_path) == policy
+    assert policy_from_checkpoint(tmp_path / POLICY_FILE) == policy
+
+
+def test_state_dict_round_trip_and_an_unknown_state_refused():
+    plugin = PrecisionGuardPlugin("bf16", report=False)
+    plugin.steps = 7
+    state = plugin.state_dict()
+    assert state == {"version": STATE_VERSION, "policy": plugin.policy.to_dict(), "steps": 7}
+    other = PrecisionGuardPlugin("fp32", report=False)
+    with pytest.warns(PrecisionWarning, match="the checkpoint's policy .* replaces"):
+        other.load_state_dict(state)
+    assert other.policy == plugin.policy and other.steps == 7
+    with pytest.raises(PrecisionError, match=r"unknown state \['policy'\] \(version None\)"):
+        other.load_state_dict({"policy": state["policy"]})
+
+
+# ---------------------------------------------------------------- the optimizer step
+# the lost-update check on a real Accelerator loop, as the Trainer path runs it (#30 item 3:
+# trainable half weights under bf16 mixed precision become fp32, or are warned about with the
+# measured share)
+
+
+class Lora(nn.Module):
+    """A frozen base and a trainable adapter, all loaded in bf16 (diffusers' LoRA script under
+    ``--mixed_precision bf16`` upcasts its LoRA weights only under fp16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.base = nn.Linear(8, 8).to(torch.bfloat16).requires_grad_(False)
+        self.lora_A = nn.Linear(8, 2, bias=False).to(torch.bfloat16)
+        self.lora_B = nn.Linear(2, 8, bias=False).to(torch.bfloat16)
+        nn.init.normal_(self.lora_B.weight, std=0.1)  # peft starts it at zero: no lora_A grad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_B(self.lora_A(x))
+
+
+def _lora_loop(
+    said: Any, tmp_path: Path, plugin: PrecisionGuardPlugin, *models: nn.Module, trained: int = 0
+):
+    """Three real steps of AdamW at lr 1e-5 on ``models[trained]`` under bf16 mixed precision;
+    returns the warnings the loop raised."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16", project_dir=str(tmp_path))
+    model = models[trained]
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore")  # the finding goes through logging all the same
+        *prepared, optimizer = plugin.prepare(accelerator, *models, optimizer)
+        for _ in range(3):
+            with accelerator.autocast():
+                loss = prepared[trained](torch.randn(4, 8)).float().pow(2).mean()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    return said.about("updates lost")
+
+
+def _lost_section(tmp_path: Path) -> dict[str, Any]:
+    [path] = sorted((tmp_path / "precision").glob("*-lost_updates.json"))
+    return json.loads(path.read_text())["lost_updates"]
+
+
+def test_trainable_bf16_weights_become_fp32_and_lose_no_update(said, tmp_path):
+    model = Lora()
+    lost = _lora_loop(said, tmp_path, PrecisionGuardPlugin(), model)
+    assert model.lora_A.weight.dtype == model.lora_B.weight.dtype == torch.float32
+    assert model.base.weight.dtype == torch.bfloat16  # frozen: as loaded
+    section = _lost_section(tmp_path)
+    assert section["steps"] == 3 and section["counted"] > 0
+    assert {w["name"]: w["dtype"] for w in section["weights"]} == {
+        "lora_A.weight": "float32",
+        "lora_B.weight": "float32",
+    }
+    assert section["half_share"] == 0.0 and lost == []
+
+
+@pytest.mark.parametrize("policy, mode", [("bf16-true", None), (None, "audit")])
+def test_trainable_bf16_weights_kept_are_warned_with_the_measured_share(
+    said, tmp_path, policy, mode
+):
+    """The user's policy keeps them bf16 (or audit casts nothing): the plugin measures the first
+    three steps, as the Trainer path does, and says the fix in its own words."""
+    model = Lora()
+    plugin = PrecisionGuardPlugin(policy, mode=mode)
+    [line] = _lora_loop(said, tmp_path, plugin, model)
+    assert model.lora_A.weight.dtype == torch.bfloat16
+    section = _lost_section(tmp_path)
+    assert plugin.guards[0].sections["lost_updates"] == section
+    assert section["half_share"] > 0.5 and section["unchanged"] <= section["counted"]
+    share = re.search(r"(\d+)% of the sampled bfloat16 elements", line)
+    assert share and int(share.group(1)) == round(100 * section["half_share"])
+    assert "lora_A.weight" in line and "lora_B.weight" in line
+    assert "PrecisionGuardPlugin('bf16') in mode 'fix'" in line
+    assert "PrecisionGuardCallback" not in line  # not the Trainer's front end
+    lost = plugin.step_watch.lost
+    assert lost is not None and not lost.active  # hooks off after step 3
+
+
+def test_the_model_the_optimizer_trains_is_the_one_watched(said, tmp_path):
+    frozen, trained = nn.Linear(8, 8).requires_grad_(False), Lora()
+    plugin = PrecisionGuardPlugin("bf16-true")
+    _lora_loop(said, tmp_path, plugin, frozen, trained, trained=1)
+    assert "lost_updates" not in plugin.guards[0].sections
+    names = [w["name"] for w in plugin.guards[1].sections["lost_updates"]["weights"]]
+    assert names == ["lora_A.weight", "lora_B.weight"]
+
+
+def test_lost_updates_off_watches_nothing(said, tmp_path):
+    plugin = PrecisionGuardPlugin("bf16-true", lost_updates="off")
+    assert _lora_loop(said, tmp_path, plugin, Lora()) == []
+    assert plugin.step_watch.lost is None
+    assert not list((tmp_path / "precision").glob("*lost_updates*"))
+
+
+def test_under_fp16_trainable_half_weights_become_fp32_or_are_refused_before_casting():
+    """#30 item 3, fp16 as for the Trainer: the inferred policy holds the LoRA weights in fp32;
+    a policy that trains them in fp16 is refused before anything is cast (the GradScaler
+    would raise 'Attempting to unscale FP16 gradients')."""
+    from accelerate import Accelerator
+
+    model = Lora().to(torch.float16)
+    optimizer = torch.optim.AdamW([model.lora_A.weight, model.lora_B.weight], lr=1e-5)
+    plugin = PrecisionGuardPlugin(report=False)
+    plugin.prepare(Accelerator(cpu=True, mixed_precision="fp16"), model, optimizer)
+    assert model.lora_A.weight.dtype == model.lora_B.weight.dtype == torch.float32
+    assert model.base.weight.dtype == torch.float16
+    assert optimizer.param_groups[0]["params"][0] is model.lora_A.weight
+    kept = Lora().to(torch.float16)
+    with pytest.raises(PrecisionError, match="Attempting to unscale FP16 gradients"):
+        PrecisionGuardPlugin("fp16-true", report=False).prepare(
+            Accelerator(cpu=True, mixed_precision="fp16"), kept
+        )
+    assert kept.lora_A.weight.dtype == torch.float16  # nothing cast

@@ -1,3 +1,4 @@
+import importlib
 import json
 import re
 import sys
@@ -10,6 +11,9 @@ from peft import LoraConfig, get_peft_model
 
 from hf_precision import PrecisionError, PrecisionGuardCallback, PrecisionWarning
 from hf_precision.engine.hooks import installed_guards
+from hf_precision.frontends.callback import TRAINER_ADAPTERS, find_trainer, trainer_models
+from hf_precision.frontends.frontend import GuardFrontEnd
+from hf_precision.frontends.steps import StepWatch
 from hf_precision.tiny import tiny_batch, tiny_llava, tower_body
 
 LM_ATTN = r".*language_model.*\.(q_proj|v_proj)"
@@ -685,3 +689,77 @@ def test_a_plain_model_with_nothing_to_fix_is_guarded_quietly(make_trainer, capl
     assert not any("register_group_rule" in r.getMessage() for r in caplog.records)
     # the guard's own info line is one: the policy and the rule (reports log their tables)
     assert len([m for m in _said(caplog, "INFO") if m.startswith("hf-precision: policy ")]) == 1
+
+
+# ---------------------------------------------------------------- the step events
+# the first step's dtype trace, the lost-update check on the Trainer's own optimizer, and the
+# verify before an in-training evaluation, on a real Trainer
+
+
+def test_trace_lost_updates_and_the_evaluation_verify_on_a_real_trainer(make_trainer):
+    model = tiny_llava(seed=0)
+    callback = PrecisionGuardCallback("fp32", trace=True)
+    assert isinstance(callback.step_watch, StepWatch)
+    trainer = make_trainer(
+        model,
+        tiny_batch(model, 2),
+        callbacks=[callback],
+        max_steps=3,
+        eval_strategy="steps",
+        eval_steps=2,
+    )
+    trainer.train()
+    watch = callback.step_watch
+    assert callback.trace_result is not None and watch.tracer is None  # first step only
+    assert watch.lost is not None and not watch.lost.active  # three steps watched
+    assert watch.lost.root is model
+    events = [event for event, _ in callback.events]
+    # each in-training evaluation (step 2, and transformers' last step) verified before it
+    assert events.count("before_evaluate") == events.count("on_evaluate") >= 1
+    assert events.index("before_evaluate") == events.index("on_evaluate") - 1
+    folder = Path(trainer.args.output_dir) / "precision"
+    [lost] = folder.glob("*-lost_updates.json")
+    section = json.loads(lost.read_text())["lost_updates"]
+    assert section["steps"] == 3 and section["half_share"] == 0.0  # fp32: nothing to lose
+    assert callback.guard is not None and callback.guard.sections["lost_updates"] == section
+
+
+def test_off_watches_no_optimizer(make_trainer):
+    model = tiny_llava(seed=0)
+    callback = PrecisionGuardCallback("fp32", lost_updates="off")
+    make_trainer(model, tiny_batch(model, 2), callbacks=[callback], max_steps=1).train()
+    assert callback.step_watch.lost is None
+
+
+# ---------------------------------------------------------------- the Trainer's other models
+# the Trainer adapters table; TRL's models on a real DPO/GRPO Trainer are in
+# tests/integrations/test_trl_models.py and tests/test_trl.py
+
+
+def test_every_adapter_names_a_module_with_trainer_models():
+    for library, name in TRAINER_ADAPTERS.items():
+        assert name.startswith("hf_precision.integrations."), (library, name)
+        assert callable(importlib.import_module(name).trainer_models)
+
+
+def test_the_callback_is_one_class_over_the_shared_base():
+    """No mixin halves: the Trainer, its other models and the step events are the callback's
+    own methods; the per-step work is the StepWatch it holds."""
+    ours = [c for c in PrecisionGuardCallback.__mro__ if c.__module__.startswith("hf_precision")]
+    assert ours == [PrecisionGuardCallback, GuardFrontEnd]
+    for name in ("bind_trainer", "on_step_begin", "on_step_end", "on_log", "_attach_rl"):
+        assert name in vars(PrecisionGuardCallback), name
+
+
+def test_a_transformers_trainer_has_no_other_models_and_is_found_bound_or_in_frames(
+    make_trainer,
+):
+    model = tiny_llava()
+    callback = PrecisionGuardCallback("fp32", report=False)
+    trainer = make_trainer(model, tiny_batch(model), callbacks=[callback])
+    assert trainer_models(trainer, {}) == {}  # no adapter for transformers' own Trainer
+    assert find_trainer(callback, trainer)[0] is trainer  # bound (the launcher binds it)
+    assert find_trainer(callback, None)[0] is None  # no Trainer event running: no frame has it
+    callback.bind_trainer(trainer)
+    assert callback._trainer() is trainer  # a weak reference: no cycle keeps it alive
+    assert callback.trainer_guards == {}

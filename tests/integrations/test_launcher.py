@@ -79,16 +79,15 @@ def test_the_launcher_binds_its_trainer_without_frames(launched, make_trainer, m
     the callback finds it with no frame holding it (frames stay the fallback of hand-added
     callbacks)."""
     from hf_precision.frontends import callback as callback_module
-    from hf_precision.frontends import trainer_adapters
 
     model = _split_llava()
     trainer = make_trainer(model, tiny_batch(model))
     [cb] = _guards(trainer)
     assert cb._trainer() is trainer
-    monkeypatch.setattr(trainer_adapters.sys, "_getframe", lambda depth=0: None)
-    found, _ = callback_module._find_trainer(cb, cb._trainer())
+    monkeypatch.setattr(callback_module.sys, "_getframe", lambda depth=0: None)
+    found, _ = callback_module.find_trainer(cb, cb._trainer())
     assert found is trainer
-    assert callback_module._find_trainer(PrecisionGuardCallback(), None)[0] is None
+    assert callback_module.find_trainer(PrecisionGuardCallback(), None)[0] is None
 
 
 def test_trainer_signature_is_kept(launched):

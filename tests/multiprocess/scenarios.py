@@ -87,7 +87,7 @@ def plain_loop(out: Path) -> dict[str, Any]:
     from accelerate import Accelerator
 
     from hf_precision import PrecisionGuardPlugin, dtype_map
-    from hf_precision.frontends.accelerate_checkpoint import POLICY_FILE
+    from hf_precision.frontends.accelerate_plugin import POLICY_FILE
 
     accelerator = Accelerator(cpu=True, mixed_precision="bf16", project_dir=str(out))
     model = split_llava()

@@ -73,7 +73,7 @@ def test_a_bf16_full_fine_tune_is_warned_with_its_measured_share(
     half = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert section["fp32_cost_bytes"] == {"weights": 2 * half, "with_grads_and_adamw": 8 * half}
     # the hooks are off after the third step
-    assert callback._lost is not None and not callback._lost.active
+    assert callback.step_watch.lost is not None and not callback.step_watch.lost.active
 
 
 def _the_finding_is_reported(trainer, line: str, section: dict) -> None:
@@ -109,7 +109,7 @@ def test_an_fp32_control_run_loses_nothing_and_says_nothing(make_trainer, said):
 
 def test_off_watches_nothing(make_trainer, said):
     trainer, callback, _, lost = _train(make_trainer, said, torch.bfloat16, lost_updates="off")
-    assert lost == [] and callback._lost is None
+    assert lost == [] and callback.step_watch.lost is None
     assert not list((Path(trainer.args.output_dir) / "precision").glob("*-lost_updates.json"))
     with pytest.raises(PrecisionError, match="lost_updates='maybe'"):
         PrecisionGuardCallback(lost_updates="maybe")  # type: ignore[arg-type]
