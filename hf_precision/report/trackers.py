@@ -3,7 +3,7 @@
 tracker's run or writer exists) and one table (:data:`TRACKERS`) from the name ``report_to`` /
 ``log_with`` uses to the module that adapts it.
 
-A tracker module (``report_wandb``, ``report_tensorboard``) is imported only when its tracker
+A tracker module (``wandb_tracker``, ``tensorboard_tracker``) is imported only when its tracker
 is asked for, and defines:
 
 * ``Sink(source)``: the :class:`Tracker`; ``source()`` returns the tracker's live object (the
@@ -44,8 +44,8 @@ from .snapshot import EventSnapshot
 
 #: tracker name (as in ``report_to`` / ``log_with``) -> its module in ``hf_precision.report``
 TRACKERS: dict[str, str] = {
-    "wandb": "report_wandb",
-    "tensorboard": "report_tensorboard",
+    "wandb": "wandb_tracker",
+    "tensorboard": "tensorboard_tracker",
 }
 
 
@@ -80,8 +80,10 @@ class Tracker(Protocol):
     #: ``False`` once it said why it cannot log (then it logs nothing more)
     enabled: bool
 
-    def submit(self, payload: TrackerPayload, *, first_event: bool) -> None:
-        """Log now when the run/writer exists, otherwise keep the payload for later."""
+    def submit(self, payload: TrackerPayload, *, may_warn_no_run: bool) -> None:
+        """Log now when the run/writer exists, otherwise keep the payload for later;
+        ``may_warn_no_run``: whether a missing run may be said now (a dtype-map event after
+        the first), or waits quietly for the script's run (a finding made before it starts)."""
         ...
 
     def flush(self) -> None:
