@@ -78,7 +78,7 @@ def rl_llama(dtype: torch.dtype | None = torch.bfloat16, seed: int = 0, **config
         bos_token_id=tok.bos_token_id,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**{**defaults, **config}))
+    model: Any = LlamaForCausalLM(LlamaConfig(**{**defaults, **config}))
     return (model if dtype is None else model.to(dtype)), tok
 
 
