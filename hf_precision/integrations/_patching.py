@@ -1,7 +1,7 @@
 """Wrapping a class's own methods once, and putting them back: the patches the start-up hook
 applies to ``Trainer`` (:mod:`.launcher`), ``Accelerator`` (:mod:`.accelerate_hook`) and
-OneTrainer's ``GenericTrainer`` (:mod:`.onetrainer`). Not an adapter: it imports nothing, and
-the adapters that patch a class import it.
+OneTrainer's ``GenericTrainer`` (:mod:`.onetrainer`). Not an adapter: it imports nothing of
+the package, and the adapters that patch a class import it.
 
 A wrapper is marked (:data:`WRAPPED_ATTR`), so a second patch of the same class is a no-op
 and an unpatch undoes only what was wrapped here (``functools.wraps`` keeps the original in
