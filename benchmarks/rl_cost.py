@@ -21,57 +21,35 @@ import time
 import warnings
 from typing import Any
 
-import torch
-
 from .common import Figure, interleave, param_count, ratio_figure, smoke
 
 FAMILY = "rl"
 
 
-def _reward(completions: list[Any], **kwargs: Any) -> list[float | None]:
-    return [float(len(str(c))) for c in completions]
-
-
 def _trainer(quick: bool, out: str) -> Any:
-    import trl
-    from datasets import Dataset
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from hf_precision.tiny.rl import rl_llama, text_prompts, tiny_grpo
 
-    from hf_precision.tiny import tiny_llava_processor
-
-    tok = tiny_llava_processor().tokenizer
     size = 32 if quick else 384
-    config = LlamaConfig(
-        vocab_size=len(tok),
+    model, tok = rl_llama(
+        None,  # fp32
         hidden_size=size,
         intermediate_size=4 * size,
         num_hidden_layers=2 if quick else 8,
         num_attention_heads=4,
         num_key_value_heads=2,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.bos_token_id,
+        max_position_embeddings=2048,
     )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    args = trl.GRPOConfig(
-        output_dir=out,
-        use_cpu=True,
+    return tiny_grpo(
+        out,
+        model,
+        train_dataset=text_prompts(8),
+        processing_class=tok,
         bf16=False,
         per_device_train_batch_size=4,
         num_generations=4,
         max_completion_length=4 if quick else 16,
-        beta=0.0,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
+        max_steps=-1,
     )
-    data = Dataset.from_dict({"prompt": ["a red square", "a blue circle"] * 4})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return trl.GRPOTrainer(
-            model=model, reward_funcs=[_reward], args=args, train_dataset=data, processing_class=tok
-        )
 
 
 def run(quick: bool = False, reps: int | None = None) -> list[Figure]:

@@ -28,33 +28,13 @@ from typing import Any
 import torch
 
 
-def _reward(completions: list[Any], **kwargs: Any) -> list[float | None]:
-    """Longer completions score higher (a local reward function, no reward model)."""
-    return [float(len(str(c))) for c in completions]
-
-
-def _data() -> Any:
-    from datasets import Dataset
-
-    from hf_precision.tiny.data import shape_image
-
-    ask = [{"type": "image"}, {"type": "text", "text": "what is in the image ?"}]
-    pairs = [("circle", "red"), ("square", "blue"), ("triangle", "green"), ("circle", "yellow")]
-    return Dataset.from_list(
-        [
-            {"prompt": [{"role": "user", "content": ask}], "image": shape_image(s, c)}
-            for s, c in pairs
-        ]
-    )
-
-
 def run_one(setup: str, rl: str, *, device: str, steps: int, tokens: int) -> dict[str, Any]:
     """One GRPO run of ``steps`` steps (one generation each); its contract and gap."""
-    import trl
     from peft import LoraConfig
 
     from hf_precision import PrecisionGuardCallback
-    from hf_precision.tiny import tiny_llava, tiny_llava_processor
+    from hf_precision.tiny import tiny_llava
+    from hf_precision.tiny.rl import image_prompts, tiny_grpo
 
     torch.manual_seed(0)
     model = tiny_llava(torch.bfloat16 if setup == "lora" else torch.float32)
@@ -63,29 +43,18 @@ def run_one(setup: str, rl: str, *, device: str, steps: int, tokens: int) -> dic
     )
     with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        args = trl.GRPOConfig(
-            output_dir=out,
+        cb = PrecisionGuardCallback(rl=rl)
+        trainer = tiny_grpo(
+            out,
+            model,
+            callbacks=[cb],
+            peft_config=peft if setup == "lora" else None,
+            train_dataset=image_prompts(4),
             use_cpu=device == "cpu",
-            bf16=True,
             per_device_train_batch_size=4,
-            num_generations=2,
             max_completion_length=tokens,
             max_steps=steps,
-            beta=0.0,
-            report_to=[],
-            save_strategy="no",
-            disable_tqdm=True,
             seed=0,
-        )
-        cb = PrecisionGuardCallback(rl=rl)
-        trainer = trl.GRPOTrainer(
-            model=model,
-            reward_funcs=[_reward],
-            args=args,
-            train_dataset=_data(),
-            processing_class=tiny_llava_processor(),
-            peft_config=peft if setup == "lora" else None,
-            callbacks=[cb],
         )
         start = time.perf_counter()
         trainer.train()

@@ -198,50 +198,15 @@ def collate(rows: list[tuple[torch.Tensor, str]], tokenize: Tokenize) -> dict[st
 
 def tiny_models(resolution: int, seed: int) -> dict[str, Any]:
     """UNet2DConditionModel + AutoencoderKL + CLIPTextModel from tiny configs (~100k params)."""
-    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from diffusers import DDPMScheduler
 
-    torch.manual_seed(seed)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        block_out_channels=(8, 16),
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        norm_num_groups=4,
-        layers_per_block=1,
-        sample_size=resolution,
-    )
-    unet = UNet2DConditionModel(
-        sample_size=resolution // 2,
-        in_channels=4,
-        out_channels=4,
-        layers_per_block=1,
-        block_out_channels=(8, 16),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=16,
-        attention_head_dim=4,
-        norm_num_groups=4,
-    )
-    text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(WORDS),
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            max_position_embeddings=8,
-            bos_token_id=0,
-            eos_token_id=1,
-            pad_token_id=0,
-        )
-    )
+    from hf_precision.tiny.diffusion import tiny_text_encoder, tiny_unet, tiny_vae
+
+    torch.manual_seed(seed)  # one seed for the three, drawn in this order
     return {
-        "unet": unet,
-        "vae": vae,
-        "text_encoder": text_encoder,
+        "vae": tiny_vae(seed=None, sample_size=resolution),
+        "unet": tiny_unet(seed=None, sample_size=resolution // 2),
+        "text_encoder": tiny_text_encoder(seed=None, vocab_size=len(WORDS)),
         "tokenize": Tokenize(),
         "scheduler": DDPMScheduler(num_train_timesteps=100),
     }

@@ -130,6 +130,31 @@ def make_trainer(tiny_args: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @pytest.fixture
+def lora_llama() -> Callable[..., Any]:
+    """``lora_llama(dtype=torch.bfloat16)``: a one-layer Llama (vocabulary 64, 32 wide) in
+    ``dtype`` with LoRA (r=4) on ``q_proj``/``v_proj``, the adapters as after some training
+    (``init_lora_weights=False``) and fp32 (PEFT's ``autocast_adapter_dtype``)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def build(dtype: torch.dtype = torch.bfloat16) -> Any:
+        config = LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+        torch.manual_seed(0)
+        base = LlamaForCausalLM(config).to(dtype)
+        lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        return get_peft_model(base, lora)
+
+    return build
+
+
+@pytest.fixture
 def hub_404() -> Any:
     """A Hub endpoint that answers, and knows no repository (as huggingface.co answers an
     unknown id): a local HTTP server on a free port."""

@@ -13,6 +13,7 @@ from peft import LoraConfig
 from hf_precision import PrecisionGuardCallback
 from hf_precision.tiny import tiny_llava, tiny_llava_processor
 from hf_precision.tiny.data import shape_image
+from hf_precision.tiny.rl import rl_llama, text_prompts, tiny_grpo
 
 trl = pytest.importorskip("trl", reason="TRL is in the 'integrations' test extra")
 LM_ATTN = r".*language_model.*\.(q_proj|v_proj)"
@@ -159,61 +160,25 @@ def test_dpo_trainer_on_a_split_vlm_fails_without_the_guard_and_trains_with_it(t
 # ---------------------------------------------------------------------- GRPO's fp32 lm_head
 
 
-def _length_reward(completions: list[Any], **kwargs: Any) -> list[float]:
-    """A local reward function: longer completions score higher (no reward model)."""
-    return [float(len(c)) for c in completions]
-
-
 def test_grpo_cast_lm_head_to_fp32_keeps_the_head_fp32(tmp_path: Any):
     """TRL's ``cast_lm_head_to_fp32=True`` casts ``lm_head`` to fp32 after the Trainer's
     ``on_init_end``; with the LM frozen under LoRA, rule 5 ("fp32 shared by the whole group")
     cast it back to bf16 at ``on_train_begin``. The callback reads the flag from the trainer's
     arguments: the head is kept (rule ``deliberate_fp32``, its reason naming TRL), bit for bit."""
-    from datasets import Dataset
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = tiny_llava_processor().tokenizer
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.bos_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    args = trl.GRPOConfig(
-        output_dir=str(tmp_path / "grpo"),
-        use_cpu=True,
-        bf16=True,
-        per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=4,
-        max_steps=1,
-        beta=0.0,
-        cast_lm_head_to_fp32=True,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
+    model, tok = rl_llama()
     cb = PrecisionGuardCallback()
+    trainer = tiny_grpo(
+        tmp_path / "grpo",
+        model,
+        callbacks=[cb],
+        peft_config=LoraConfig(r=2, target_modules=["q_proj", "v_proj"]),
+        train_dataset=text_prompts(4),
+        processing_class=tok,
+        max_completion_length=4,
+        cast_lm_head_to_fp32=True,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        trainer = trl.GRPOTrainer(
-            model=model,
-            reward_funcs=[_length_reward],
-            args=args,
-            train_dataset=Dataset.from_dict({"prompt": ["a red square", "a blue circle"] * 2}),
-            processing_class=tok,
-            peft_config=LoraConfig(r=2, target_modules=["q_proj", "v_proj"]),
-            callbacks=[cb],
-        )
         head = trainer.model.base_model.model.lm_head.weight
         assert head.dtype == torch.float32 and not head.requires_grad  # TRL's cast
         exact = head.detach().clone()

@@ -10,6 +10,7 @@ and are traced inline inside a compiled caller: no graph break (``tests/engine/t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -331,33 +332,38 @@ def _first_dtype(value: Any) -> torch.dtype:
     return torch.float32
 
 
-def install_exit(module: nn.Module, st: ExitState) -> bool:
-    old: ExitState | None = module.__dict__.get(EXIT_ATTR)
-    if old is not None:
-        st.handle = old.handle
-        module.__dict__[EXIT_ATTR] = st
-        return False
-    st.handle = module.register_forward_hook(exit_hook)
-    module.__dict__[EXIT_ATTR] = st
-    return True
+def _install(module: nn.Module, attr: str, st: Any, register: Callable[[], Any]) -> bool:
+    """Keep ``st`` under ``attr`` on the module; an existing hook keeps its handle (the state is
+    updated), otherwise ``register()`` adds one. True when a new hook was added."""
+    old = module.__dict__.get(attr)
+    st.handle = register() if old is None else old.handle
+    module.__dict__[attr] = st
+    return old is None
 
 
-def uninstall_exit(module: nn.Module) -> None:
-    st: ExitState | None = module.__dict__.pop(EXIT_ATTR, None)
+def _uninstall(module: nn.Module, attr: str) -> None:
+    st = module.__dict__.pop(attr, None)
     if st is not None and st.handle is not None:
         st.handle.remove()
 
 
+def install_exit(module: nn.Module, st: ExitState) -> bool:
+    """Install or update the exit hook of one module; True when a new hook was added."""
+    return _install(module, EXIT_ATTR, st, lambda: module.register_forward_hook(exit_hook))
+
+
+def uninstall_exit(module: nn.Module) -> None:
+    _uninstall(module, EXIT_ATTR)
+
+
 def install_hook(module: nn.Module, st: GuardState) -> bool:
     """Install or update the hook of one module; True when a new hook was added."""
-    old: GuardState | None = module.__dict__.get(GUARD_ATTR)
-    if old is not None:
-        st.handle = old.handle
-        module.__dict__[GUARD_ATTR] = st
-        return False
-    st.handle = module.register_forward_pre_hook(guard_hook, with_kwargs=True)
-    module.__dict__[GUARD_ATTR] = st
-    return True
+    return _install(
+        module,
+        GUARD_ATTR,
+        st,
+        lambda: module.register_forward_pre_hook(guard_hook, with_kwargs=True),
+    )
 
 
 _EAGER_ALONE: list[bool] = []  # eager_when_compiled_alone ran (once per process)
@@ -374,6 +380,4 @@ def eager_hooks() -> None:
 
 
 def uninstall_hook(module: nn.Module) -> None:
-    st: GuardState | None = module.__dict__.pop(GUARD_ATTR, None)
-    if st is not None and st.handle is not None:
-        st.handle.remove()
+    _uninstall(module, GUARD_ATTR)

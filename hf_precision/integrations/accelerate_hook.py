@@ -50,11 +50,11 @@ import weakref
 from typing import Any
 
 from . import autostart, framework_runs
+from ._patching import WRAPPED_ATTR, is_wrapped, patch_class_in, unwrap_methods, wrap_method
 
 #: set on an ``Accelerator`` a ``Trainer`` built (its prepare passes straight through)
 TRAINER_ATTR = "_hf_precision_trainer_accelerator"
 PLUGIN_ATTR = "_hf_precision_plugin"
-_WRAPPED_ATTR = "_hf_precision_wrapped"
 PIPELINE_EVENT = "validation_pipeline"
 LOAD_EVENT = "load_pipeline"
 HELD_EVENT = "held_models"
@@ -105,7 +105,6 @@ def _wrap_init(init: Any) -> Any:
         _current[:] = [weakref.ref(self)]
         track_models()
 
-    setattr(__init__, _WRAPPED_ATTR, True)
     return __init__
 
 
@@ -130,7 +129,7 @@ def _wrap_prepare(prepare: Any) -> Any:
         setattr(self, _PENDING_ATTR, True)
         return result
 
-    setattr(wrapped, _WRAPPED_ATTR, True)
+    wrapped.__signature__ = inspect.signature(prepare)  # type: ignore[attr-defined]
     return wrapped
 
 
@@ -160,7 +159,6 @@ def _wrap_loop_start(method: Any) -> Any:
             guard_held(self)
         return method(self, *args, **kwargs)
 
-    setattr(wrapped, _WRAPPED_ATTR, True)
     return wrapped
 
 
@@ -305,7 +303,7 @@ def _announce(
 # ----------------------------------------------------------------------- models and pipelines
 def _wrap_classmethod(cls: Any, after: Any) -> None:
     method = cls.__dict__.get("from_pretrained")
-    if method is None or getattr(getattr(method, "__func__", None), _WRAPPED_ATTR, False):
+    if method is None or is_wrapped(getattr(method, "__func__", None)):
         return
     func = method.__func__
 
@@ -316,7 +314,7 @@ def _wrap_classmethod(cls: Any, after: Any) -> None:
             after(obj)
         return obj
 
-    setattr(from_pretrained, _WRAPPED_ATTR, True)
+    setattr(from_pretrained, WRAPPED_ATTR, True)
     cls.from_pretrained = classmethod(from_pretrained)
 
 
@@ -428,37 +426,24 @@ def guard_as_loaded(comps: dict[str, Any], accelerator: Any, event: str) -> Any:
 
 # ----------------------------------------------------------------------- the module patch
 def patch_accelerator(accelerator_cls: Any) -> bool:
-    """Wrap ``Accelerator.__init__`` and ``prepare``; idempotent. Returns whether it patched."""
-    init = accelerator_cls.__dict__.get("__init__")
-    if init is None or getattr(init, _WRAPPED_ATTR, False):
+    """Wrap ``Accelerator.__init__``, ``prepare``, ``accumulate`` and ``backward``;
+    idempotent. Returns whether it patched."""
+    if not wrap_method(accelerator_cls, "__init__", _wrap_init):
         return False
-    accelerator_cls.__init__ = _wrap_init(init)
-    prepare = accelerator_cls.__dict__["prepare"]
-    accelerator_cls.prepare = _wrap_prepare(prepare)
-    accelerator_cls.prepare.__signature__ = inspect.signature(prepare)
-    for name in ("accumulate", "backward"):
-        method = accelerator_cls.__dict__.get(name)
-        if method is not None:
-            setattr(accelerator_cls, name, _wrap_loop_start(method))
+    wrap_method(accelerator_cls, "prepare", _wrap_prepare)
+    wrap_method(accelerator_cls, "accumulate", _wrap_loop_start)
+    wrap_method(accelerator_cls, "backward", _wrap_loop_start)
     return True
 
 
 def unpatch_accelerator(accelerator_cls: Any) -> bool:
     """Undo :func:`patch_accelerator`."""
-    undone = False
-    for name in ("__init__", "prepare", "accumulate", "backward"):
-        fn = accelerator_cls.__dict__.get(name)
-        if fn is not None and getattr(fn, _WRAPPED_ATTR, False):
-            setattr(accelerator_cls, name, fn.__wrapped__)
-            undone = True
-    return undone
+    return unwrap_methods(accelerator_cls, "__init__", "prepare", "accumulate", "backward")
 
 
 def patch_accelerator_module(module: Any) -> None:
     """What the import hook calls once ``accelerate.accelerator`` is executed."""
-    cls = getattr(module, "Accelerator", None)
-    if cls is not None:
-        patch_accelerator(cls)
+    patch_class_in(module, "Accelerator", patch_accelerator)
 
 
 __all__ = [

@@ -57,6 +57,7 @@ import threading
 from typing import Any
 
 from . import autostart
+from ._patching import patch_class_in, unwrap_methods, wrap_method
 from .launch_config import (
     ENV_GUARD,
     ENV_TOOL,
@@ -65,9 +66,6 @@ from .launch_config import (
     parse_keep_fp32,
     tool_name,
 )
-
-_WRAPPED_ATTR = "_hf_precision_wrapped"
-
 
 # ----------------------------------------------------------------------- the Trainer patch
 _state = threading.local()
@@ -142,7 +140,6 @@ def _wrap_init(init: Any) -> Any:
         if cb is not None:
             _announce(self, cb, config)
 
-    setattr(__init__, _WRAPPED_ATTR, True)
     return __init__
 
 
@@ -163,22 +160,17 @@ def _wrap_add_callback(add: Any) -> Any:
                         cb.handle.remove()
         return add(self, callback)
 
-    setattr(add_callback, _WRAPPED_ATTR, True)
     return add_callback
 
 
 def patch_trainer(trainer_cls: Any) -> bool:
     """Wrap ``trainer_cls.__init__`` (``transformers.Trainer``) so that every Trainer built
     while ``HF_PRECISION_GUARD`` is on gets the guard; idempotent. Returns whether it patched."""
-    init = trainer_cls.__dict__.get("__init__")
-    if init is None or getattr(init, _WRAPPED_ATTR, False):
+    if not wrap_method(trainer_cls, "__init__", _wrap_init):
         return False
-    trainer_cls.__init__ = _wrap_init(init)
     from transformers.trainer_callback import CallbackHandler
 
-    add = CallbackHandler.__dict__["add_callback"]
-    if not getattr(add, _WRAPPED_ATTR, False):
-        setattr(CallbackHandler, "add_callback", _wrap_add_callback(add))  # noqa: B010
+    wrap_method(CallbackHandler, "add_callback", _wrap_add_callback)
     return True
 
 
@@ -186,20 +178,13 @@ def unpatch_trainer(trainer_cls: Any) -> bool:
     """Undo :func:`patch_trainer` (the original ``__init__`` and ``add_callback`` back)."""
     from transformers.trainer_callback import CallbackHandler
 
-    undone = False
-    for cls, name in ((trainer_cls, "__init__"), (CallbackHandler, "add_callback")):
-        fn = cls.__dict__.get(name)
-        if fn is not None and getattr(fn, _WRAPPED_ATTR, False):
-            setattr(cls, name, fn.__wrapped__)
-            undone = True
-    return undone
+    undone = unwrap_methods(trainer_cls, "__init__")
+    return unwrap_methods(CallbackHandler, "add_callback") or undone
 
 
 def patch_trainer_module(module: Any) -> None:
     """What the import hook calls once ``transformers.trainer`` is executed."""
-    trainer = getattr(module, "Trainer", None)
-    if trainer is not None:
-        patch_trainer(trainer)
+    patch_class_in(module, "Trainer", patch_trainer)
 
 
 def install(policy: str | None = None, **env: str) -> None:

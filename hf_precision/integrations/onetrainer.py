@@ -48,12 +48,12 @@ import torch
 from torch import nn
 
 from . import autostart
+from ._patching import patch_class_in, wrap_method
 
 logger = logging.getLogger("hf_precision")
 
 #: the module the start-up hook waits for (:data:`.autostart.HOOKS`)
 TARGET = "modules.trainer.GenericTrainer"
-_WRAPPED_ATTR = "_hf_precision_wrapped"
 GUARD_ATTR = "_hf_precision_onetrainer"
 TOOL = "OneTrainer"
 
@@ -307,24 +307,17 @@ def _wrap_start(start: Any) -> Any:
             guard_trainer(self)
         return result
 
-    setattr(wrapped, _WRAPPED_ATTR, True)
     return wrapped
 
 
 def patch_generic_trainer(cls: Any) -> bool:
     """Wrap ``GenericTrainer.start`` (idempotent); returns whether it patched."""
-    start = cls.__dict__.get("start")
-    if start is None or getattr(start, _WRAPPED_ATTR, False):
-        return False
-    cls.start = _wrap_start(start)
-    return True
+    return wrap_method(cls, "start", _wrap_start)
 
 
 def patch_generic_trainer_module(module: Any) -> None:
     """What the import hook calls once ``modules.trainer.GenericTrainer`` is executed."""
-    cls = getattr(module, "GenericTrainer", None)
-    if cls is not None:
-        patch_generic_trainer(cls)
+    patch_class_in(module, "GenericTrainer", patch_generic_trainer)
 
 
 __all__ = [

@@ -296,16 +296,16 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
                 )
         self.files.append_log(snap.text())
         if self.trackers:
-            self._submit(event_payload(snap, png_path), first_event=snap.first)
+            self._submit(event_payload(snap, png_path), may_warn_no_run=not snap.first)
 
-    def _submit(self, payload: Any, *, first_event: bool = True) -> None:
+    def _submit(self, payload: Any, *, may_warn_no_run: bool = False) -> None:
         """To every tracker; a tracker's own errors warn once, the files still go on. Only a
-        dtype-map event after the first (``first_event=False``) may say that no tracker run is
-        active: a finding made before the script's run starts (at ``on_init_end``, before
+        dtype-map event after the first (``may_warn_no_run=True``) may say that no tracker run
+        is active: a finding made before the script's run starts (at ``on_init_end``, before
         ``WandbCallback`` makes the run) waits for it quietly."""
         for name, tracker in self.trackers.items():
             try:
-                tracker.submit(payload, first_event=first_event)
+                tracker.submit(payload, may_warn_no_run=may_warn_no_run)
             except Exception as err:
                 tracker.enabled = False  # said once below; the files go on
                 self._failed(

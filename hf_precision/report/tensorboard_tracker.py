@@ -123,7 +123,7 @@ class TensorBoardSink:
                     stacklevel=4,
                 )
 
-    def submit(self, payload: TrackerPayload, *, first_event: bool) -> None:
+    def submit(self, payload: TrackerPayload, *, may_warn_no_run: bool) -> None:
         """Log now when the writer exists, otherwise keep the payload for later."""
         if not self.enabled:
             return

@@ -80,8 +80,10 @@ class Tracker(Protocol):
     #: ``False`` once it said why it cannot log (then it logs nothing more)
     enabled: bool
 
-    def submit(self, payload: TrackerPayload, *, first_event: bool) -> None:
-        """Log now when the run/writer exists, otherwise keep the payload for later."""
+    def submit(self, payload: TrackerPayload, *, may_warn_no_run: bool) -> None:
+        """Log now when the run/writer exists, otherwise keep the payload for later;
+        ``may_warn_no_run``: whether a missing run may be said now (a dtype-map event after
+        the first), or waits quietly for the script's run (a finding made before it starts)."""
         ...
 
     def flush(self) -> None:

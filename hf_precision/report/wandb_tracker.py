@@ -143,7 +143,7 @@ class WandbSink:
             return _UNREACHABLE
 
     # ------------------------------------------------------------------ API
-    def submit(self, payload: WandbPayload, *, first_event: bool) -> None:
+    def submit(self, payload: WandbPayload, *, may_warn_no_run: bool) -> None:
         """Log now when a run exists, otherwise keep the payload for later."""
         if not self.enabled:
             return
@@ -155,7 +155,7 @@ class WandbSink:
             if len(self.pending) > MAX_PENDING:
                 self.pending.pop(0)
                 self.dropped_pending += 1
-            if not first_event and not self._warned_no_run:
+            if may_warn_no_run and not self._warned_no_run:
                 self._warned_no_run = True
                 warnings.warn(
                     "hf-precision W&B report: 'wandb' was asked for but no W&B run is active, so "

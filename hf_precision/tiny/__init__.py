@@ -4,6 +4,7 @@
 - :mod:`.remote_layouts`: plain-torch copies of remote-code layouts (MiniCPM-V 2.x, OmniLMM,
   InternLM-XComposer, InternVL-Chat, XTuner's LLaVA, DeepSeek-VL) with their real dtype bugs.
 - :mod:`.diffusion`: a OneTrainer-style denoiser and its fp32-mask collator.
+- :mod:`.rl`: a real ``trl.GRPOTrainer`` on a tiny model, its prompts and reward function.
 - :mod:`.matrix`: the family × setup matrix of ``docs/matrix.md`` (``python -m
   hf_precision.tiny.matrix`` regenerates the installed transformers' column).
 

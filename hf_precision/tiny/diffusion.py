@@ -127,16 +127,24 @@ def onetrainer_batch(
 
 
 # ------------------------------------------------------------------ tiny diffusers components
-# (diffusers is imported lazily: it is an optional dependency, from the `recipes` extra)
+# (diffusers is imported lazily: it is an optional dependency, from the `recipes` extra).
+# ``seed=None`` draws the weights from the global generator as it stands: several parts built
+# in turn after one ``torch.manual_seed`` (a pipeline, the diffusion recipe).
 
 
-def tiny_unet(in_channels: int = 4, seed: int = 0) -> Any:
-    """A frozen ~20k-parameter ``UNet2DConditionModel`` (8×8 latents, 16-dim text states)."""
+def _seed(seed: int | None) -> None:
+    if seed is not None:
+        torch.manual_seed(seed)
+
+
+def tiny_unet(in_channels: int = 4, seed: int | None = 0, sample_size: int = 8) -> Any:
+    """A frozen ~20k-parameter ``UNet2DConditionModel`` (``sample_size``² latents, 8×8 by
+    default; 16-dim text states)."""
     from diffusers import UNet2DConditionModel
 
-    torch.manual_seed(seed)
+    _seed(seed)
     unet: Any = UNet2DConditionModel(
-        sample_size=8,
+        sample_size=sample_size,
         in_channels=in_channels,
         out_channels=4,
         layers_per_block=1,
@@ -150,11 +158,12 @@ def tiny_unet(in_channels: int = 4, seed: int = 0) -> Any:
     return unet.requires_grad_(False)
 
 
-def tiny_vae(seed: int = 0) -> Any:
-    """A frozen tiny ``AutoencoderKL`` (16×16 RGB <-> 4×8×8 latents)."""
+def tiny_vae(seed: int | None = 0, sample_size: int = 16) -> Any:
+    """A frozen tiny ``AutoencoderKL`` (``sample_size``² RGB <-> 4 latent channels at half the
+    size: 16×16 <-> 4×8×8 by default)."""
     from diffusers import AutoencoderKL
 
-    torch.manual_seed(seed)
+    _seed(seed)
     vae: Any = AutoencoderKL(
         in_channels=3,
         out_channels=3,
@@ -164,16 +173,17 @@ def tiny_vae(seed: int = 0) -> Any:
         up_block_types=("UpDecoderBlock2D",) * 2,
         norm_num_groups=4,
         layers_per_block=1,
-        sample_size=16,
+        sample_size=sample_size,
     )
     return vae.requires_grad_(False)
 
 
-def tiny_text_encoder(cls: Any = None, seed: int = 0) -> Any:
+def tiny_text_encoder(cls: Any = None, seed: int | None = 0, **config_overrides: Any) -> Any:
     """A frozen one-layer CLIP text encoder (16-dim states); ``cls`` picks e.g.
-    ``CLIPTextModelWithProjection``."""
+    ``CLIPTextModelWithProjection``; ``config_overrides`` change its ``CLIPTextConfig``
+    (``vocab_size=64``)."""
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    torch.manual_seed(seed)
-    config = CLIPTextConfig(**fragment_kwargs("clip_text_16"))
+    _seed(seed)
+    config = CLIPTextConfig(**{**fragment_kwargs("clip_text_16"), **config_overrides})
     return (cls or CLIPTextModel)(config).requires_grad_(False)

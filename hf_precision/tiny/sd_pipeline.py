@@ -16,8 +16,6 @@ from typing import Any
 
 import torch
 
-from .vlm import fragment_kwargs
-
 _SPECIAL = ("<|startoftext|>", "<|endoftext|>")
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -37,30 +35,49 @@ def _tokenizer(folder: Path, max_length: int = 8) -> Any:
     )
 
 
+def _save(pipeline_cls: Any, path: str | Path, **parts: Any) -> Path:
+    """``pipeline_cls(**parts)`` without a safety checker, saved under ``path``."""
+    pipe: Any = pipeline_cls(
+        **parts, safety_checker=None, feature_extractor=None, requires_safety_checker=False
+    )
+    pipe.save_pretrained(path)
+    return Path(path)
+
+
+def _sd_vae(norm_num_groups: int) -> Any:
+    """An ``AutoencoderKL`` with SD's four blocks, 8 wide: 64×64 RGB <-> 4×8×8 latents (the
+    factor 8 trainers hard-code); weights from the global generator as it stands."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        latent_channels=4,
+        block_out_channels=(8, 8, 8, 8),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        norm_num_groups=norm_num_groups,
+        layers_per_block=1,
+        sample_size=64,
+    )
+
+
 def save_tiny_sd_pipeline(path: str | Path, seed: int = 0) -> Path:
     """Save a tiny ``StableDiffusionPipeline`` (fp32, ~60k parameters) under ``path``."""
     from diffusers import DDPMScheduler, StableDiffusionPipeline
-    from transformers import CLIPTextConfig, CLIPTextModel
 
-    from .diffusion import tiny_unet, tiny_vae
+    from .diffusion import tiny_text_encoder, tiny_unet, tiny_vae
 
-    path = Path(path)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = _tokenizer(Path(tmp))
     torch.manual_seed(seed)
-    config = CLIPTextConfig(**{**fragment_kwargs("clip_text_16"), "vocab_size": 64})
-    pipe: Any = StableDiffusionPipeline(
-        vae=tiny_vae(seed).requires_grad_(True),
-        text_encoder=CLIPTextModel(config),
+    return _save(
+        StableDiffusionPipeline,
+        path,
+        vae=tiny_vae(seed),
+        text_encoder=tiny_text_encoder(seed=None, vocab_size=64),  # drawn after the VAE's
         tokenizer=tokenizer,
-        unet=tiny_unet(seed=seed).requires_grad_(True),
+        unet=tiny_unet(seed=seed),
         scheduler=DDPMScheduler(num_train_timesteps=1000),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
     )
-    pipe.save_pretrained(path)
-    return path
 
 
 def save_tiny_sd_inpainting_pipeline(path: str | Path, seed: int = 0) -> Path:
@@ -69,55 +86,24 @@ def save_tiny_sd_inpainting_pipeline(path: str | Path, seed: int = 0) -> Path:
     a 9-channel UNet input (latents, mask, masked-image latents), a VAE with SD's four blocks
     (64×64 RGB <-> 4×8×8 latents: the factor 8 trainers hard-code), a ``DDIMScheduler`` and a
     one-layer CLIP text encoder with 77 positions (tokenizer padding to SD's length)."""
-    from diffusers import (
-        AutoencoderKL,
-        DDIMScheduler,
-        StableDiffusionInpaintPipeline,
-        UNet2DConditionModel,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+    from diffusers import DDIMScheduler, StableDiffusionInpaintPipeline
 
-    path = Path(path)
+    from .diffusion import tiny_text_encoder, tiny_unet
+
     with tempfile.TemporaryDirectory() as tmp:
-        _tokenizer(Path(tmp))
-        tokenizer = CLIPTokenizer(
-            str(Path(tmp) / "vocab.json"), str(Path(tmp) / "merges.txt"), model_max_length=77
-        )
+        tokenizer = _tokenizer(Path(tmp), max_length=77)
     torch.manual_seed(seed)
-    text = {**fragment_kwargs("clip_text_16"), "vocab_size": 64, "max_position_embeddings": 77}
-    unet = UNet2DConditionModel(
-        sample_size=8,
-        in_channels=9,
-        out_channels=4,
-        layers_per_block=1,
-        block_out_channels=(8, 16),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=16,
-        attention_head_dim=4,
-        norm_num_groups=4,
-    )
-    vae = AutoencoderKL(
-        latent_channels=4,
-        block_out_channels=(8, 8, 8, 8),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        norm_num_groups=4,
-        layers_per_block=1,
-        sample_size=64,
-    )
-    pipe: Any = StableDiffusionInpaintPipeline(
+    unet = tiny_unet(in_channels=9, seed=None)
+    vae = _sd_vae(norm_num_groups=4)
+    return _save(
+        StableDiffusionInpaintPipeline,
+        path,
         vae=vae,
-        text_encoder=CLIPTextModel(CLIPTextConfig(**text)),
+        text_encoder=tiny_text_encoder(seed=None, vocab_size=64, max_position_embeddings=77),
         tokenizer=tokenizer,
         unet=unet,
         scheduler=DDIMScheduler(num_train_timesteps=1000, steps_offset=1),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
     )
-    pipe.save_pretrained(path)
-    return path
 
 
 #: Stable Diffusion 1.5's UNet layout (four levels, two resnets a level, cross-attention in the
@@ -132,45 +118,34 @@ def save_tiny_sd15_pipeline(path: str | Path, seed: int = 0) -> Path:
     77 positions, and its tokenizer (``tokenizer/``) pads to 77. Trainers that rebuild SD 1.5's
     UNet from module constants (kohya's ``library.original_unet``) set those to the widths in
     ``unet/config.json``."""
-    from diffusers import (
-        AutoencoderKL,
-        DDPMScheduler,
-        StableDiffusionPipeline,
-        UNet2DConditionModel,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from diffusers import DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+
+    from .diffusion import tiny_text_encoder
 
     path = Path(path)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = _tokenizer(Path(tmp), max_length=77)
     torch.manual_seed(seed)
-    text = CLIPTextConfig(
-        **{
-            **fragment_kwargs("clip_text_16"),
-            "vocab_size": 64,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "projection_dim": 32,
-            "max_position_embeddings": 77,
-        }
-    )
     unet = UNet2DConditionModel(
         sample_size=8,
         block_out_channels=SD15_BLOCK_OUT_CHANNELS,
         cross_attention_dim=32,
         attention_head_dim=8,
     )
-    vae = AutoencoderKL(
-        block_out_channels=(8, 8, 8, 8),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        norm_num_groups=8,
-        layers_per_block=1,
-        sample_size=64,
+    vae = _sd_vae(norm_num_groups=8)
+    text_encoder = tiny_text_encoder(
+        seed=None,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        projection_dim=32,
+        max_position_embeddings=77,
     )
-    pipe: Any = StableDiffusionPipeline(
+    _save(
+        StableDiffusionPipeline,
+        path,
         vae=vae,
-        text_encoder=CLIPTextModel(text),
+        text_encoder=text_encoder,
         tokenizer=tokenizer,
         unet=unet,
         scheduler=DDPMScheduler(
@@ -181,11 +156,7 @@ def save_tiny_sd15_pipeline(path: str | Path, seed: int = 0) -> Path:
             steps_offset=1,
             clip_sample=False,
         ),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
     )
-    pipe.save_pretrained(path)
     _tokenizer(path / "tokenizer", max_length=77)  # vocab.json + merges.txt: slow tokenizers too
     return path
 

@@ -7,29 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_precision.engine.sync_integrity import FIXES, SyncIntegrity
 
 
-def _lora(dtype: torch.dtype = torch.bfloat16) -> Any:
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(config).to(dtype)
-    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    return get_peft_model(base, lora)
-
-
-def test_merge_unmerge_round_trips_drift_a_bf16_base():
-    model = _lora()
+def test_merge_unmerge_round_trips_drift_a_bf16_base(lora_llama: Any):
+    model = lora_llama()
     watch = SyncIntegrity(model, sample=256)
     watch.round_trip(model, "merge_adapter", "unmerge_adapter", event="sync")
     for _ in range(20):
@@ -45,8 +28,8 @@ def test_merge_unmerge_round_trips_drift_a_bf16_base():
     assert "merge_adapter" not in vars(model) and "unmerge_adapter" not in vars(model)
 
 
-def test_an_fp32_base_round_trip_is_not_reported_as_a_dtype_change():
-    model = _lora(torch.float32)
+def test_an_fp32_base_round_trip_is_not_reported_as_a_dtype_change(lora_llama: Any):
+    model = lora_llama(torch.float32)
     watch = SyncIntegrity(model)
     watch.round_trip(model, "merge_adapter", "unmerge_adapter", event="sync")
     model.merge_adapter()
@@ -65,8 +48,8 @@ class _Generator:
         return "done"
 
 
-def test_an_in_place_cast_is_restored_in_the_same_parameters():
-    model = _lora()
+def test_an_in_place_cast_is_restored_in_the_same_parameters(lora_llama: Any):
+    model = lora_llama()
     adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
     values = {n: p.detach().clone() for n, p in adapters.items()}
     opt = torch.optim.AdamW(adapters.values(), lr=1e-5)
@@ -87,8 +70,8 @@ def test_an_in_place_cast_is_restored_in_the_same_parameters():
     assert "generate" not in vars(gen)
 
 
-def test_without_restore_the_cast_is_said_and_left():
-    model = _lora()
+def test_without_restore_the_cast_is_said_and_left(lora_llama: Any):
+    model = lora_llama()
     gen = _Generator(model)
     watch = SyncIntegrity(model)
     watch.around(gen, "generate", event="generation")

@@ -18,27 +18,10 @@ from peft import LoraConfig
 from hf_precision import PrecisionGuardCallback
 from hf_precision.errors import PrecisionError
 from hf_precision.tiny import tiny_llava, tiny_llava_processor
-from hf_precision.tiny.data import shape_image
+from hf_precision.tiny.rl import image_prompts, tiny_grpo
 
 trl = pytest.importorskip("trl", reason="TRL is in the 'integrations' test extra")
 LM_ATTN = r".*language_model.*\.(q_proj|v_proj)"
-
-
-def _reward(completions: list[Any], **kwargs: Any) -> list[float]:
-    """A local reward function: longer completions score higher."""
-    return [float(len(str(c))) for c in completions]
-
-
-def _data() -> Any:
-    from datasets import Dataset
-
-    ask = [{"type": "image"}, {"type": "text", "text": "what is in the image ?"}]
-    return Dataset.from_list(
-        [
-            {"prompt": [{"role": "user", "content": ask}], "image": shape_image(s, c)}
-            for s, c in [("circle", "red"), ("square", "blue")]
-        ]
-    )
 
 
 def _grpo(tmp_path: Path, setup: str, rl: str, **kw: Any) -> tuple[Any, Any]:
@@ -47,32 +30,12 @@ def _grpo(tmp_path: Path, setup: str, rl: str, **kw: Any) -> tuple[Any, Any]:
     (an fp32 model, bf16 autocast); returns the trainer and the callback."""
     model = tiny_llava(torch.bfloat16 if setup == "lora" else torch.float32)
     peft = LoraConfig(r=4, target_modules=LM_ATTN, init_lora_weights=False)
-    args = trl.GRPOConfig(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        bf16=True,
-        per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=8,
-        max_steps=1,
-        beta=0.0,
-        report_to=kw.pop("report_to", []),
-        save_strategy="no",
-        disable_tqdm=True,
-        **kw,
-    )
     cb = PrecisionGuardCallback(rl=rl)
+    trainer = tiny_grpo(
+        tmp_path, model, callbacks=[cb], peft_config=peft if setup == "lora" else None, **kw
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the findings channel is logging: still said
-        trainer = trl.GRPOTrainer(
-            model=model,
-            reward_funcs=[_reward],
-            args=args,
-            train_dataset=_data(),
-            processing_class=tiny_llava_processor(),
-            peft_config=peft if setup == "lora" else None,
-            callbacks=[cb],
-        )
         trainer.train()
     return trainer, cb
 
@@ -166,7 +129,7 @@ def test_the_launcher_reaches_trls_grpo_cli(tmp_path: Path):
     tiny_llava(seed=0).save_pretrained(tmp_path / "model")
     tiny_llava_processor(str(tmp_path / "model"))
     (tmp_path / "data").mkdir()
-    _data().to_parquet(str(tmp_path / "data" / "train.parquet"))
+    image_prompts().to_parquet(str(tmp_path / "data" / "train.parquet"))
     out = tmp_path / "out"
     args = [
         "--model_name_or_path",

@@ -5,7 +5,6 @@ continuous-batching generate (TRL refuses it for a VLM)."""
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any
 
 import pytest
@@ -15,70 +14,19 @@ from transformers import TrainerCallback
 
 from hf_precision import PrecisionGuardCallback
 from hf_precision.integrations.trl_rl_watch import completion_batch
-from hf_precision.tiny import tiny_llava, tiny_llava_processor
-from hf_precision.tiny.data import shape_image
+from hf_precision.tiny import tiny_llava
+from hf_precision.tiny.rl import image_prompts, rl_llama, text_prompts, tiny_grpo
 from hf_precision.watch.rl_attribution import attribute_gap, token_log_probs
 
 trl = pytest.importorskip("trl", reason="TRL is in the 'integrations' test extra")
 LM_ATTN = r".*language_model.*\.(q_proj|v_proj)"
 
 
-def _reward(completions: list[Any], **kwargs: Any) -> list[float]:
-    """A real reward function: longer completions score higher."""
-    return [float(len(str(c))) for c in completions]
-
-
-def _images() -> Any:
-    from datasets import Dataset
-
-    ask = [{"type": "image"}, {"type": "text", "text": "what is in the image ?"}]
-    return Dataset.from_list(
-        [
-            {"prompt": [{"role": "user", "content": ask}], "images": [shape_image(s, c)]}
-            for s, c in [("circle", "red"), ("square", "blue")]
-        ]
-    )
-
-
-def _config(tmp_path: Any, **kw: Any) -> Any:
-    return trl.GRPOConfig(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        bf16=True,
-        per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=kw.pop("max_completion_length", 6),
-        max_steps=kw.pop("max_steps", 1),
-        beta=0.0,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        **kw,
-    )
-
-
-def _grpo(
-    tmp_path: Any,
-    model: Any,
-    callbacks: list[Any],
-    *,
-    peft: Any,
-    data: Any = None,
-    processing_class: Any = None,
-    **kw: Any,
-) -> Any:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return trl.GRPOTrainer(
-            model=model,
-            reward_funcs=[_reward],
-            args=_config(tmp_path, **kw),
-            train_dataset=_images() if data is None else data,
-            processing_class=processing_class or tiny_llava_processor(),
-            peft_config=peft,
-            callbacks=callbacks,
-        )
+def _grpo(tmp_path: Any, model: Any, callbacks: list[Any], *, peft: Any, **kw: Any) -> Any:
+    """One GRPO step of 6 tokens; the images in a list (TRL's ``images`` column)."""
+    kw.setdefault("train_dataset", image_prompts(column="images"))
+    kw.setdefault("max_completion_length", 6)
+    return tiny_grpo(tmp_path, model, callbacks=callbacks, peft_config=peft, **kw)
 
 
 def _lora() -> LoraConfig:
@@ -165,39 +113,17 @@ def test_merge_unmerge_sync_drifts_the_bf16_base(tmp_path: Any, caplog: Any):
     assert caplog.text.count("merge/unmerge sync changed") == 1  # said once, kept in the section
 
 
-def _tiny_llama() -> tuple[Any, Any]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = tiny_llava_processor().tokenizer
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.bos_token_id,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(torch.bfloat16), tok
-
-
 def test_continuous_batching_cast_is_restored_under_the_optimizer(tmp_path: Any, caplog: Any):
     """TRL 1.16's continuous-batching generate casts the live model to bf16 and never casts
     back: the fp32 adapters come back fp32, the same Parameter objects the optimizer holds."""
-    from datasets import Dataset
-
-    model, tok = _tiny_llama()
+    model, tok = rl_llama()
     cb = PrecisionGuardCallback(report=False)
     trainer = _grpo(
         tmp_path,
         model,
         [cb],
         peft=LoraConfig(r=2, target_modules=["q_proj", "v_proj"]),
-        data=Dataset.from_dict({"prompt": ["a red square", "a blue circle"]}),
+        train_dataset=text_prompts(),
         processing_class=tok,
         use_transformers_continuous_batching=True,
         # a small paged cache: sized from the memory by default, which takes long on a CPU

@@ -35,8 +35,8 @@ class Recorder:
     def __init__(self, source: Any) -> None:
         self.source, self.payloads, self.flushed = source, [], 0
 
-    def submit(self, payload: Any, *, first_event: bool) -> None:
-        self.payloads.append((payload, first_event))
+    def submit(self, payload: Any, *, may_warn_no_run: bool) -> None:
+        self.payloads.append((payload, may_warn_no_run))
 
     def flush(self) -> None:
         self.flushed += 1
@@ -54,8 +54,8 @@ def test_a_new_tracker_is_one_module_and_one_table_entry(
     assert isinstance(sink, Tracker) and sink.source == 1
     dmap = reporter.log_event("setup", tiny_llava(), step=5)
     reporter.flush_trackers()
-    ((payload, first),) = sink.payloads
-    assert first and payload.event == "setup" and payload.step == 5
+    ((payload, may_warn_no_run),) = sink.payloads
+    assert not may_warn_no_run and payload.event == "setup" and payload.step == 5
     assert payload.scalars["precision/bytes/float32"] == dmap.bytes_by_dtype["float32"]
     assert payload.scalars["precision/kept"] == 0 and sink.flushed == 1
     assert len(payload.module_rows) == len(dmap) and payload.module_columns[0] == "path"

@@ -1,4 +1,4 @@
-"""W&B reporting (``report_wandb``): offline runs of a real Trainer read back from their run
+"""W&B reporting (``wandb_tracker``): offline runs of a real Trainer read back from their run
 files, and W&B disabled, missing, failing or without a run: a warning once, files still written."""
 
 from __future__ import annotations

@@ -7,8 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_precision.watch.rl_attribution import (
     FIXES,
@@ -19,27 +17,12 @@ from hf_precision.watch.rl_attribution import (
 )
 
 
-def _lora_on_bf16() -> Any:
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(config).to(torch.bfloat16)
-    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    return get_peft_model(base, lora)  # adapters fp32 (PEFT's autocast_adapter_dtype)
-
-
 def _batch() -> dict[str, torch.Tensor]:
     return {"input_ids": torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))}
 
 
-def test_the_adapters_make_the_gap_of_a_lora_model_on_a_bf16_base():
-    model = _lora_on_bf16()
+def test_the_adapters_make_the_gap_of_a_lora_model_on_a_bf16_base(lora_llama: Any):
+    model = lora_llama()
     found = attribute_gap(model, _batch(), keep=6, score=token_log_probs)
     assert found.gap > 0 and found.tokens == 12
     assert found.top == "adapters" and found.shares["adapters"] > 0.95
@@ -50,10 +33,10 @@ def test_the_adapters_make_the_gap_of_a_lora_model_on_a_bf16_base():
     assert found.to_dict()["top"] == "adapters"
 
 
-def test_attribution_changes_nothing_of_the_model():
+def test_attribution_changes_nothing_of_the_model(lora_llama: Any):
     """Parameters: the same objects, dtypes and values bit for bit; the optimizer's references
     hold; the modules' training flags and hooks are as before, also when a forward raises."""
-    model = _lora_on_bf16().train()
+    model = lora_llama().train()
     model.base_model.model.lm_head.eval()  # a mixed mode comes back mixed
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     before = {n: (p, p.dtype, p.detach().clone()) for n, p in model.named_parameters()}
@@ -80,13 +63,13 @@ def test_attribution_changes_nothing_of_the_model():
     assert not torch.is_autocast_enabled("cpu")
 
 
-def test_no_group_passes_at_or_under_the_threshold():
-    found = attribute_gap(_lora_on_bf16(), _batch(), keep=6, score=token_log_probs, threshold=1.0)
+def test_no_group_passes_at_or_under_the_threshold(lora_llama: Any):
+    found = attribute_gap(lora_llama(), _batch(), keep=6, score=token_log_probs, threshold=1.0)
     assert found.gap > 0 and found.shares == {} and found.top is None
 
 
-def test_groups_and_first_parted():
-    groups = rl_groups(_lora_on_bf16())
+def test_groups_and_first_parted(lora_llama: Any):
+    groups = rl_groups(lora_llama())
     assert len(groups["adapters"]) == 4  # lora_A/lora_B of q_proj and v_proj
     assert len(groups["lm_head"]) == 1 and len(groups["norms"]) == 3
     a = {"x": torch.tensor([1.0, 2.0]), "y": torch.tensor([1.0, 2.001])}
