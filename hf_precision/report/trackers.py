@@ -3,7 +3,7 @@
 tracker's run or writer exists) and one table (:data:`TRACKERS`) from the name ``report_to`` /
 ``log_with`` uses to the module that adapts it.
 
-A tracker module (``report_wandb``, ``report_tensorboard``) is imported only when its tracker
+A tracker module (``wandb_tracker``, ``tensorboard_tracker``) is imported only when its tracker
 is asked for, and defines:
 
 * ``Sink(source)``: the :class:`Tracker`; ``source()`` returns the tracker's live object (the
@@ -44,8 +44,8 @@ from .snapshot import EventSnapshot
 
 #: tracker name (as in ``report_to`` / ``log_with``) -> its module in ``hf_precision.report``
 TRACKERS: dict[str, str] = {
-    "wandb": "report_wandb",
-    "tensorboard": "report_tensorboard",
+    "wandb": "wandb_tracker",
+    "tensorboard": "tensorboard_tracker",
 }
 
 

@@ -181,7 +181,7 @@ def test_drift_found_after_a_standalone_evaluate_is_in_the_files(make_trainer: A
     assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
-@pytest.mark.parametrize("name", ["reporting"])
+@pytest.mark.parametrize("name", ["report.reporter"])
 def test_module_doctests(name: str) -> None:
     import doctest
     import importlib

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-#: what a fresh process imports first (old module paths included)
+#: what a fresh process imports first
 FIRST = (
     "hf_precision",
     "hf_precision.rules",
@@ -21,7 +21,7 @@ FIRST = (
     "hf_precision.rules.policy.presets",
     "hf_precision.rules.batch_keys",
     "hf_precision.rules.flags",
-    "hf_precision.groups",
+    "hf_precision.rules.groups.group_rule",
     "hf_precision.engine.enforce",
     "hf_precision.frontends.diffusion",
     "hf_precision.tools.cli",

@@ -200,7 +200,7 @@ def test_exported_lazily() -> None:
         diagnose(tiny_llava(), {}, autocast="bf61")
 
 
-@pytest.mark.parametrize("name", ["diagnostics", "findings"])
+@pytest.mark.parametrize("name", ["tools.diagnostics", "watch.diagnosis"])
 def test_module_doctests(name: str) -> None:
     import doctest
     import importlib

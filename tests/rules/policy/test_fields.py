@@ -1,5 +1,5 @@
 """hf_precision.rules.policy.fields: the word fields of a policy and the one check of a new
-policy's fields (the names stay importable from hf_precision.rules.policy.precision_policy)."""
+policy's fields."""
 
 from __future__ import annotations
 
@@ -7,13 +7,6 @@ import pytest
 import torch
 
 from hf_precision import PrecisionError, PrecisionPolicy
-from hf_precision.rules.policy import fields as policy_fields
-from hf_precision.rules.policy import precision_policy as policy
-
-
-def test_the_policy_module_gives_the_same_objects() -> None:
-    for name in ("LEAF_GUARDS", "MODES", "LeafGuards", "Mode"):
-        assert getattr(policy, name) is getattr(policy_fields, name), name
 
 
 def test_a_new_policy_is_normalised_once() -> None:

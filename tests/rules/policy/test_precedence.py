@@ -1,5 +1,5 @@
 """hf_precision.rules.policy.precedence: the dtype a policy wants for one tensor and the rule that
-decided; the names stay importable from hf_precision.rules.policy.precision_policy."""
+decided; ``PrecisionPolicy`` decides through it."""
 
 from __future__ import annotations
 
@@ -8,15 +8,10 @@ import torch
 
 from hf_precision import PrecisionPolicy
 from hf_precision.rules.policy import precedence
-from hf_precision.rules.policy import precision_policy as policy
 from hf_precision.rules.policy.precedence import decide, keep_fp32_reason, match_pattern
 
 
-def test_the_policy_module_gives_the_same_objects() -> None:
-    moved = set(precedence.__all__) & set(policy.__all__)
-    assert moved >= {"Decision", "Rule", "KEEP_RULES", "KEPT_RULES", "match_pattern"}
-    for name in moved:
-        assert getattr(policy, name) is getattr(precedence, name), name
+def test_the_policy_decides_through_precedence() -> None:
     assert PrecisionPolicy.decide is decide
     assert PrecisionPolicy.keep_fp32_reason is keep_fp32_reason
 
