@@ -33,13 +33,13 @@ import importlib, json, sys
 first = sys.argv[1]
 importlib.import_module(first)
 from hf_precision.rules import batch_keys, dtypes, flags
-from hf_precision.rules.groups import module_groups as groups
+from hf_precision.rules.groups import group_rule, registry
 from hf_precision.rules.policy import presets
 from hf_precision.rules.batch_keys import DEFAULT_KEY_GROUPS, DEFAULT_SKIP_KEYS
 print(json.dumps({
-    "rules": [r.name for r in groups.group_rules()],
-    "groups": list(groups.group_names()),
-    "leaf_guarded": list(groups.leaf_guarded_groups()),
+    "rules": [r.name for r in registry.group_rules()],
+    "groups": list(group_rule.group_names()),
+    "leaf_guarded": list(group_rule.leaf_guarded_groups()),
     "presets": {k: [str(d) for d in v] for k, v in presets.PRESETS.items()},
     "preset_help": presets.PRESET_HELP,
     "preset_defaults": {k: repr(sorted(v.items())) for k, v in presets.PRESET_DEFAULTS.items()},
@@ -49,7 +49,7 @@ print(json.dumps({
     "tools": list(flags.TOOLS),
     "key_groups": DEFAULT_KEY_GROUPS,
     "skip_keys": list(DEFAULT_SKIP_KEYS),
-    "table": groups.architecture_table(),
+    "table": registry.architecture_table(),
 }))
 """
 
@@ -123,7 +123,7 @@ def test_the_architectures_command_prints_every_rule() -> None:
 
     from hf_precision.rules.groups.registry import RULES_FILE, architecture_table, read_rules
 
-    text = resources.files("hf_precision.rules").joinpath(RULES_FILE).read_text()
+    text = resources.files("hf_precision.rules.groups").joinpath(RULES_FILE).read_text()
     run = subprocess.run(
         [sys.executable, "-m", "hf_precision", "architectures"],
         capture_output=True,
