@@ -7,8 +7,9 @@ It also holds the attribute names under which the engine's hooks keep their stat
 without importing the engine.
 
 These lists are the registries' contents in a command-line process (nothing there registers
-presets or groups of its own); tests/tools/test_cli.py checks them against ``policy.PRESETS`` and
-``groups.group_names()`` after the engine has loaded.
+presets or groups of its own); tests/base/test_names.py and tests/tools/test_cli.py check them
+against :data:`~hf_precision.rules.policy.presets.PRESETS` and
+:func:`~hf_precision.rules.groups.group_rule.group_names` after the engine has loaded.
 
 >>> preset_hint("bf61", PRESET_NAMES), preset_hint("BF16", PRESET_NAMES)
 (" Did you mean 'bf16'?", " Did you mean 'bf16'? (preset names are lower case)")

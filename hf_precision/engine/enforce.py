@@ -1,9 +1,8 @@
 """``enforce_policy``: the one function in hf-precision that changes a model.
 
 It is two steps on one walk of the model (:class:`~hf_precision.model.view.ModelView`): plan
-(:func:`~hf_precision.engine.plan.plan_policy`, frozen and pure) and apply (:func:`apply_plan`, the
-one
-place that casts). It casts parameters and buffers group by group, in place: each
+(:func:`~hf_precision.engine.plan.plan_policy`, frozen and pure) and apply (:func:`apply_plan`,
+the one place that casts). It casts parameters and buffers group by group, in place: each
 ``nn.Parameter`` keeps its identity (``param.data`` is replaced), so optimizer references stay
 valid and tied weights stay tied. Quantized storage, integer buffers and FSDP2-sharded parameters
 are never cast. Before a downcast to fp16 the plan checks the value range, so nothing silently
@@ -142,8 +141,7 @@ def apply_plan(
     allow_wrapped: bool = False,
 ) -> EnforceReport:
     """Carry out ``plan`` (:func:`~hf_precision.engine.plan.plan_policy`) in ``mode``, without
-    planning
-    again: the one place that casts. Returns a new :class:`EnforceReport`, ``applied`` in
+    planning again: the one place that casts. Returns a new :class:`EnforceReport`, ``applied`` in
     ``fix`` mode; ``audit`` casts nothing and ``raise`` raises on any change."""
     report = plan.report()
     wrapper = owning_wrapper(plan.view.model)

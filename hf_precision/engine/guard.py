@@ -4,8 +4,8 @@ At each event (``setup``, ``on_train_begin``, ``after_evaluate``, ...) :meth:`Pr
 walks the same steps, in one direction (docs/architecture.md):
 
 1. **plan** — :func:`~hf_precision.engine.plan.plan_policy` on one
-   :class:`~hf_precision.model.view.ModelView`
-   (a frozen :class:`~hf_precision.engine.plan.Plan`), read in ``audit`` mode: what differs from the
+   :class:`~hf_precision.model.view.ModelView` (a frozen
+   :class:`~hf_precision.engine.records.Plan`), read in ``audit`` mode: what differs from the
    policy, nothing cast;
 2. **wrapper** — if FSDP/FSDP2/DeepSpeed holds the parameters, explain what it does on purpose
    and raise for the rest (never cast); under DDP only a return to the wrap-time dtypes is cast;
@@ -16,10 +16,9 @@ walks the same steps, in one direction (docs/architecture.md):
 
 The front ends are adapters that decide *when* (their events) and *who holds the model*
 (the wrapper): :class:`~hf_precision.frontends.callback.PrecisionGuardCallback` (``Trainer`` and
-its TRL
-subclasses), :class:`~hf_precision.frontends.accelerate_plugin.PrecisionGuardPlugin` (accelerate
-loops)
-and :func:`~hf_precision.frontends.diffusion.guard_diffusion` (one guard per pipeline component).
+its TRL subclasses), :class:`~hf_precision.frontends.accelerate_plugin.PrecisionGuardPlugin`
+(accelerate loops) and :func:`~hf_precision.frontends.diffusion.guard_diffusion` (one guard per
+pipeline component).
 
 >>> from hf_precision import PrecisionPolicy
 >>> from hf_precision.tiny import tiny_llava
@@ -151,7 +150,7 @@ class PrecisionGuard:
         #: (the guards installed on the model at the event, by kind), ``fp8`` (the manifest),
         #: ``compute`` (what ran at the first forward after the last event)
         self.sections: dict[str, Any] = {}
-        #: what each part computed in at the first forward after an event (``compute_seen``)
+        #: what each part computed in at the first forward after an event (``watch/what_ran``)
         self.ran = WhatRan(self)
         if claim:
             claim_model(self.root, self.owner, policy, self.call)

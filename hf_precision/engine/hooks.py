@@ -139,7 +139,7 @@ def remove_guards(model: nn.Module) -> int:
     root, _ = unwrap_model(model)
     n = 0
     for mod in list(_all_modules(root)):
-        n += uninstall_token_check(mod)  # the fp8 shape gate's (engine.fp8_shapes)
+        n += uninstall_token_check(mod)  # the fp8 shape gate's (engine/fp8/shapes)
         if GUARD_ATTR in mod.__dict__ or EXIT_ATTR in mod.__dict__:
             uninstall_hook(mod)
             uninstall_exit(mod)
@@ -165,7 +165,7 @@ def install_guards(
 ) -> GuardHandle:
     """Install (or update, idempotently) the batch, boundary and leaf guards.
 
-    ``report`` (an :class:`~hf_precision.engine.enforce.EnforceReport`) tells which groups mix
+    ``report`` (an :class:`~hf_precision.engine.records.EnforceReport`) tells which groups mix
     dtypes; leaf guards go there when ``policy.leaf_guards == "auto"``. ``view`` is this event's
     walk of the model (:class:`~hf_precision.model.view.ModelView`), when the caller has one:
     the guards read it, nothing is walked again. ``notice`` (a :class:`Notice`) hears of the

@@ -1,6 +1,5 @@
 """The console lines of the engine (:class:`~hf_precision.engine.guard.PrecisionGuard`) and its
-front
-ends: what a setup cast (:func:`cast_line`), the memory upcast weights take
+front ends: what a setup cast (:func:`cast_line`), the memory upcast weights take
 (:func:`memory_line`), what keep rules held (:func:`kept_words`), a flag that conflicts with
 an explicit policy (:func:`flag_conflict`) and where a policy came from
 (:func:`policy_origin`). Pure functions of a plan's report and a policy: they print nothing.

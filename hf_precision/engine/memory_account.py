@@ -1,6 +1,6 @@
 """What each precision decision costs or saves in bytes.
 
-Computed from a plan (:class:`~hf_precision.engine.plan.EnforceReport`): every change is
+Computed from a plan (:class:`~hf_precision.engine.records.EnforceReport`): every change is
 ``numel × (new itemsize − old itemsize)``, summed per kind of decision (trainable weights upcast,
 frozen weights cast down or up, buffers); every tensor a keep rule held in float32 costs
 ``numel × (4 − itemsize of the frozen dtype)`` against the cast it was spared, per rule; the

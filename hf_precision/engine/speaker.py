@@ -2,7 +2,7 @@
 setup's cast line (or the audit's findings), drift warnings at later events, the plan's and a
 wrapper's notes, the first input a guard bridges at run time, a fused LM head read outside its
 module, and every watcher's :class:`~hf_precision.watch.finding.Finding`. Each warning once
-per engine. The lines themselves are :mod:`.console`'s pure functions; this module says them
+per engine. The lines themselves are :mod:`.lines`' pure functions; this module says them
 (``logging`` for what happened and for every finding, which no warning filter silences;
 ``warnings`` for what the user should act on at setup).
 """

@@ -398,8 +398,7 @@ def guard_held(accelerator: Any) -> Any:
 def guard_as_loaded(comps: dict[str, Any], accelerator: Any, event: str) -> Any:
     """:func:`~hf_precision.guard_diffusion` on each component with its own
     :func:`~hf_precision.frontends.diffusion.loaded_policy` (it keeps its dtype; its inputs follow
-    it),
-    one report event ``<event>-<name>`` each, through the accelerator's plugin's reporter;
+    it), one report event ``<event>-<name>`` each, through the accelerator's plugin's reporter;
     returns one :class:`~hf_precision.frontends.diffusion.DiffusionGuard` for them all."""
     from ..frontends.diffusion import DiffusionGuard, guard_diffusion, loaded_policy
     from ..rules.groups.diffusion import DIFFUSION_GROUPS

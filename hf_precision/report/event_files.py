@@ -19,7 +19,7 @@ from .snapshot import EventSnapshot
 logger = logging.getLogger("hf_precision")
 
 
-class ReportFiles:
+class EventFiles:
     """Writes an event's files under ``report_dir`` (``None``: no files, the log line only)."""
 
     def __init__(
@@ -148,4 +148,4 @@ def event_json(
     }
 
 
-__all__ = ["ReportFiles", "event_json"]
+__all__ = ["EventFiles", "event_json"]

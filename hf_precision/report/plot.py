@@ -181,16 +181,15 @@ def picture_rows(
     trainable_names: Iterable[str] = (),
     checked: bool = False,
 ) -> list[PictureRow]:
-    """The numbers behind :func:`plot_precision`: per group, its frozen and its trainable
-    parameters (rows without parameters are left out) — the dtypes now, before the casts of
-    ``report`` (an applied :class:`~hf_precision.engine.enforce.EnforceReport`), the policy's
-    target,
-    and how many tensors are still off it (the changes of a report that was not applied, and what
-    a wrapper cast). ``trainable_names``: the trainable parameters, to place those off-policy
-    tensors the report does not hold (a wrapper's). Without a report, the map is read against the
-    policy (:attr:`PictureRow.off_params`), unless ``checked``: the caller's audit found nothing
-    off (the guard logs clean events without a report; a wrapper such as DeepSpeed may then hold
-    trainable weights in its own dtype, which the map alone cannot tell)."""
+    """The numbers behind :func:`plot_precision`: per group, its frozen and its trainable parameters
+    (rows without parameters are left out) — the dtypes now, before the casts of ``report`` (an
+    applied :class:`~hf_precision.engine.records.EnforceReport`), the policy's target, and how many
+    tensors are still off it (the changes of a report that was not applied, and what a wrapper
+    cast). ``trainable_names``: the trainable parameters, to place those off-policy tensors the
+    report does not hold (a wrapper's). Without a report, the map is read against the policy
+    (:attr:`PictureRow.off_params`), unless ``checked``: the caller's audit found nothing off (the
+    guard logs clean events without a report; a wrapper such as DeepSpeed may then hold trainable
+    weights in its own dtype, which the map alone cannot tell)."""
     applied = bool(getattr(report, "applied", False))
     # the plan behind the report's changes only (a wrapper's report keeps its audit's plan but
     # lists only what it may not hold)

@@ -39,7 +39,7 @@ from torch import nn
 
 from ..errors import PrecisionWarning
 from ..model.dtype_maps import DtypeMap, dtype_map
-from .event_files import ReportFiles
+from .event_files import EventFiles
 from .event_picture import EventPicture
 from .rows import (
     MAX_TABLE_ROWS,
@@ -103,7 +103,7 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
         picture: bool = True,
         trackers: Mapping[str, Callable[[], Any] | None] | None = None,
     ) -> None:
-        self.files = ReportFiles(
+        self.files = EventFiles(
             Path(report_dir) if report_dir is not None else None,
             console=console,
             failed=self._failed,
@@ -221,7 +221,7 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
     ) -> DtypeMap:
         """Snapshot ``model`` and write/log it; returns the :class:`DtypeMap`.
 
-        ``report`` is the :class:`~hf_precision.engine.enforce.EnforceReport` of this event when the
+        ``report`` is the :class:`~hf_precision.engine.records.EnforceReport` of this event when the
         model did not match the policy (its changes become drift rows); ``view`` the event's
         walk of the model (:class:`~hf_precision.model.view.ModelView`), when the caller has one;
         ``sections`` more keys of the event JSON (``memory``, ``provenance``, ``compute``: the
@@ -345,7 +345,7 @@ class PrecisionReporter:  # implements hf_precision.model.reporter.Reporter
     # ------------------------------------------------------------------ findings
     def log_finding(self, finding: Any, *, step: int) -> Path | None:
         """A watcher's :class:`~hf_precision.watch.finding.Finding` (from ``emit``): its files
-        (``ReportFiles.write_finding``), the trackers, the ``findings`` of later event JSONs;
+        (``EventFiles.write_finding``), the trackers, the ``findings`` of later event JSONs;
         the blame and the trace keep their own files."""
         self.findings.append({**finding.to_dict(), "step": step})
         if finding.detail is not None and finding.source == "nonfinite":

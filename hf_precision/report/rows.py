@@ -117,7 +117,7 @@ def drift_rows(
     event: str, step: int, report: Any, diff: DtypeDiff | None, previous_event: str | None
 ) -> list[dict[str, Any]]:
     """What did not match at this event: tensors against the policy (from the
-    :class:`~hf_precision.engine.enforce.EnforceReport`) and modules whose map changed since the
+    :class:`~hf_precision.engine.records.EnforceReport`) and modules whose map changed since the
     previous event."""
     rows: list[dict[str, Any]] = []
     applied = bool(getattr(report, "applied", False))
@@ -184,7 +184,7 @@ def section_scalars(sections: Mapping[str, Any], prefix: str = "precision") -> d
 
 def mismatch_counts(report: Any) -> dict[str, int]:
     """``{"found", "repaired", "open"}``: the tensors an event's
-    :class:`~hf_precision.engine.enforce.EnforceReport` found off the policy, those it cast back
+    :class:`~hf_precision.engine.records.EnforceReport` found off the policy, those it cast back
     (an applied report's changes) and those still off (an audit's changes, a wrapper's casts).
 
     >>> mismatch_counts(None)

@@ -10,7 +10,7 @@ entries in the same order whatever a process imports first (``import hf_precisio
 none of them: its names load on first use)."""
 
 # isort: off
-from .groups import registry as _group_rules  # noqa: F401  (the built-in group rules, first)
-from .groups import diffusion as _diffusion_rules  # noqa: F401  (then the diffusion entries)
+from .groups import registry as _registry  # noqa: F401  (the built-in group rules, first)
+from .groups import diffusion as _diffusion  # noqa: F401  (then the diffusion entries)
 
 # isort: on

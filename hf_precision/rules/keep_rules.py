@@ -14,7 +14,7 @@ transformers declares two lists on a model class (``PreTrainedModel``):
   bfloat16 (a bf16 load under a bf16 policy stays bf16). So the guard never rounds what the
   loader kept, and never upcasts what the loader left in bfloat16.
 
-Patterns match as :func:`~.policy.precision_policy.match_pattern` does (exact name, path prefix,
+Patterns match as :func:`~.policy.precedence.match_pattern` does (exact name, path prefix,
 whole path components: ``"gate.weight"`` selects ``model.layers.0.mlp.gate.weight``).
 A composite model (a VLM holding a text and a vision model) declares them on its parts too;
 transformers' ``post_init`` merges them into the top model's lists, which

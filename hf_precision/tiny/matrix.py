@@ -12,10 +12,9 @@ Run it once per transformers line (``make test`` venv: 5.x; ``.venv-tf4``: 4.57)
 
 Each cell runs the same step three ways on fresh tiny models (CPU, no autocast, so a dtype
 mismatch is not hidden): without the guard; with the guard's casts but no hooks (to tell what the
-hooks add); with the guard (:class:`~hf_precision.engine.guard.PrecisionGuard`: casts, then hooks),
-its
-policy inferred as ``PrecisionGuardCallback()`` infers it (no flag: what was loaded is kept;
-``fp16``: the ``fp16`` preset).
+hooks add); with the guard (:class:`~hf_precision.engine.guard.PrecisionGuard`: casts, then
+hooks), its policy inferred as ``PrecisionGuardCallback()`` infers it (no flag: what was loaded
+is kept; ``fp16``: the ``fp16`` preset).
 """
 
 from __future__ import annotations

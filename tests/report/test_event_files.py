@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hf_precision.report.event_files import ReportFiles
+from hf_precision.report.event_files import EventFiles
 from hf_precision.report.reporter import PrecisionReporter
 from hf_precision.tiny import tiny_llava
 
 
 def test_stems_never_reuse_a_name_taken_now_or_by_an_earlier_run(tmp_path: Path) -> None:
     (tmp_path / "000002-on_evaluate.json").write_text("{}")  # an earlier run's file
-    files = ReportFiles(tmp_path, console=False, failed=lambda kind, detail: None)
+    files = EventFiles(tmp_path, console=False, failed=lambda kind, detail: None)
     assert [files.stem("on_evaluate", 2) for _ in range(2)] == [
         "000002-on_evaluate-2",
         "000002-on_evaluate-3",
@@ -29,7 +29,7 @@ def test_the_event_json_and_a_failed_write(tmp_path: Path) -> None:
     said: list[tuple[str, str]] = []
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
-    files = ReportFiles(blocked, console=False, failed=lambda k, d: said.append((k, d)))
+    files = EventFiles(blocked, console=False, failed=lambda k, d: said.append((k, d)))
     assert files.write_extra("trace", 1, {"trace": {}}) is None
     files.append_log("line")
     assert [k for k, _ in said] == ["files", "files"] and str(blocked) in said[0][1]

@@ -15,7 +15,7 @@ import torch
 
 from hf_precision import PrecisionGuardCallback, PrecisionGuardPlugin, PrecisionWarning
 from hf_precision.frontends.diffusion import guard_diffusion
-from hf_precision.report import tensorboard_tracker as report_tensorboard
+from hf_precision.report import tensorboard_tracker
 from hf_precision.report.reporter import PrecisionReporter
 from hf_precision.tiny import OneTrainerTiny, tiny_batch, tiny_llava
 
@@ -161,7 +161,7 @@ def test_a_missing_tensorboard_is_said_once_and_only_when_asked(
 ) -> None:
     for name in ("tensorboard", "tensorboardX"):
         monkeypatch.setitem(sys.modules, name, None)  # simulates tensorboard not installed
-    monkeypatch.setattr(report_tensorboard, "_said_missing", False)
+    monkeypatch.setattr(tensorboard_tracker, "_said_missing", False)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         quiet = PrecisionReporter(tmp_path / "q", console=False, picture=False)
@@ -200,5 +200,5 @@ def test_a_failing_writer_warns_once_and_the_files_go_on(tmp_path: Path) -> None
 
 
 def test_markdown_table_escapes_cells() -> None:
-    table = report_tensorboard.markdown_table(["a"], [["x|y\nz"]])
+    table = tensorboard_tracker.markdown_table(["a"], [["x|y\nz"]])
     assert table.splitlines() == ["| a |", "|---|", "| x\\|y z |"]

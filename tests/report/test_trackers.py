@@ -59,3 +59,12 @@ def test_a_new_tracker_is_one_module_and_one_table_entry(
     assert payload.scalars["precision/bytes/float32"] == dmap.bytes_by_dtype["float32"]
     assert payload.scalars["precision/kept"] == 0 and sink.flushed == 1
     assert len(payload.module_rows) == len(dmap) and payload.module_columns[0] == "path"
+
+
+@pytest.mark.parametrize("name", sorted(trackers.TRACKERS))
+def test_every_tracker_of_the_table_is_a_module_of_report(name: str) -> None:
+    """Each entry of ``TRACKERS`` names a module of ``report/`` that has the tracker's three
+    names: a renamed module that the table still spells the old way fails here."""
+    module = trackers.tracker_module(name)
+    assert module.__name__ == f"hf_precision.report.{name}_tracker"
+    assert callable(module.Sink) and callable(module.trainer_source) and callable(module.in_all)

@@ -1,5 +1,6 @@
-"""W&B reporting (``wandb_tracker``): offline runs of a real Trainer read back from their run
-files, and W&B disabled, missing, failing or without a run: a warning once, files still written."""
+"""The W&B tracker (``hf_precision/report/wandb_tracker.py``): offline runs of a real Trainer
+read back from their run files, and W&B disabled, missing, failing or without a run: a warning
+once, files still written."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The DeepSpeed JSON checked against the precision flags before the engine exists
 (``hf_precision.rules.deepspeed_config``): LLaVA's ``"auto"`` configs, contradictions named with
-the
-fix, every form ``--deepspeed`` accepts (path, JSON text, base64)."""
+the fix, every form ``--deepspeed`` accepts (path, JSON text, base64)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-#: what a fresh process imports first (old module paths included)
+#: what a fresh process imports first
 FIRST = (
     "hf_precision",
     "hf_precision.rules",

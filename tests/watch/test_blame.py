@@ -1,6 +1,5 @@
-"""Who made the NaN (``hf_precision.watch.blame``): a real fp16 overflow in a named module of a
-tiny
-LLaMA, trained by a real ``Trainer`` with the one-line callback, named in the log, the event
+"""Who made the NaN (``hf_precision.watch.blame``): a real fp16 overflow in a named module of
+a tiny LLaMA, trained by a real ``Trainer`` with the one-line callback, named in the log, the event
 JSON and an offline W&B run read back from its files; idle ``auto`` installs no hook."""
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ def _batch() -> dict[str, torch.Tensor]:
 
 def _forward_hooks(model: nn.Module) -> int:
     """The model's forward and backward hooks, less the one-shot hooks that record what ran at
-    the next forward (``engine/compute_seen``: every event puts them, the forward takes them)."""
+    the next forward (``watch/what_ran``: every event puts them, the forward takes them)."""
     hooks = [
         h
         for m in model.modules()

@@ -47,7 +47,7 @@ def _batch() -> dict[str, torch.Tensor]:
 
 def _hooks(model: nn.Module) -> int:
     """The model's forward hooks, less the one-shot hooks that record what ran at the next
-    forward (``engine/compute_seen``: every event puts them, the forward takes them)."""
+    forward (``watch/what_ran``: every event puts them, the forward takes them)."""
     hooks = [h for m in model.modules() for h in m._forward_hooks.values()]
     return sum(not getattr(h, "__qualname__", "").startswith("ComputeWatch.") for h in hooks)
 

@@ -16,11 +16,11 @@ import torch
 from hf_precision import PrecisionGuardCallback
 from hf_precision.report.reporter import PrecisionReporter
 from hf_precision.tiny import tiny_batch, tiny_llava
-from hf_precision.watch import what_ran as compute_seen
+from hf_precision.watch import what_ran
 
 
 def test_module_doctests() -> None:
-    assert doctest.testmod(compute_seen).failed == 0
+    assert doctest.testmod(what_ran).failed == 0
 
 
 def test_a_onetrainer_style_unet_reports_the_float32_it_ran_not_float16(

@@ -26,6 +26,7 @@ from torch import nn
 
 from ...base.wrapper_kinds import (
     clean_name,
+    wrapper_kind,
     wrapper_of,
 )
 from ...errors import PrecisionError, PrecisionWarning
@@ -177,10 +178,8 @@ def check_model_ranks(
     per event)."""
     if is_distributed():
         mods = view.modules_of(model) if view is not None else None
-        in_place = wrapper_of(model, mods) in (
-            "FSDP",
-            "DeepSpeed",
-        )  # per-rank slices: numel differs
+        kind = wrapper_kind(wrapper_of(model, mods))
+        in_place = kind is not None and kind.slices_per_rank  # per-rank slices: numel differs
         if dmap is None:
             dmap = dtype_map(model, groups, policy=policy, view=view)
         check_ranks_agree(dmap, where=where, with_numel=not in_place)

@@ -30,7 +30,7 @@ VLM_GROUPS: tuple[str, ...] = (
 OTHER = "other"
 # Groups that build tensors inside forward, so their leaves are guarded under
 # ``leaf_guards="auto"`` even when their weights agree: resamplers (MiniCPM-V 2.x's numpy sin-cos
-# table is fp32 whatever the weights are) and, registered by :mod:`.diffusion_rules`, denoisers
+# table is fp32 whatever the weights are) and, registered by :mod:`.diffusion`, denoisers
 # (the sinusoidal timestep embedding is made in fp32). Changed only by ``register_group``.
 _LEAF_GUARDED: set[str] = {"resampler"}
 #: Every group name, in forward order: built-in, then registered (:func:`register_group`).

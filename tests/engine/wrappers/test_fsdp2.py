@@ -1,7 +1,6 @@
-"""FSDP2's output_dtype (hf_precision/engine/fsdp2.py): real ``fully_shard`` on a one-rank gloo
-group
-(FSDP2 runs with world size 1 on CPU), accelerate's own default FSDP2 policy for bf16, a tiny
-LLaVA, the accelerate plugin's guard."""
+"""FSDP2's output_dtype (hf_precision/engine/wrappers/fsdp2.py): real ``fully_shard`` on a
+one-rank gloo group (FSDP2 runs with world size 1 on CPU), accelerate's own default FSDP2 policy
+for bf16, a tiny LLaVA, the accelerate plugin's guard."""
 
 from __future__ import annotations
 

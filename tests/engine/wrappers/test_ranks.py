@@ -229,6 +229,35 @@ def test_numel_free_digest_ignores_shard_sizes():
     assert rank_digest(da, with_numel=False) != rank_digest(dtype_map(b), with_numel=False)
 
 
+class _Slicer(nn.Module):
+    """A wrapper no library ships: each rank would hold its own slice of every parameter."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.module = inner
+
+
+def test_ranks_compare_without_numel_where_the_wrapper_kind_slices(monkeypatch) -> None:
+    """The rank check reads the kind's ``slices_per_rank``, not its name: a kind registered
+    with it has its ranks compared by dtype only (per-rank slices differ in size)."""
+    from hf_precision.base.wrapper_kinds import WRAPPERS, WrapperKind, register_wrapper
+    from hf_precision.engine.wrappers import ranks
+
+    seen: list[bool] = []
+    monkeypatch.setattr(ranks, "is_distributed", lambda: True)  # the gather is what is faked
+    monkeypatch.setattr(ranks, "check_ranks_agree", lambda d, **kw: seen.append(kw["with_numel"]))
+    saved = dict(WRAPPERS)
+    try:
+        register_wrapper(WrapperKind("Slicer", classes=("_Slicer",), slices_per_rank=True))
+        ranks.check_model_ranks(_Slicer(tiny_llava()))
+        register_wrapper(WrapperKind("Slicer", classes=("_Slicer",)))
+        ranks.check_model_ranks(_Slicer(tiny_llava()))
+    finally:
+        WRAPPERS.clear()
+        WRAPPERS.update(saved)
+    assert seen == [False, True]
+
+
 @pytest.mark.parametrize("name", ["engine.wrappers.ranks"])
 def test_module_doctests(name):
     import importlib

@@ -85,11 +85,7 @@ def test_the_lm_head_is_found_after_the_familys_own_lora_on_the_language_model(c
 
 
 def test_the_built_in_rules_are_read_from_the_packaged_toml_in_its_order() -> None:
-    text = (
-        resources.files("hf_precision.rules.groups")
-        .joinpath(RULES_FILE)
-        .read_text(encoding="utf-8")
-    )
+    text = _toml()
     built_in = read_rules(text)
     registered = {r.name: r for r in group_rules()}
     assert [r.name for r in built_in] == [r.name for r in _vlm_rules()]

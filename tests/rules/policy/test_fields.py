@@ -1,5 +1,5 @@
 """hf_precision.rules.policy.fields: the word fields of a policy and the one check of a new
-policy's fields (the names stay importable from hf_precision.rules.policy.precision_policy)."""
+policy's fields."""
 
 from __future__ import annotations
 

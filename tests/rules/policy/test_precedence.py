@@ -1,5 +1,5 @@
 """hf_precision.rules.policy.precedence: the dtype a policy wants for one tensor and the rule that
-decided; the names stay importable from hf_precision.rules.policy.precision_policy."""
+decided; ``PrecisionPolicy`` decides through it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ import torch
 
 from hf_precision import PrecisionPolicy
 from hf_precision.rules.policy import precedence
-from hf_precision.rules.policy.precedence import decide, match_pattern
+from hf_precision.rules.policy.precedence import decide, keep_fp32_reason, match_pattern
+
+
+def test_the_policy_decides_through_precedence() -> None:
+    assert PrecisionPolicy.decide is decide
+    assert PrecisionPolicy.keep_fp32_reason is keep_fp32_reason
 
 
 def test_match_pattern_precedence():
