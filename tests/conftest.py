@@ -155,6 +155,19 @@ def lora_llama() -> Callable[..., Any]:
 
 
 @pytest.fixture
+def fresh_accelerate() -> Any:
+    """AcceleratorState is a process-wide singleton: a test that uses it gets its own (a module
+    asks for it with ``pytestmark = pytest.mark.usefixtures("fresh_accelerate")``)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture
 def hub_404() -> Any:
     """A Hub endpoint that answers, and knows no repository (as huggingface.co answers an
     unknown id): a local HTTP server on a free port."""

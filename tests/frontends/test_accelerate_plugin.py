@@ -27,17 +27,8 @@ from hf_precision.frontends.frontend import GuardFrontEnd
 from hf_precision.frontends.steps import StepWatch
 from hf_precision.tiny import tiny_batch, tiny_llava
 
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate():
-    """AcceleratorState is a process-wide singleton: each test gets its own."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+#: AcceleratorState is a process-wide singleton: each test gets its own (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
 def _split_llava() -> torch.nn.Module:

@@ -16,17 +16,8 @@ from torch import nn
 from hf_precision import PrecisionGuardCallback, PrecisionGuardPlugin
 from hf_precision.frontends.steps import StepWatch
 
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate():
-    """AcceleratorState is a process-wide singleton: each test gets its own."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+#: AcceleratorState is a process-wide singleton: each test gets its own (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
 def _blowup() -> nn.Module:

@@ -24,17 +24,8 @@ from tensorboard.backend.event_processing.event_accumulator import (
     EventAccumulator,
 )
 
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate():
-    """AcceleratorState is a process-wide singleton: each test gets its own."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+#: AcceleratorState is a process-wide singleton: each test gets its own (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
 def _events(path: Path) -> EventAccumulator:
