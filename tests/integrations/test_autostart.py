@@ -77,7 +77,10 @@ def test_off_means_no_hook():
 
 
 def test_activate_after_transformers_trainer_was_imported(monkeypatch):
+    from accelerate import Accelerator
     from transformers import Trainer
+
+    from hf_precision.integrations import accelerate_hook
 
     monkeypatch.setenv(autostart.ENV_GUARD, "auto")
     try:
@@ -87,8 +90,12 @@ def test_activate_after_transformers_trainer_was_imported(monkeypatch):
         assert sum(hasattr(f, autostart._MARK) for f in sys.meta_path) <= 1
     finally:
         launcher.unpatch_trainer(Trainer)
+        # accelerate is imported too, so its Accelerator was patched at once: undone as well
+        # (left patched, a later test's patch_accelerator found it done)
+        accelerate_hook.unpatch_accelerator(Accelerator)
         autostart.deactivate()
     assert not hasattr(Trainer.__init__, "_hf_precision_wrapped")
+    assert not hasattr(Accelerator.__init__, "_hf_precision_wrapped")
 
 
 def test_a_python_without_hf_precision_says_it_trains_unguarded(tmp_path):
