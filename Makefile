@@ -138,7 +138,7 @@ frameworks-setup: $(FRAMEWORK_VENVS)
 # the tests run this tree (PYTHONPATH); its current start-up line is written into each venv
 test-frameworks: setup $(FRAMEWORK_VENVS)
 	for v in $(LF_VENV) $(SWIFT_VENV) $(AXOLOTL_VENV); do PYTHONPATH=$(CURDIR) $$v/bin/python -c \
-		"from hf_precision.integrations.launcher import install_hook; install_hook()" || exit 1; done
+		"from hf_precision.integrations.launch_cli import install_hook; install_hook()" || exit 1; done
 	HF_PRECISION_LLAMAFACTORY_VENV=$(abspath $(LF_VENV)) HF_PRECISION_SWIFT_VENV=$(abspath $(SWIFT_VENV)) \
 	HF_PRECISION_AXOLOTL_VENV=$(abspath $(AXOLOTL_VENV)) \
 		$(BIN)/python -m pytest -n 2 --dist loadgroup -q -m frameworks tests/integrations

@@ -325,16 +325,22 @@ def test_every_name_is_imported_from_its_home() -> None:
     assert not wrong, "\n".join(wrong)
 
 
-_TEXT_IMPORT = re.compile(r"from (hf_precision[\w.]*) import \(?([\w, \n]+?)\)?(?:$|#|\\n)", re.M)
+_TEXT_IMPORT = re.compile(
+    r"from (hf_precision[\w.]*) import \(?([\w, \n]+?)\)?(?:$|#|\\n|;|\"|')", re.M
+)
 
 
 def test_examples_import_each_name_from_its_home() -> None:
-    """The same rule for the examples a reader copies: README, docs, notebooks, recipes'
-    READMEs and the doctests in docstrings."""
+    """The same rule for the examples a reader copies and the code written as text: README,
+    docs, notebooks, recipes' READMEs, the doctests in docstrings, the code strings tests and
+    benchmarks run in other processes, the Makefile and CI."""
     root = PKG.parent
     texts = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
     texts += sorted((root / "notebooks").glob("*.ipynb")) + sorted((root / "recipes").rglob("*.md"))
-    texts += sorted(PKG.rglob("*.py"))
+    texts += [*sorted(PKG.rglob("*.py")), root / "Makefile", *sorted((root / ".ci").iterdir())]
+    texts += [
+        p for d in ("tests", "benchmarks", "recipes") for p in sorted((root / d).rglob("*.py"))
+    ]
     wrong = []
     for path in texts:
         for m in _TEXT_IMPORT.finditer(path.read_text()):
