@@ -95,6 +95,20 @@ def test_fp8_gate_quick_times_the_token_check() -> None:
     assert all(f.value is not None and f.value >= 0 for f in figs.values())
 
 
+def test_fp8_step_quick_runs_on_the_cpu_and_its_manifest_matches() -> None:
+    """The CPU path runs a step (its batch holds a multiple of 16 tokens, or the shape gate
+    refuses it) and reports the ratio over the two instances' own floor."""
+    pytest.importorskip("torchao")
+    from benchmarks import fp8_step
+
+    out = fp8_step.run(quick=True, reps=1)
+    assert out["device"] == "cpu" and out["manifest_matches"] and out["adapters_in_fp8"] == []
+    assert out["manifest"] == [
+        "weights fp32, matmuls fp8 e4m3 tensorwise (torchao), 14 of 29 Linears"
+    ]
+    assert out["guard_over_floor"] == pytest.approx(out["ratio"] / out["instance_floor"], rel=1e-3)
+
+
 def test_launcher_step_goes_through_the_plugin(monkeypatch: Any, tmp_path: Any) -> None:
     pytest.importorskip("diffusers")
     monkeypatch.chdir(tmp_path)  # the plugin reports into ./precision
