@@ -186,6 +186,14 @@ def smoke(fig: Figure) -> Figure:
     return fig
 
 
+def finished(figures: list[Figure], start: float, quick: bool) -> list[Figure]:
+    """A family's figures as it returns them: each with the family's seconds so far (since
+    ``start``, a ``time.perf_counter()``), marked as smoke runs when ``quick``."""
+    for fig in figures:
+        fig.seconds = round(time.perf_counter() - start, 1)
+    return [smoke(f) for f in figures] if quick else figures
+
+
 def machine() -> dict[str, Any]:
     """What the figures were measured on."""
     cpu = platform.processor() or ""

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import Figure, interleave, param_count, ratio_figure, smoke  # noqa: E402
+from benchmarks.common import Figure, finished, interleave, param_count, ratio_figure  # noqa: E402
 from benchmarks.models import build, llava_100m_config, quick_llava_config, vlm_batch  # noqa: E402
 
 
@@ -111,9 +111,7 @@ def probe_cost(quick: bool, reps: int | None, device: str) -> Figure:
 def run(quick: bool = False, reps: int | None = None, device: str = "cpu") -> list[Figure]:
     start = time.perf_counter()
     figures = [fp16_step(quick, reps, device), probe_cost(quick, reps, device)]
-    for fig in figures:
-        fig.seconds = round(time.perf_counter() - start, 1)
-    return [smoke(f) for f in figures] if quick else figures
+    return finished(figures, start, quick)
 
 
 if __name__ == "__main__":

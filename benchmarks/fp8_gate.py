@@ -26,7 +26,7 @@ import torch
 from hf_precision.engine.fp8.shapes import gate_shapes, remove_token_checks
 from hf_precision.model.view import ModelView
 
-from .common import Figure, interleave, param_count, ratio_figure, smoke
+from .common import Figure, finished, interleave, param_count, ratio_figure
 
 FAMILY = "fp8_gate"
 
@@ -136,6 +136,4 @@ def run(quick: bool = False, reps: int | None = None) -> list[Figure]:
             detail=shape,
         ),
     ]
-    for fig in figures:
-        fig.seconds = round(time.perf_counter() - start, 1)
-    return [smoke(f) for f in figures] if quick else figures
+    return finished(figures, start, quick)

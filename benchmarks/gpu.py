@@ -34,7 +34,7 @@ from hf_precision import PrecisionPolicy, enforce_policy, install_guards, remove
 from hf_precision.engine.hooks import installed_guards
 from hf_precision.rules.dtypes import dtype_name
 
-from .common import Figure, interleave, param_count, ratio_figure, smoke
+from .common import Figure, finished, interleave, param_count, ratio_figure
 from .models import build, quick_llava_config, vlm_1b_config, vlm_batch
 
 FAMILY = "gpu"
@@ -183,6 +183,4 @@ def run(quick: bool = False, reps: int | None = None, device: str | None = None)
             hooks=counts["leaf"],
         ),
     ]
-    for fig in figures:
-        fig.seconds = round(time.perf_counter() - start, 1)
-    return [smoke(f) for f in figures] if quick else figures
+    return finished(figures, start, quick)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .common import Figure, interleave, param_count, ratio_figure, smoke
+from .common import Figure, finished, interleave, param_count, ratio_figure
 
 FAMILY = "launcher"
 
@@ -91,5 +91,4 @@ def run(quick: bool = False, reps: int | None = None) -> list[Figure]:
         optimizer="AdamW, full fine-tune, fp32, batch 2 of 4×8×8 latents",
         optimizer_checks=plugin.steps,
     )
-    fig.seconds = round(time.perf_counter() - start, 1)
-    return [smoke(fig)] if quick else [fig]
+    return finished([fig], start, quick)

@@ -21,7 +21,7 @@ import time
 import warnings
 from typing import Any
 
-from .common import Figure, interleave, param_count, ratio_figure, smoke
+from .common import Figure, finished, interleave, param_count, ratio_figure
 
 FAMILY = "rl"
 
@@ -113,6 +113,4 @@ def run(quick: bool = False, reps: int | None = None) -> list[Figure]:
             **shape,
         ),
     ]
-    for fig in figures:
-        fig.seconds = round(time.perf_counter() - start, 1)
-    return [smoke(f) for f in figures] if quick else figures
+    return finished(figures, start, quick)

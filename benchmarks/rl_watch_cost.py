@@ -27,7 +27,7 @@ import torch
 from hf_precision.engine.sync_integrity import SyncIntegrity
 from hf_precision.watch.rl_attribution import attribute_gap, token_log_probs
 
-from .common import Figure, param_count, smoke
+from .common import Figure, finished, param_count
 from .models import build, llava_100m_config, quick_llava_config, vlm_batch
 
 FAMILY = "rl_watch"
@@ -92,6 +92,4 @@ def run(quick: bool = False, reps: int | None = None) -> list[Figure]:
             detail={**shape, "ratio_to_step": round(check_s / step_s, 4)},
         ),
     ]
-    for fig in figures:
-        fig.seconds = round(time.perf_counter() - start, 1)
-    return [smoke(f) for f in figures] if quick else figures
+    return finished(figures, start, quick)

@@ -28,7 +28,7 @@ import torch
 from hf_precision.watch.blame import NonFiniteBlame
 from hf_precision.watch.trace import DtypeTrace
 
-from .common import Figure, interleave, param_count, ratio_figure, smoke
+from .common import Figure, finished, interleave, param_count, ratio_figure
 from .models import build, llava_100m_config, quick_llava_config, vlm_batch
 
 FAMILY = "silent"
@@ -129,6 +129,4 @@ def run(quick: bool = False, reps: int | None = None) -> list[Figure]:
             ("trace", "training step with its forward traced ÷ no trace", None),
         )
     ]
-    for fig in figures:
-        fig.seconds = round(time.perf_counter() - start, 1)
-    return [smoke(f) for f in figures] if quick else figures
+    return finished(figures, start, quick)

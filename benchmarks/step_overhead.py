@@ -27,7 +27,7 @@ import torch
 from hf_precision import PrecisionPolicy, enforce_policy, install_guards, remove_guards
 from hf_precision.engine.hooks import guard_targets, installed_guards
 
-from .common import Figure, interleave, param_count, ratio_figure, smoke
+from .common import Figure, finished, interleave, param_count, ratio_figure
 from .models import build, llava_100m_config, quick_llava_config, vlm_batch
 
 FAMILY = "step"
@@ -153,6 +153,4 @@ def run(quick: bool = False, reps: int | None = None) -> list[Figure]:
             ("leaf", "training step, leaf guards everywhere ÷ none", 1.03),
         )
     ]
-    for fig in figures:
-        fig.seconds = round(time.perf_counter() - start, 1)
-    return [smoke(f) for f in figures] if quick else figures
+    return finished(figures, start, quick)

@@ -31,7 +31,7 @@ from hf_precision.engine.memory_account import memory_account
 from hf_precision.watch.lost_updates import LostUpdateCheck
 from hf_precision.watch.provenance import precision_provenance
 
-from .common import Figure, interleave, param_count, ratio_figure, smoke
+from .common import Figure, finished, interleave, param_count, ratio_figure
 from .models import build, llava_100m_config, quick_llava_config, vlm_batch
 
 FAMILY = "updates"
@@ -114,6 +114,4 @@ def run(quick: bool = False, reps: int | None = None) -> list[Figure]:
             detail=shape,
         ),
     ]
-    for fig in figures:
-        fig.seconds = round(time.perf_counter() - start, 1)
-    return [smoke(f) for f in figures] if quick else figures
+    return finished(figures, start, quick)
