@@ -155,6 +155,27 @@ def lora_llama() -> Callable[..., Any]:
 
 
 @pytest.fixture
+def launched(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The real ``Trainer`` patched as the launcher's import hook patches it, with
+    ``HF_PRECISION_GUARD=auto`` and no other launcher variable set; yields ``monkeypatch`` (to
+    set more). Afterwards the patch is off and ``Trainer.__init__``'s signature is as before."""
+    import inspect
+
+    from transformers import Trainer
+
+    from hf_precision.integrations import launch_config, launcher
+
+    before = inspect.signature(Trainer.__init__)
+    for var in launch_config.ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_PRECISION_GUARD", "auto")
+    assert launcher.patch_trainer(Trainer)
+    yield monkeypatch
+    assert launcher.unpatch_trainer(Trainer)
+    assert inspect.signature(Trainer.__init__) == before
+
+
+@pytest.fixture
 def fresh_accelerate() -> Any:
     """AcceleratorState is a process-wide singleton: a test that uses it gets its own (a module
     asks for it with ``pytestmark = pytest.mark.usefixtures("fresh_accelerate")``)."""

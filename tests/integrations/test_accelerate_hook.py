@@ -19,7 +19,7 @@ from .test_autostart import _python
 
 
 @pytest.fixture(autouse=True)
-def launched(monkeypatch):
+def accelerate_launched(monkeypatch):
     """The launcher's patches on the real classes, HF_PRECISION_GUARD=auto, fresh accelerate."""
     for var in launch_config.ENV_VARS:
         monkeypatch.delenv(var, raising=False)

@@ -42,18 +42,6 @@ def _split_llava() -> Any:
     return model
 
 
-@pytest.fixture
-def launched(monkeypatch: pytest.MonkeyPatch):
-    """The real Trainer patched as the import hook patches it, ``HF_PRECISION_GUARD=auto``."""
-    for var in launch_config.ENV_VARS:
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HF_PRECISION_GUARD", "auto")
-    assert launcher.patch_trainer(Trainer)
-    yield monkeypatch
-    assert launcher.unpatch_trainer(Trainer)
-    assert inspect.signature(Trainer.__init__) == ORIGINAL_SIGNATURE
-
-
 # ----------------------------------------------------------------------------- in one process
 def test_every_trainer_gets_one_guard_before_init_end(launched, make_trainer, capsys):
     model = _split_llava()

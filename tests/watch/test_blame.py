@@ -217,21 +217,6 @@ def test_doctor_blame_reruns_the_batch_of_a_checkpoint(tmp_path: Path, capsys: A
     assert f"FAILED: train ok; {OVERFLOWING} made overflow values (producer)" in out
 
 
-@pytest.fixture
-def launched(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The real Trainer patched as the launcher's import hook patches it."""
-    from transformers import Trainer
-
-    from hf_precision.integrations import launch_config, launcher
-
-    for var in launch_config.ENV_VARS:
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HF_PRECISION_GUARD", "auto")
-    assert launcher.patch_trainer(Trainer)
-    yield monkeypatch
-    assert launcher.unpatch_trainer(Trainer)
-
-
 def test_the_launcher_variable_sets_the_blame(launched: Any, make_trainer: Any) -> None:
     from hf_precision import PrecisionGuardCallback
     from hf_precision.integrations.launch_cli import command_env
