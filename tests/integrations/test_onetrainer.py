@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from hf_precision.integrations import onetrainer
-from hf_precision.integrations.launch_config import ENV_VARS
+
+from .conftest import Venv
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -251,20 +252,11 @@ class Run(NS):
 
 
 def _env(venv: Path, mgds: Path, ot: Path) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ENV_VARS and not k.startswith(("PYTEST_", "COV_"))
-    }
-    env.update(
-        PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
-        VIRTUAL_ENV=str(venv),
-        PYTHONPATH=os.pathsep.join([str(mgds / "src"), str(ot), str(ROOT)]),
-        HF_HUB_OFFLINE="1",
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
+    """The venv's environment (:meth:`.conftest.Venv.env`) with OneTrainer and its mgds first
+    on ``PYTHONPATH``, then this checkout."""
+    return Venv(venv.name, venv).env(
+        PYTHONPATH=os.pathsep.join([str(mgds / "src"), str(ot), str(ROOT)])
     )
-    return env
 
 
 @pytest.fixture(scope="module")
