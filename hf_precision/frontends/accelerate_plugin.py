@@ -177,15 +177,7 @@ class PrecisionGuardPlugin(GuardFrontEnd):
             reporter=lambda: self._reporter,
         )
 
-    # what the step watch holds, under the names this plugin always had
-    @property
-    def blame_mode(self) -> BlameMode:
-        return self.step_watch.blame_mode
-
-    @property
-    def lost_updates(self) -> LostUpdates:
-        return self.step_watch.lost_updates
-
+    # what the step watch holds, under the names this plugin always had (and GuardFrontEnd's)
     @property
     def blames(self) -> list[NonFiniteBlame]:
         """One blame per guarded model (:mod:`hf_precision.watch.blame`)."""

@@ -181,18 +181,10 @@ class PrecisionGuardCallback(GuardFrontEnd, TrainerCallback):
         self.rl_watch: Any = None  # the RL trainer's watch (RL_ADAPTERS' attach)
         self.rl_watchers: Any = None  # sync integrity + attribution (integrations.trl_rl_watch)
 
-    # what the step watch holds, under the names this callback always had
-    @property
-    def blame_mode(self) -> BlameMode:
-        return self.step_watch.blame_mode
-
+    # what the step watch holds, under the names this callback always had (and GuardFrontEnd's)
     @property
     def trace(self) -> bool:
         return self.step_watch.trace
-
-    @property
-    def lost_updates(self) -> LostUpdates:
-        return self.step_watch.lost_updates
 
     @property
     def blame(self) -> NonFiniteBlame | None:

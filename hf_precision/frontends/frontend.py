@@ -16,6 +16,9 @@ from ..errors import PrecisionError, PrecisionWarning
 from ..rules.policy.fields import LeafGuards, Mode
 from ..rules.policy.parse import parse_policy
 from ..rules.policy.precision_policy import PrecisionPolicy, policy_call
+from ..watch.blame import BlameMode
+from ..watch.lost_updates import LostUpdates
+from .steps import StepWatch
 
 __all__ = ["GuardFrontEnd"]
 
@@ -27,6 +30,18 @@ class GuardFrontEnd:
 
     policy: PrecisionPolicy | None
     _reporter: Any  # the front end's PrecisionReporter (or None), made when it knows where
+    #: the per-step work (trace, blame, lost-update check) the front end holds
+    step_watch: StepWatch
+
+    @property
+    def blame_mode(self) -> BlameMode:
+        """The non-finite blame's mode (held by :attr:`step_watch`)."""
+        return self.step_watch.blame_mode
+
+    @property
+    def lost_updates(self) -> LostUpdates:
+        """The lost-update check's option (held by :attr:`step_watch`)."""
+        return self.step_watch.lost_updates
 
     def _init_policy(
         self,
